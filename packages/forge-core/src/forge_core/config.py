@@ -1,0 +1,280 @@
+"""Configuration: the parallelism layout, the training job, and loading them from TOML.
+
+``ParallelismConfig`` describes how ranks are laid out (mesh axes and the data-parallel mode).
+``load_config`` reads a TOML file (sections ``[model]``, ``[parallelism]``, ``[training]``) or a
+dict, applies ``key=value`` overrides (``parallelism.tp=2``) and rejects unknown keys with a
+did-you-mean. Every check here is pure Python on integers: it runs before any process group
+exists, so a bad config fails fast with a message that names the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from .errors import ForgeConfigError, did_you_mean
+from .model import ModelConfig
+
+__all__ = [
+    "DATA_MODES",
+    "ForgeConfig",
+    "ParallelismConfig",
+    "TrainingConfig",
+    "load_config",
+]
+
+DATA_MODES = ("fsdp2", "ddp", "none")
+_AXIS_FIELDS = ("dp_replicate", "dp_shard", "cp", "tp", "ep", "pp", "domain")
+
+
+def _check_positive_int(name: str, value: Any, *, allow_infer: bool = False) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and (value >= 1 or (allow_infer and value == -1))
+    if not ok:
+        allowed = "a positive integer or -1 (infer from the world size)" if allow_infer else "a positive integer"
+        raise ForgeConfigError(f"parallelism.{name}={value!r} is invalid: it must be {allowed}")
+
+
+@dataclass(frozen=True)
+class ParallelismConfig:
+    """How the ranks are laid out.
+
+    Axes (outermost first in the mesh): ``pp, dp_replicate, dp_shard, cp, domain, tp``; world size
+    = their product. ``ep`` is not a factor of the world size: expert parallelism is carved out of
+    the data-parallel ranks (``dp_shard x cp x tp``), so EP peers work on different tokens and no
+    dense compute is duplicated. ``dp_shard=-1`` infers the degree from the world size.
+
+    ``data`` picks the data-parallel mode: ``fsdp2`` shards over ``dp_shard`` (and replicates over
+    ``dp_replicate``: HSDP), ``ddp`` replicates over ``dp_replicate`` (``dp_shard`` must be 1; -1
+    resolves to 1 and the inferred degree goes to ``dp_replicate``), ``none`` has no DP axis.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    domain: int = 1
+    data: str = "fsdp2"
+
+    def __post_init__(self) -> None:
+        for name in _AXIS_FIELDS:
+            _check_positive_int(name, getattr(self, name), allow_infer=name == "dp_shard")
+        if self.data not in DATA_MODES:
+            raise ForgeConfigError(
+                f"parallelism.data={self.data!r} is invalid: choose one of {list(DATA_MODES)}"
+                + did_you_mean(str(self.data), DATA_MODES)
+            )
+        if self.dp_replicate > 1 and self.data == "none":
+            raise ForgeConfigError(
+                f"parallelism.dp_replicate={self.dp_replicate} needs data='fsdp2' (HSDP) or 'ddp'; "
+                "data='none' has no data parallelism"
+            )
+        if self.data == "ddp" and self.dp_shard > 1:
+            raise ForgeConfigError(
+                f"parallelism.dp_shard={self.dp_shard} with data='ddp': DDP replicates, it does not "
+                f"shard; set dp_replicate={self.dp_shard} and dp_shard=1 (or data='fsdp2')"
+            )
+
+    @classmethod
+    def from_any(cls, obj: ParallelismConfig | Mapping[str, Any]) -> ParallelismConfig:
+        """Accept a ``ParallelismConfig``, a dict of its fields, or CREDIT's ``{data, tensor, domain}``."""
+        if isinstance(obj, ParallelismConfig):
+            return obj
+        if not isinstance(obj, Mapping):
+            raise ForgeConfigError(
+                f"parallelism must be a ParallelismConfig or a dict, got {type(obj).__name__}"
+            )
+        credit_keys = {"tensor"}
+        if credit_keys & obj.keys():
+            unknown = set(obj) - {"data", "tensor", "domain"}
+            if unknown:
+                raise ForgeConfigError(
+                    f"parallelism mixes CREDIT-style key 'tensor' with {sorted(unknown)}; use either "
+                    "{data, tensor, domain} or ParallelismConfig field names (tp instead of tensor)"
+                )
+            return cls(data=obj.get("data", "fsdp2"), tp=obj["tensor"], domain=obj.get("domain", 1))
+        names = {f.name for f in fields(cls)}
+        for key in obj:
+            if key not in names:
+                raise ForgeConfigError(
+                    f"unknown parallelism key '{key}'{did_you_mean(key, names)}; valid keys: {sorted(names)}"
+                )
+        return cls(**obj)
+
+    @property
+    def world_size(self) -> int:
+        """Product of the axes; only meaningful once resolved (``dp_shard != -1``)."""
+        return math.prod(getattr(self, n) for n in _AXIS_FIELDS if n != "ep")
+
+    @property
+    def dp_degree(self) -> int:
+        """Number of data-parallel ranks (replicate x shard) of a resolved config."""
+        return self.dp_replicate * self.dp_shard
+
+    def resolve(self, world_size: int) -> ParallelismConfig:
+        """Infer ``dp_shard`` and check every product against ``world_size``."""
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ForgeConfigError(f"world_size={world_size!r} must be a positive integer")
+        fixed = self.dp_replicate * self.cp * self.tp * self.pp * self.domain
+        parts = f"dp_replicate={self.dp_replicate} x cp={self.cp} x tp={self.tp} x pp={self.pp} x domain={self.domain}"
+        if self.dp_shard == -1:
+            if world_size % fixed:
+                raise ForgeConfigError(
+                    f"world size {world_size} is not divisible by {parts} = {fixed}; choose degrees "
+                    f"whose product divides {world_size}"
+                )
+            inferred = world_size // fixed
+            if self.data == "ddp":
+                resolved = replace(self, dp_shard=1, dp_replicate=self.dp_replicate * inferred)
+            else:
+                resolved = replace(self, dp_shard=inferred)
+        else:
+            resolved = self
+            if fixed * self.dp_shard != world_size:
+                raise ForgeConfigError(
+                    f"{parts} x dp_shard={self.dp_shard} = {fixed * self.dp_shard} ranks, but the world "
+                    f"size is {world_size}; set dp_shard=-1 to infer it, or change the degrees"
+                )
+        if resolved.data == "none" and resolved.dp_degree > 1:
+            raise ForgeConfigError(
+                f"data='none' but {resolved.dp_degree} of the {world_size} ranks are left for data "
+                "parallelism; set data='fsdp2' or 'ddp', or raise tp/cp/domain to use them"
+            )
+        ep_pool = resolved.dp_shard * resolved.cp * resolved.tp
+        if resolved.ep > 1 and ep_pool % resolved.ep:
+            raise ForgeConfigError(
+                f"parallelism.ep={resolved.ep} must divide dp_shard x cp x tp = {ep_pool}: expert "
+                "parallelism is carved out of those ranks"
+            )
+        return resolved
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The short training job that ``forge build`` runs and checks for parity.
+
+    ``param_dtype`` is FSDP2's compute dtype (master weights stay float32); parity tolerances
+    are the strict fp32 ones only for ``float32``.
+    """
+
+    steps: int = 5
+    global_batch_size: int = 8
+    seq_len: int = 32
+    grad_accum: int = 1
+    lr: float = 1e-3
+    seed: int = 0
+    param_dtype: str = "float32"
+    ac_mode: str = "none"
+    compile: bool = False
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch_size", "seq_len", "grad_accum"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ForgeConfigError(f"training.{name}={v!r} must be a positive integer")
+        if self.param_dtype not in ("float32", "bfloat16", "float16"):
+            raise ForgeConfigError(
+                f"training.param_dtype={self.param_dtype!r}: choose float32, bfloat16 or float16"
+            )
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
+            raise ForgeConfigError(f"training.lr={self.lr!r} must be a positive number")
+
+
+@dataclass(frozen=True)
+class ForgeConfig:
+    """Everything ``forge build`` needs: the model, the layout and the training job."""
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig.preset("debug"))
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+
+
+_SECTIONS: dict[str, type] = {"model": ModelConfig, "parallelism": ParallelismConfig, "training": TrainingConfig}
+
+
+def _parse_value(text: str) -> Any:
+    """Parse an override value as TOML (``2``, ``true``, ``"x"``, ``1e-3``), else keep the string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_override(raw: dict[str, dict[str, Any]], override: str) -> None:
+    key, sep, value = override.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not sep or not dot or not name:
+        raise ForgeConfigError(
+            f"override {override!r} must look like section.key=value (e.g. parallelism.tp=2)"
+        )
+    if section not in _SECTIONS:
+        raise ForgeConfigError(
+            f"override {override!r}: unknown section '{section}'{did_you_mean(section, _SECTIONS)}; "
+            f"sections: {list(_SECTIONS)}"
+        )
+    raw.setdefault(section, {})[name] = _parse_value(value.strip())
+
+
+def _build_section(section: str, values: Mapping[str, Any]) -> Any:
+    cls = _SECTIONS[section]
+    names = {f.name for f in fields(cls)}
+    extra = {"preset"} if cls is ModelConfig else set()
+    for key in values:
+        if key not in names | extra:
+            raise ForgeConfigError(
+                f"unknown key '{section}.{key}'{did_you_mean(key, names | extra)}; "
+                f"valid keys: {sorted(names | extra)}"
+            )
+    if cls is ModelConfig:
+        values = dict(values)
+        return ModelConfig.preset(values.pop("preset", "debug"), **values)
+    if cls is ParallelismConfig:
+        return ParallelismConfig.from_any(values)
+    return cls(**values)
+
+
+def load_config(
+    path_or_dict: str | Path | Mapping[str, Any] | None = None, overrides: Iterable[str] = ()
+) -> ForgeConfig:
+    """Load a :class:`ForgeConfig` from a TOML path or a dict, then apply ``key=value`` overrides.
+
+    ``[model]`` takes ``preset = "debug"`` plus any ``ModelConfig`` field to override the preset.
+    Missing sections take their defaults; unknown sections and keys are errors.
+    """
+    if path_or_dict is None:
+        raw: dict[str, Any] = {}
+    elif isinstance(path_or_dict, Mapping):
+        raw = {k: dict(v) if isinstance(v, Mapping) else v for k, v in path_or_dict.items()}
+    else:
+        path = Path(path_or_dict)
+        if not path.is_file():
+            raise ForgeConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ForgeConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    for section, values in raw.items():
+        if section not in _SECTIONS:
+            raise ForgeConfigError(
+                f"unknown config section '{section}'{did_you_mean(section, _SECTIONS)}; "
+                f"sections: {list(_SECTIONS)}"
+            )
+        if not isinstance(values, Mapping):
+            raise ForgeConfigError(f"config section '{section}' must be a table of key = value")
+    for override in overrides:
+        _set_override(raw, override)
+    built = {name: _build_section(name, raw.get(name, {})) for name in _SECTIONS}
+    return ForgeConfig(**built)
+
+
+def config_to_dict(cfg: ForgeConfig) -> dict[str, Any]:
+    """A plain dict of ``cfg`` (for reports and for sending to ranks)."""
+    return dataclasses.asdict(cfg)

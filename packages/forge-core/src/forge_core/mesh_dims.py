@@ -1,0 +1,101 @@
+"""Mesh-axis names and helpers every layer shares (no layer imports forge_mesh for these).
+
+Axis order, outermost first: ``pp, dp_replicate, dp_shard, cp, domain, tp`` (tp innermost so its
+ranks are neighbours: one node, the fastest links). A forge mesh holds only the axes of size > 1
+(a world of one rank gets a 1-D ``dp_shard`` of size 1), plus flattened views built by
+forge_mesh: ``dp`` (dp_replicate x dp_shard), ``dp_shard_cp`` (dp_shard x cp, the FSDP shard group
+with context parallelism).
+"""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "AXES",
+    "DP_AXES",
+    "axis_size",
+    "dp_rank_and_size",
+    "get_dp_mesh",
+    "get_tp_mesh",
+    "has_axis",
+    "has_dp_mesh",
+    "sub_mesh",
+]
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "domain", "tp")
+DP_AXES = ("dp_replicate", "dp_shard")
+#: Attribute on a root mesh holding its flattened views ``{name: 1-D DeviceMesh}``.
+VIEWS_ATTR = "_forge_views"
+
+
+def _names(mesh: DeviceMesh) -> tuple[str, ...]:
+    return tuple(mesh.mesh_dim_names or ())
+
+
+def _views(mesh: DeviceMesh) -> dict[str, DeviceMesh]:
+    return getattr(mesh, VIEWS_ATTR, {})
+
+
+def has_axis(mesh: DeviceMesh | None, name: str) -> bool:
+    """Whether ``mesh`` has a dimension (or a flattened view) called ``name``."""
+    return mesh is not None and (name in _names(mesh) or name in _views(mesh))
+
+
+def axis_size(mesh: DeviceMesh | None, name: str) -> int:
+    """Size of axis ``name``, 1 when the mesh does not have it."""
+    return sub_mesh(mesh, name).size() if has_axis(mesh, name) else 1
+
+
+def sub_mesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:
+    """The sub-mesh over ``names`` (in that order); KeyError naming what the mesh has."""
+    missing = [n for n in names if not has_axis(mesh, n)]
+    if missing:
+        raise KeyError(f"mesh has no axis {missing}; its axes are {list(_names(mesh))}")
+    if len(names) == 1:
+        view = _views(mesh).get(names[0])
+        return view if view is not None else mesh[names[0]]
+    return mesh[names]
+
+
+def _dp_axes(mesh: DeviceMesh) -> list[str]:
+    shard = "dp_shard_cp" if has_axis(mesh, "dp_shard_cp") else "dp_shard"
+    return [n for n in ("dp_replicate", shard) if has_axis(mesh, n)]
+
+
+def has_dp_mesh(mesh: DeviceMesh | None) -> bool:
+    """Whether ``mesh`` has any data-parallel axis."""
+    return mesh is not None and bool(_dp_axes(mesh))
+
+
+def get_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel sub-mesh: 1-D (one DP axis) or 2-D ``(dp_replicate, dp_shard)`` (HSDP).
+
+    Raises ``ValueError`` when the mesh has no DP axis (e.g. a pure-TP mesh); check with
+    :func:`has_dp_mesh` first.
+    """
+    axes = _dp_axes(mesh)
+    if not axes:
+        raise ValueError(
+            f"mesh with axes {list(_names(mesh))} has no data-parallel axis "
+            "(dp_replicate / dp_shard); use has_dp_mesh() first"
+        )
+    return sub_mesh(mesh, *axes)
+
+
+def get_tp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The 1-D tensor-parallel sub-mesh, or None when the mesh has no ``tp`` axis."""
+    return sub_mesh(mesh, "tp") if has_axis(mesh, "tp") else None
+
+
+def dp_rank_and_size(mesh: DeviceMesh | None) -> tuple[int, int]:
+    """This rank's index among the data-parallel replicas and their count (for data loading).
+
+    Ranks that differ only along tp/cp/domain get the same index (they see the same batch).
+    """
+    index, count = 0, 1
+    for name in DP_AXES:  # not dp_shard_cp: cp peers share a batch and split its sequence
+        if has_axis(mesh, name):
+            axis = sub_mesh(mesh, name)
+            index, count = index * axis.size() + axis.get_local_rank(), count * axis.size()
+    return index, count

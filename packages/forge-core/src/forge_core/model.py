@@ -1,0 +1,262 @@
+"""The reference model: a Llama-style decoder that knows nothing about parallelism.
+
+Module names are stable; TP plans, FSDP wrapping and AC refer to them:
+
+=====================================  ==============================================
+``tok_embeddings``                     token embedding ``[vocab_size, dim]``
+``layers``                             ``nn.ModuleDict`` keyed ``"0" .. "n_layers-1"``
+``layers.<i>.attention_norm``          RMSNorm before attention
+``layers.<i>.attention.{wq,wk,wv,wo}`` grouped-query attention projections (no bias)
+``layers.<i>.ffn_norm``                RMSNorm before the FFN slot
+``layers.<i>.feed_forward``            the FFN slot: SwiGLU ``{w1, w2, w3}`` by default;
+                                       any module mapping ``[B, S, dim] -> [B, S, dim]``
+``norm``                               final RMSNorm
+``output``                             head ``[vocab_size, dim]`` (tied to the embedding
+                                       when ``tie_embeddings``)
+=====================================  ==============================================
+
+``layers`` is a ModuleDict (not a ModuleList) so that removing blocks (pipeline stages) keeps the
+remaining names. Attention takes its local head count from the projection's output width, so a
+column-sharded ``wq`` needs no change here. RoPE tables are non-persistent buffers recomputed by
+:meth:`Transformer.init_weights`, which also fills every parameter deterministically (same values
+sharded or not; see :mod:`forge_core.init`). Build it on the meta device, parallelize, then
+``to_empty`` + ``init_weights``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .errors import ForgeConfigError, did_you_mean
+from .init import canonical_name, fill_param_
+
+__all__ = ["PRESETS", "Attention", "FeedForward", "ModelConfig", "Transformer", "TransformerBlock"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the reference Transformer.
+
+    ``n_kv_heads`` defaults to ``n_heads`` (plain multi-head attention); ``ffn_dim`` defaults to
+    the Llama rule (8/3 x dim rounded up to a multiple of 64).
+    """
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None = None
+    ffn_dim: int | None = None
+    max_seq_len: int = 2048
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ForgeConfigError(f"model.{name}={v!r} must be a positive integer")
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.ffn_dim is None:
+            object.__setattr__(self, "ffn_dim", 64 * math.ceil(8 * self.dim / 3 / 64))
+        if self.dim % self.n_heads:
+            raise ForgeConfigError(
+                f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}"
+            )
+        if not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+            raise ForgeConfigError(
+                f"model.n_kv_heads={self.n_kv_heads!r} must be a positive divisor of "
+                f"model.n_heads={self.n_heads}"
+            )
+        if self.head_dim % 2:
+            raise ForgeConfigError(
+                f"head dim dim/n_heads={self.head_dim} must be even for rotary embeddings"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        """A named preset (see ``PRESETS``) with field overrides."""
+        if name not in PRESETS:
+            raise ForgeConfigError(
+                f"unknown model preset '{name}'{did_you_mean(name, PRESETS)}; presets: {sorted(PRESETS)}"
+            )
+        valid = {f.name for f in fields(cls)}
+        for key in overrides:
+            if key not in valid:
+                raise ForgeConfigError(
+                    f"unknown model field '{key}'{did_you_mean(key, valid)}; fields: {sorted(valid)}"
+                )
+        base = PRESETS[name]
+        return replace(base, **overrides) if overrides else base
+
+    def num_params(self) -> int:
+        """Parameter count of the model this config builds (tied weights counted once)."""
+        d, f, kv = self.dim, self.ffn_dim, self.n_kv_heads * self.head_dim
+        per_block = d * d * 2 + d * kv * 2 + 3 * d * f + 2 * d
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return self.vocab_size * d + self.n_layers * per_block + d + head
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Tiny and CPU-fast: every test and `forge build` use it.
+    "debug": ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128),
+    "debug_tied": ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128, tie_embeddings=True),
+    "small": ModelConfig(vocab_size=32000, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, max_seq_len=1024),
+    "llama3_8b": ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0),
+}
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on ``x [B, S, H, Dh]`` with tables ``[S, Dh]`` (rotate-half layout)."""
+    cos = cos[None, :, None, :].to(x.dtype)
+    sin = sin[None, :, None, :].to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention through ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        kv_dim = config.n_kv_heads * config.head_dim
+        self.wq = nn.Linear(config.dim, config.dim, bias=False)
+        self.wk = nn.Linear(config.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(config.dim, kv_dim, bias=False)
+        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        # Head counts come from the projection widths, so column-sharded weights just work.
+        q = self.wq(x_BSD).view(B, S, -1, self.head_dim)
+        k = self.wk(x_BSD).view(B, S, -1, self.head_dim)
+        v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``h + ffn(norm(h))``.
+
+    ``feed_forward`` may be any module (the MoE layer plugs in here).
+    """
+
+    def __init__(self, config: ModelConfig, feed_forward: nn.Module | None = None) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.feed_forward = feed_forward if feed_forward is not None else FeedForward(config.dim, config.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Llama-style decoder: ``forward(tokens [B, S]) -> logits [B, S, vocab_size]``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.register_buffer("rope_cos", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the head when ``tie_embeddings`` (``to_empty`` unties them)."""
+        if self.config.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        S = tokens.shape[1]
+        if self.config.max_seq_len < S:
+            raise ForgeConfigError(
+                f"sequence length {S} exceeds model.max_seq_len={self.config.max_seq_len}"
+            )
+        h = self.tok_embeddings(tokens)
+        cos, sin = self.rope_cos[:S], self.rope_sin[:S]
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def reset_rope(self) -> None:
+        """Recompute the rotary tables (float32) into the existing buffers."""
+        c = self.config
+        half = c.head_dim // 2
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, half, dtype=torch.float64) / half))
+        angles = torch.outer(torch.arange(c.max_seq_len, dtype=torch.float64), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.rope_cos.copy_(angles.cos().float())
+        self.rope_sin.copy_(angles.sin().float())
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Fill every parameter from ``seed``; identical values whether sharded or not.
+
+        Embedding N(0, 0.02); input projections truncated N(0, 0.02); output projections
+        (``wo``, ``w2``) scaled by ``1/sqrt(2 n_layers)``; head truncated N(0, dim^-0.5);
+        norms one. A custom ``feed_forward`` module with its own ``init_weights(seed)`` is
+        asked to initialize itself.
+        """
+        self.tie_weights()
+        self.reset_rope()
+        c = self.config
+        depth_std = 0.02 / math.sqrt(2 * c.n_layers)
+        # Modules whose class defines init_weights (e.g. an MoE in the FFN slot) own their init.
+        custom = {n: m for n, m in self.named_modules() if m is not self and callable(getattr(type(m), "init_weights", None))}
+        for fqn, param in self.named_parameters():
+            if any(fqn.startswith(prefix + ".") for prefix in custom):
+                continue
+            name = canonical_name(fqn)
+            leaf = name.rsplit(".", 2)
+            if name.endswith("norm.weight"):
+                fill_param_(param, name, seed, lambda t, g: t.fill_(1.0))
+            elif name == "tok_embeddings.weight":
+                fill_param_(param, name, seed, lambda t, g: t.normal_(0.0, 0.02, generator=g))
+            elif name == "output.weight":
+                std = c.dim**-0.5
+                fill_param_(param, name, seed, lambda t, g, s=std: nn.init.trunc_normal_(t, 0.0, s, -3 * s, 3 * s, generator=g))
+            elif leaf[-2] in ("wo", "w2"):
+                fill_param_(param, name, seed, lambda t, g: nn.init.trunc_normal_(t, 0.0, depth_std, -3 * depth_std, 3 * depth_std, generator=g))
+            else:
+                fill_param_(param, name, seed, lambda t, g: nn.init.trunc_normal_(t, 0.0, 0.02, -0.06, 0.06, generator=g))
+        for m in custom.values():
+            m.init_weights(seed)

@@ -1,0 +1,98 @@
+"""The stage-order contract: TP -> EP -> Float8 -> AC -> compile -> FSDP2/DDP.
+
+Why an order: TP must see raw ``nn.Linear`` modules; Float8 swaps Linears after TP/EP split them
+and before AC wraps blocks; FSDP2 shards last so it sees the final parameters (DTensors from TP,
+float8 weights). Applied in another order the model still runs but computes different numbers,
+so every ``apply_*`` of every layer goes through :func:`stage` which refuses an out-of-order or
+repeated stage with a :class:`ForgeConfigError` naming the right order.
+
+Stages are recorded on the model itself (``model._forge_stages``), unwrapping ``torch.compile``
+and DDP wrappers, so the record travels with the model and no module-level state exists. Stages
+applied behind forge's back (``fully_shard`` or DDP called directly, a checkpoint wrapper) are
+detected by looking at the modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch.nn as nn
+
+from .errors import ForgeConfigError
+
+__all__ = ["STAGES", "ORDER_TEXT", "applied_stages", "check_stage", "record_stage", "stage", "unwrap"]
+
+#: Stage name -> rank in the order. fsdp2 and ddp share a rank: a model gets one of them.
+STAGES: dict[str, int] = {"tp": 0, "ep": 1, "float8": 2, "ac": 3, "compile": 4, "fsdp2": 5, "ddp": 5}
+ORDER_TEXT = "TP -> EP -> Float8 -> AC -> compile -> FSDP2 (or DDP)"
+_ATTR = "_forge_stages"
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module under ``torch.compile`` (``_orig_mod``) and DDP (``module``) wrappers."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _detected_stages(model: nn.Module) -> list[str]:
+    """Stages visible in the module tree even if they were applied without forge."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    modules = list(model.modules())
+    found = []
+    if any(isinstance(m, CheckpointWrapper) for m in modules):
+        found.append("ac")
+    if any(isinstance(m, FSDPModule) for m in modules):
+        found.append("fsdp2")
+    if isinstance(model, DistributedDataParallel):
+        found.append("ddp")
+    return found
+
+
+def applied_stages(model: nn.Module) -> list[str]:
+    """Stages applied to ``model`` so far, in the order they were applied."""
+    recorded = list(unwrap(model).__dict__.get(_ATTR, ()))
+    return recorded + [s for s in _detected_stages(model) if s not in recorded]
+
+
+def check_stage(model: nn.Module, name: str) -> None:
+    """Raise ``ForgeConfigError`` if stage ``name`` may not be applied to ``model`` now."""
+    if name not in STAGES:
+        raise ForgeConfigError(f"unknown stage '{name}'; stages are {sorted(STAGES)}")
+    done = applied_stages(model)
+    if name in done:
+        raise ForgeConfigError(
+            f"stage '{name}' was already applied to this model (applied so far: {done}); "
+            "each stage is applied once"
+        )
+    later = [s for s in done if STAGES[s] >= STAGES[name]]
+    if later:
+        raise ForgeConfigError(
+            f"cannot apply '{name}' after {later}: a wrong order gives silently wrong numbers. "
+            f"forge applies stages in the order {ORDER_TEXT}; rebuild the model and apply "
+            f"'{name}' before '{later[0]}'"
+        )
+
+
+def record_stage(model: nn.Module, name: str) -> None:
+    """Record that stage ``name`` has been applied to ``model``."""
+    inner = unwrap(model)
+    inner.__dict__.setdefault(_ATTR, []).append(name)
+
+
+@contextmanager
+def stage(model: nn.Module, name: str) -> Iterator[None]:
+    """Check the order before the body runs; record the stage only if the body succeeds."""
+    check_stage(model, name)
+    yield
+    record_stage(model, name)

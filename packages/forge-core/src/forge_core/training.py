@@ -1,0 +1,251 @@
+"""A tiny training loop and the parity check every layer's tests use.
+
+Parity is forge's proof of correctness: the same model, seed and data trained on one device and
+on N ranks must give the same loss and global gradient norm at every step. The reference is a
+plain single-device model fed the whole global batch; the parallel model on each rank gets its
+data-parallel slice and gradients are averaged by FSDP2/DDP, which equals the full-batch mean
+because every slice has the same size. Loss is averaged over the DP axes for the report.
+
+fp32 tolerances (relative): step-1 loss <= 1e-5, every step's loss and grad norm <= 1e-4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from .errors import ForgeConfigError
+from .mesh_dims import DP_AXES, dp_rank_and_size, has_axis, sub_mesh
+
+__all__ = [
+    "ParityResult",
+    "StepRecord",
+    "Tolerances",
+    "compare_runs",
+    "global_grad_norm",
+    "local_batch",
+    "run_parity",
+    "set_gradient_sync",
+    "synthetic_tokens",
+    "tolerances_for",
+    "train_steps",
+]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    loss: float
+    grad_norm: float
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """Relative-error bounds for a parity check."""
+
+    first_loss: float
+    loss: float
+    grad_norm: float
+
+
+def tolerances_for(dtype: torch.dtype) -> Tolerances:
+    """fp32: the strict bounds forge promises. Low-precision compute: bf16/fp16 rounding bounds."""
+    if dtype == torch.float32:
+        return Tolerances(first_loss=1e-5, loss=1e-4, grad_norm=1e-4)
+    return Tolerances(first_loss=2e-2, loss=3e-2, grad_norm=5e-2)
+
+
+def synthetic_tokens(seed: int, steps: int, batch_size: int, seq_len: int, vocab_size: int) -> torch.Tensor:
+    """Learnable token ids ``[steps, batch_size, seq_len + 1]``, the same on every rank.
+
+    Each sequence starts at a random token and follows one fixed random bigram map (with 10%
+    random tokens mixed in), so the loss falls as the model trains: a parity check over several
+    steps then depends on every optimizer update, not only on the first gradient.
+    """
+    g = torch.Generator().manual_seed(seed)
+    next_token = torch.randperm(vocab_size, generator=g)
+    tokens = torch.empty(steps, batch_size, seq_len + 1, dtype=torch.long)
+    tokens[..., 0] = torch.randint(0, vocab_size, (steps, batch_size), generator=g)
+    noise = torch.randint(0, vocab_size, tokens.shape, generator=g)
+    use_noise = torch.rand(tokens.shape, generator=g) < 0.1
+    for t in range(1, seq_len + 1):
+        tokens[..., t] = torch.where(use_noise[..., t], noise[..., t], next_token[tokens[..., t - 1]])
+    return tokens
+
+
+def local_batch(tokens_BS: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    """This rank's data-parallel slice of a global batch (ranks along tp/cp share it)."""
+    index, count = dp_rank_and_size(mesh)
+    if tokens_BS.shape[0] % count:
+        raise ForgeConfigError(
+            f"global batch size {tokens_BS.shape[0]} is not divisible by the {count} data-parallel "
+            f"ranks; choose a multiple of {count}"
+        )
+    return tokens_BS.chunk(count)[index]
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Turn gradient reduction on or off for the next backward (gradient accumulation).
+
+    FSDP2: ``set_requires_gradient_sync`` (no reduce-scatter or all-reduce; unsharded gradients
+    accumulate locally). DDP: ``require_backward_grad_sync`` (what ``no_sync()`` toggles).
+    Plain modules: nothing to do.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+    elif isinstance(model, DistributedDataParallel):
+        model.require_backward_grad_sync = enabled
+
+
+def global_grad_norm(parameters: list[nn.Parameter] | object) -> torch.Tensor:
+    """L2 norm of all gradients across every shard (DTensor gradients are reduced)."""
+    grads = [p.grad for p in parameters if p.grad is not None]  # type: ignore[union-attr]
+    if not grads:
+        return torch.zeros(())
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    squares = torch.zeros((), dtype=torch.float64)
+    if plain:
+        squares += torch.nn.utils.get_total_norm(plain).double().cpu() ** 2
+    # Group by mesh: a norm of DTensors on one mesh reduces with one collective.
+    by_mesh: dict[int, list[DTensor]] = {}
+    for g in sharded:
+        by_mesh.setdefault(id(g.device_mesh), []).append(g)
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares += norm.double().cpu() ** 2
+    return squares.sqrt()
+
+
+def _average_over_dp(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    for name in DP_AXES:
+        if has_axis(mesh, name) and sub_mesh(mesh, name).size() > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.AVG, group=sub_mesh(mesh, name).get_group())
+    return value
+
+
+def train_steps(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    *,
+    mesh: DeviceMesh | None = None,
+    lr: float = 1e-3,
+    grad_accum: int = 1,
+    device: torch.device | str = "cpu",
+) -> list[StepRecord]:
+    """Train on ``tokens [steps, B, S+1]`` (next-token cross entropy, AdamW) and record each step.
+
+    With a mesh, each rank takes its DP slice of every batch; ``grad_accum`` splits the slice
+    into micro-batches and syncs gradients only on the last one.
+    """
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    records = []
+    for batch in tokens:
+        local = local_batch(batch, mesh).to(device)
+        if local.shape[0] % grad_accum:
+            raise ForgeConfigError(
+                f"per-rank batch {local.shape[0]} is not divisible by grad_accum={grad_accum}"
+            )
+        micro_batches = local.chunk(grad_accum)
+        total = torch.zeros((), device=device)
+        for i, micro in enumerate(micro_batches):
+            set_gradient_sync(model, i == len(micro_batches) - 1)
+            logits = model(micro[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten()) / grad_accum
+            loss.backward()
+            total += loss.detach()
+        grad_norm = global_grad_norm(list(model.parameters()))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        total = _average_over_dp(total.float(), mesh)
+        records.append(StepRecord(loss=float(total), grad_norm=float(grad_norm)))
+    return records
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+@dataclass(frozen=True)
+class ParityResult:
+    """Per-step loss and grad norm of a reference and a parallel run, and the verdict."""
+
+    reference: list[StepRecord]
+    parallel: list[StepRecord]
+    tolerances: Tolerances
+    loss_errors: list[float] = field(init=False)
+    grad_norm_errors: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "loss_errors", [_rel(p.loss, r.loss) for r, p in zip(self.reference, self.parallel, strict=True)])
+        object.__setattr__(self, "grad_norm_errors", [_rel(p.grad_norm, r.grad_norm) for r, p in zip(self.reference, self.parallel, strict=True)])
+
+    @property
+    def passed(self) -> bool:
+        t = self.tolerances
+        return (
+            bool(self.loss_errors)
+            and self.loss_errors[0] <= t.first_loss
+            and max(self.loss_errors) <= t.loss
+            and max(self.grad_norm_errors) <= t.grad_norm
+        )
+
+    def table(self) -> str:
+        """Readable per-step comparison."""
+        t = self.tolerances
+        lines = [
+            f"{'step':>4}  {'loss (ref)':>12}  {'loss (par)':>12}  {'rel err':>9}  "
+            f"{'gnorm (ref)':>12}  {'gnorm (par)':>12}  {'rel err':>9}"
+        ]
+        for i, (r, p) in enumerate(zip(self.reference, self.parallel, strict=True)):
+            lines.append(
+                f"{i + 1:>4}  {r.loss:>12.6f}  {p.loss:>12.6f}  {self.loss_errors[i]:>9.2e}  "
+                f"{r.grad_norm:>12.6f}  {p.grad_norm:>12.6f}  {self.grad_norm_errors[i]:>9.2e}"
+            )
+        lines.append(
+            f"tolerances: step-1 loss {t.first_loss:.0e}, loss {t.loss:.0e}, grad norm {t.grad_norm:.0e}"
+            f" -> {'PASS' if self.passed else 'FAIL'}"
+        )
+        return "\n".join(lines)
+
+    def assert_ok(self) -> None:
+        """Raise ``AssertionError`` with the table when the runs differ beyond tolerance."""
+        if not self.passed:
+            raise AssertionError("parallel run differs from the single-device run:\n" + self.table())
+
+
+def compare_runs(reference: list[StepRecord], parallel: list[StepRecord], dtype: torch.dtype = torch.float32) -> ParityResult:
+    """Compare two runs step by step with the tolerances for ``dtype``."""
+    return ParityResult(reference, parallel, tolerances_for(dtype))
+
+
+def run_parity(
+    reference: nn.Module,
+    parallel: nn.Module,
+    *,
+    mesh: DeviceMesh | None,
+    steps: int = 10,
+    batch_size: int = 8,
+    seq_len: int = 16,
+    lr: float = 1e-3,
+    grad_accum: int = 1,
+    seed: int = 0,
+    vocab_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> ParityResult:
+    """Train ``reference`` (single device, whole batch) and ``parallel`` (DP slices) on the same data."""
+    vocab = vocab_size or reference.config.vocab_size  # type: ignore[union-attr]
+    tokens = synthetic_tokens(seed, steps, batch_size, seq_len, vocab)
+    ref = train_steps(reference, tokens, lr=lr, device=device)
+    par = train_steps(parallel, tokens, mesh=mesh, lr=lr, grad_accum=grad_accum, device=device)
+    return compare_runs(ref, par, dtype)

@@ -1,0 +1,21 @@
+"""forge_fsdp_wrap: FSDP2, HSDP, DDP, mixed precision, activation checkpointing, compile.
+
+The last stages of forge's order (TP -> EP -> Float8 -> AC -> compile -> FSDP2/DDP):
+
+- :func:`apply_ac` wraps blocks for activation checkpointing (``none|full|selective|op``)
+- :func:`apply_compile` compiles each block in place
+- :func:`apply_fsdp2` shards each block, then the root; a 2-D DP mesh gives HSDP
+- :func:`apply_ddp` replicates with DistributedDataParallel
+- :func:`unshard_fsdp2_model` gathers full parameters for a while (eval, export)
+
+Every ``apply_*`` goes through forge_core's stage-order contract. Gradient accumulation:
+``forge_core.training.set_gradient_sync(model, False)`` for all micro-batches but the last.
+Depends on forge_core and torch only.
+"""
+
+from .ac import AC_MODES, apply_ac
+from .compile import apply_compile
+from .data_parallel import apply_ddp, apply_fsdp2, default_mp_policy, unshard_fsdp2_model
+
+__version__ = "0.1.0"
+__all__ = ["AC_MODES", "apply_ac", "apply_compile", "apply_ddp", "apply_fsdp2", "default_mp_policy", "unshard_fsdp2_model"]

@@ -1,0 +1,90 @@
+"""Activation checkpointing: trade recompute for activation memory, per block.
+
+Modes:
+
+- ``none``       nothing is wrapped
+- ``full``       every block is checkpointed: only block inputs are kept, the whole block is
+                 recomputed in backward (most memory saved, ~1 extra forward)
+- ``selective``  only the attention module of each block is checkpointed
+- ``op``         op-level selective checkpointing of every block: outputs of matmuls, attention
+                 kernels and communication ops are saved, the cheap element-wise rest (norms,
+                 activations, RoPE) is recomputed. Recomputing a matmul costs FLOPs; recomputing
+                 a SiLU costs only bandwidth, so this keeps most of the speed of ``none`` while
+                 dropping the many element-wise intermediates.
+
+Must run before compile and FSDP2 (checked by the stage-order contract): FSDP2 must shard the
+wrapped blocks, and compile must see the checkpoint boundaries.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn as nn
+from forge_core.blocks import find_blocks
+from forge_core.errors import ForgeConfigError, did_you_mean
+from forge_core.stages import stage
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+__all__ = ["AC_MODES", "apply_ac"]
+
+AC_MODES = ("none", "full", "selective", "op")
+_ATTENTION_NAMES = ("attention", "self_attn", "attn")
+
+
+def _saved_ops() -> set[object]:
+    """Ops whose outputs ``op`` mode keeps (those that exist in this torch build)."""
+    aten = torch.ops.aten
+    names = [
+        (aten, "mm"), (aten, "addmm"), (aten, "bmm"), (aten, "_scaled_mm"), (aten, "_grouped_mm"),
+        (aten, "_scaled_dot_product_flash_attention"),
+        (aten, "_scaled_dot_product_efficient_attention"),
+        (aten, "_scaled_dot_product_cudnn_attention"),
+        (aten, "_scaled_dot_product_flash_attention_for_cpu"),
+    ]
+    ops = {getattr(ns, n).default for ns, n in names if hasattr(ns, n)}
+    c10d = getattr(torch.ops, "_c10d_functional", None)
+    for n in ("reduce_scatter_tensor", "all_to_all_single"):
+        if c10d is not None and hasattr(c10d, n):
+            ops.add(getattr(c10d, n).default)
+    return ops
+
+
+def _op_policy(saved: set[object], ctx: object, func: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_context_fn(saved: set[object]):  # noqa: ANN202 - torch's context_fn protocol
+    return create_selective_checkpoint_contexts(partial(_op_policy, saved))
+
+
+def _attention_of(block: nn.Module) -> tuple[nn.Module, str]:
+    for name in _ATTENTION_NAMES:
+        if isinstance(getattr(block, name, None), nn.Module):
+            return block, name
+    raise ForgeConfigError(
+        f"ac_mode='selective' checkpoints attention, but block {type(block).__name__} has none of "
+        f"{list(_ATTENTION_NAMES)}; use ac_mode='full' or 'op'"
+    )
+
+
+def apply_ac(model: nn.Module, mode: str) -> nn.Module:
+    """Apply activation checkpointing ``mode`` to ``model``'s blocks in place; returns ``model``."""
+    if mode not in AC_MODES:
+        raise ForgeConfigError(f"ac_mode={mode!r} is invalid: choose one of {list(AC_MODES)}" + did_you_mean(str(mode), AC_MODES))
+    with stage(model, "ac"):
+        if mode == "none":
+            return model
+        saved = _saved_ops()
+        for container, key, block in find_blocks(model):
+            if mode == "full":
+                container.register_module(key, checkpoint_wrapper(block))
+            elif mode == "selective":
+                parent, name = _attention_of(block)
+                parent.register_module(name, checkpoint_wrapper(getattr(parent, name)))
+            else:
+                wrapped = checkpoint_wrapper(block, context_fn=partial(_op_context_fn, saved))
+                container.register_module(key, wrapped)
+    return model

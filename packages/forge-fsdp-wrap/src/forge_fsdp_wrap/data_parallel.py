@@ -1,0 +1,126 @@
+"""FSDP2 (and HSDP), DDP and mixed precision: the last stage of forge's order.
+
+FSDP2 shards each block as its own unit, then the root for what is left (embedding, final norm,
+head). A 1-D data-parallel mesh shards; a 2-D ``(dp_replicate, dp_shard)`` mesh gives HSDP
+(shard within a group, replicate across groups). Parameters become DTensors; ``to_empty`` +
+``init_weights`` materialize them afterwards (see ``forge.build_parallel_model``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+from forge_core.blocks import find_blocks
+from forge_core.errors import ForgeConfigError
+from forge_core.mesh_dims import get_dp_mesh, has_dp_mesh
+from forge_core.stages import stage
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["apply_ddp", "apply_fsdp2", "default_mp_policy", "unshard_fsdp2_model"]
+
+
+def default_mp_policy(param_dtype: torch.dtype = torch.bfloat16) -> MixedPrecisionPolicy:
+    """``param_dtype`` compute, float32 gradient reduction, inputs cast at every FSDP unit.
+
+    Sharded (master) parameters stay in their own dtype (float32); FSDP2 casts the all-gathered
+    copies to ``param_dtype`` for compute. Gradients are reduced in float32 so summing over many
+    ranks does not lose bits. ``cast_forward_inputs=True`` makes each FSDP unit cast floating-point
+    inputs to ``param_dtype`` at its forward boundary, so tensors produced outside the sharded
+    blocks in another dtype (e.g. a VLM adapter's bf16 image embeddings fed to the decoder) arrive
+    in the dtype the unit computes in without manual casts. It is pinned here explicitly rather
+    than relying on the library default.
+    """
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=True)
+
+
+def _check_reshard(reshard_after_forward: bool | int, shard_size: int) -> None:
+    if isinstance(reshard_after_forward, bool):
+        return
+    if not isinstance(reshard_after_forward, int) or reshard_after_forward < 1 or shard_size % reshard_after_forward:
+        raise ForgeConfigError(
+            f"reshard_after_forward={reshard_after_forward!r}: use True, False, or an int that divides "
+            f"the shard group size {shard_size} (parameters are resharded to that many ranks after "
+            "forward, e.g. the ranks of one node, so backward re-gathers over faster links)"
+        )
+
+
+def apply_fsdp2(
+    model: nn.Module,
+    device_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool | int = True,
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2 over the data-parallel axes of ``device_mesh``; returns ``model``.
+
+    ``device_mesh`` is the full mesh; its DP sub-mesh is taken (2-D -> HSDP). Each block is one
+    FSDP unit; the last block keeps its parameters after forward because backward starts with it
+    and would re-gather them at once. ``reshard_after_forward``: True frees gathered parameters
+    after forward, False keeps them until backward (more memory, no re-gather), an int reshards
+    to that many ranks (must divide the shard group). ``cpu_offload`` keeps sharded parameters,
+    gradients and optimizer steps on the CPU (``CPUOffloadPolicy``).
+    """
+    if not has_dp_mesh(device_mesh):
+        raise ForgeConfigError(
+            f"apply_fsdp2 needs a data-parallel axis, but the mesh has {list(device_mesh.mesh_dim_names or ())}; "
+            "set parallelism.dp_shard (or dp_replicate) > 1, or data='none'"
+        )
+    dp_mesh = get_dp_mesh(device_mesh)
+    _check_reshard(reshard_after_forward, dp_mesh.size(dp_mesh.ndim - 1))
+    with stage(model, "fsdp2"):
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+        kwargs = {"mesh": dp_mesh, "mp_policy": mp_policy or default_mp_policy(), "offload_policy": offload}
+        blocks = find_blocks(model)
+        for i, (_, _, block) in enumerate(blocks):
+            # NOTE: backward starts with the last block, so resharding it after forward would only
+            # make FSDP all-gather the same parameters again immediately.
+            last = i == len(blocks) - 1
+            fully_shard(block, reshard_after_forward=False if last else reshard_after_forward, **kwargs)
+        fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    return model
+
+
+def apply_ddp(model: nn.Module, device_mesh: DeviceMesh) -> DistributedDataParallel:
+    """Replicate ``model`` with DDP over the 1-D data-parallel axis; returns the DDP wrapper.
+
+    The parameters must be materialized (DDP broadcasts rank 0's values when it wraps).
+    """
+    if not has_dp_mesh(device_mesh):
+        raise ForgeConfigError("apply_ddp needs a data-parallel axis (parallelism.dp_replicate > 1)")
+    dp_mesh = get_dp_mesh(device_mesh)
+    if dp_mesh.ndim != 1:
+        raise ForgeConfigError(
+            f"apply_ddp needs one data-parallel axis, got {dp_mesh.mesh_dim_names}; DDP replicates: "
+            "use data='ddp' with dp_replicate only, or data='fsdp2' for HSDP"
+        )
+    if any(p.is_meta for p in model.parameters()):
+        raise ForgeConfigError("apply_ddp needs materialized parameters: call to_empty + init_weights first")
+    with stage(model, "ddp"):
+        device = next(model.parameters()).device
+        device_ids = [device.index] if device.type == "cuda" else None
+        wrapped = DistributedDataParallel(model, process_group=dp_mesh.get_group(), device_ids=device_ids)
+    return wrapped
+
+
+@contextmanager
+def unshard_fsdp2_model(model: nn.Module) -> Iterator[None]:
+    """Gather every FSDP unit's full parameters for the duration; reshard on exit, even on error."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    try:
+        for unit in units:
+            unit.unshard()
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()

@@ -1,0 +1,81 @@
+"""forge_mesh: a named DeviceMesh from a parallelism config.
+
+:func:`build_device_mesh` lays the ranks out as ``pp, dp_replicate, dp_shard, cp, domain, tp``
+(outermost first; tp innermost so tensor-parallel peers are neighbours on one node), keeping only
+axes of size > 1, and adds flattened views for the data-parallel groups:
+
+- ``dp``           = dp_replicate x dp_shard  (loss averaging, data loading, DDP)
+- ``dp_shard_cp``  = dp_shard x cp            (the FSDP2 shard group when cp > 1)
+- ``dp_cp``        = dp_replicate x dp_shard x cp
+
+Works with ``cpu`` (gloo), ``cuda`` (nccl) and the ``fake`` backend, on which a plan for
+thousands of ranks runs in one process on meta tensors (see ``tools/bench_build.py``).
+The config is validated against the world size before any process-group work.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from forge_core import ParallelismConfig
+from forge_core.errors import ForgeConfigError
+from forge_core.mesh_dims import AXES, VIEWS_ATTR, get_dp_mesh, get_tp_mesh, has_dp_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__version__ = "0.1.0"
+__all__ = ["build_device_mesh", "get_dp_mesh", "get_tp_mesh", "has_dp_mesh", "init_distributed", "mesh_layout"]
+
+_FLATTENED = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+
+
+def mesh_layout(parallelism: ParallelismConfig | Mapping[str, Any], world_size: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Axis names and sizes the mesh will have for ``world_size`` ranks (pure; no process group)."""
+    cfg = ParallelismConfig.from_any(parallelism).resolve(world_size)
+    named = [(n, getattr(cfg, n)) for n in AXES if getattr(cfg, n) > 1]
+    if not named:
+        named = [("dp_shard", 1)]
+    names, sizes = zip(*named, strict=True)
+    return tuple(names), tuple(sizes)
+
+
+def init_distributed(device_type: str = "cuda") -> None:
+    """Initialize the default process group from torchrun/SLURM environment variables if needed."""
+    if dist.is_initialized():
+        return
+    backend = {"cuda": "nccl", "cpu": "gloo"}.get(device_type, "gloo")
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+
+
+def build_device_mesh(parallelism: ParallelismConfig | Mapping[str, Any], device_type: str = "cuda") -> DeviceMesh:
+    """Build the named DeviceMesh for ``parallelism`` over the current world.
+
+    ``parallelism`` is a :class:`ParallelismConfig`, a dict of its fields, or a CREDIT-style
+    ``{data, tensor, domain}`` dict. The default process group is initialized from the environment
+    when it is not already (torchrun/SLURM); for the fake backend initialize it yourself with
+    ``dist.init_process_group("fake", rank=r, world_size=n)``. Raises ``ForgeConfigError`` (before
+    any collective) when the degrees do not fit the world size.
+    """
+    cfg = ParallelismConfig.from_any(parallelism)
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    names, sizes = mesh_layout(cfg, world_size)  # validates before any process-group work
+    if not dist.is_initialized():
+        init_distributed(device_type)
+    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+    # torch deprecates slicing flattened dims from the root mesh, so forge keeps the views itself
+    # (read by forge_core.mesh_dims.sub_mesh / has_axis).
+    views = {}
+    for flat, parts in _FLATTENED.items():
+        if all(p in names for p in parts):
+            views[flat] = mesh[parts]._flatten(flat)
+    setattr(mesh, VIEWS_ATTR, views)
+    return mesh

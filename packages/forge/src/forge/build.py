@@ -1,0 +1,156 @@
+"""Composition: apply forge's layers to a model in the one correct order.
+
+    mesh -> model on meta -> TP -> EP -> Float8 -> AC -> compile -> FSDP2 -> materialize
+                                                            (DDP: materialize -> DDP)
+
+TP, EP and Float8 arrive with their layers (forge-tp-plans, forge-moe-ep, forge-float8); until
+then a config asking for them is refused with the reason, never silently ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from forge_core import ForgeConfigError, ModelConfig, Transformer
+from forge_core.mesh_dims import axis_size, has_dp_mesh
+from forge_fsdp_wrap import (
+    AC_MODES,
+    apply_ac,
+    apply_compile,
+    apply_ddp,
+    apply_fsdp2,
+    default_mp_policy,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+__all__ = ["ParallelPlan", "build_parallel_model", "check_plan", "materialize"]
+
+_NOT_YET = {"tp": "forge-tp-plans", "cp": "context parallelism", "pp": "pipeline parallelism",
+            "domain": "forge-domain"}
+
+
+def check_plan(
+    data: str,
+    axis_sizes: dict[str, int],
+    *,
+    param_dtype: torch.dtype,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    fp8: bool = False,
+    ac_mode: str = "none",
+) -> None:
+    """Refuse what this forge cannot do, before any process group exists (pure checks)."""
+    if data not in ("fsdp2", "ddp", "none"):
+        raise ForgeConfigError(f"data={data!r}: choose 'fsdp2', 'ddp' or 'none'")
+    for axis, layer in _NOT_YET.items():
+        if axis_sizes.get(axis, 1) > 1:
+            raise ForgeConfigError(
+                f"parallelism.{axis}={axis_sizes[axis]} needs {layer}, which this forge does not have yet; set {axis}=1"
+            )
+    if fp8:
+        raise ForgeConfigError("fp8=True needs forge-float8, which this forge does not have yet")
+    if ac_mode not in AC_MODES:
+        raise ForgeConfigError(f"ac_mode={ac_mode!r} is invalid: choose one of {list(AC_MODES)}")
+    if data in ("ddp", "none") and mp_policy is None and param_dtype != torch.float32:
+        raise ForgeConfigError(
+            f"param_dtype={param_dtype} is FSDP2's mixed-precision compute dtype; data='{data}' "
+            "has none: pass param_dtype=torch.float32 (and torch.autocast for low-precision compute)"
+        )
+
+
+@dataclass
+class ParallelPlan:
+    """How to parallelize a model over ``device_mesh``; :meth:`parallelize` applies it.
+
+    ``data``: ``fsdp2`` | ``ddp`` | ``none``; None picks ``fsdp2`` when the mesh has a DP axis.
+    ``param_dtype`` is FSDP2's compute dtype (ignored when ``mp_policy`` is given); DDP and
+    ``none`` have no mixed-precision policy, so they need float32 (use ``torch.autocast``).
+    """
+
+    device_mesh: DeviceMesh | None
+    data: str | None = None
+    ac_mode: str = "none"
+    compile_model: bool = False
+    compile_backend: str = "inductor"
+    mp_policy: MixedPrecisionPolicy | None = None
+    param_dtype: torch.dtype = torch.bfloat16
+    reshard_after_forward: bool | int = True
+    cpu_offload: bool = False
+    fp8: bool = False
+
+    def __post_init__(self) -> None:
+        sizes = {axis: axis_size(self.device_mesh, axis) for axis in _NOT_YET}
+        if self.data is None:
+            self.data = "fsdp2" if has_dp_mesh(self.device_mesh) else "none"
+        check_plan(self.data, sizes, param_dtype=self.param_dtype, mp_policy=self.mp_policy, fp8=self.fp8, ac_mode=self.ac_mode)
+        if self.data == "fsdp2" and not has_dp_mesh(self.device_mesh):
+            raise ForgeConfigError("data='fsdp2' needs a mesh with a data-parallel axis")
+
+    def parallelize(self, model: nn.Module, *, device: torch.device | str | None = None, seed: int | None = None) -> nn.Module:
+        """Apply the plan to ``model`` in order; with ``device``, materialize on it from ``seed``.
+
+        A model on the meta device is materialized with ``to_empty(device)`` + ``init_weights(seed)``
+        (after FSDP2, so each rank allocates only its shard; before DDP, which needs values).
+        Returns the model (the DDP wrapper for ``data='ddp'``).
+        """
+        # TP -> EP -> Float8: arrive with their layers (refused in __post_init__ until then).
+        if self.ac_mode != "none":
+            apply_ac(model, self.ac_mode)
+        if self.compile_model:
+            apply_compile(model, backend=self.compile_backend)
+        if self.data == "fsdp2":
+            mp = self.mp_policy or default_mp_policy(self.param_dtype)
+            apply_fsdp2(model, self.device_mesh, mp, self.reshard_after_forward, self.cpu_offload)
+        if device is not None:
+            materialize(model, device, seed or 0)
+        if self.data == "ddp":
+            return apply_ddp(model, self.device_mesh)
+        return model
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device | str, seed: int) -> nn.Module:
+    """Allocate a meta-device model on ``device`` and fill it deterministically from ``seed``."""
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        model.to_empty(device=device)
+    if not callable(getattr(model, "init_weights", None)):
+        raise ForgeConfigError(f"{type(model).__name__} has no init_weights(seed); materialize it yourself")
+    model.init_weights(seed)
+    return model
+
+
+def build_parallel_model(
+    model_config: ModelConfig,
+    device: torch.device | str,
+    device_mesh: DeviceMesh | None,
+    *,
+    vision_config: object | None = None,
+    adapter_config: object | None = None,
+    vlm_config: object | None = None,
+    ac_mode: str = "none",
+    mp_policy: MixedPrecisionPolicy | None = None,
+    param_dtype: torch.dtype = torch.bfloat16,
+    compile_model: bool = False,
+    fp8: bool = False,
+    data: str | None = None,
+    seed: int = 0,
+    reshard_after_forward: bool | int = True,
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """Build the reference Transformer on the meta device, parallelize it, materialize it.
+
+    The pipeline, top to bottom: model on meta -> TP -> EP -> Float8 -> AC -> compile -> FSDP2
+    -> materialize (``to_empty`` + ``init_weights(seed)``: identical values to a single-device
+    model built with the same seed). ``device_mesh=None`` builds a plain single-device model.
+    """
+    if vlm_config is not None or vision_config is not None or adapter_config is not None:
+        raise ForgeConfigError("vision-language models need forge-vlm, which this forge does not have yet")
+    plan = ParallelPlan(
+        device_mesh, data=data, ac_mode=ac_mode, compile_model=compile_model, mp_policy=mp_policy,
+        param_dtype=param_dtype, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload, fp8=fp8,
+    )
+    with torch.device("meta"):
+        model = Transformer(model_config)
+    return plan.parallelize(model, device=device, seed=seed)

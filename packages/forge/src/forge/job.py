@@ -1,0 +1,102 @@
+"""The ``forge build`` job: build the parallel model, train a few steps, prove parity, report.
+
+Runs on every rank (under forge's own launcher or torchrun/SLURM). Each rank also builds the
+single-device reference model (same seed) and trains it on the whole global batch, so parity is
+checked without a separate run. Rank 0 returns the report.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from forge_core import ORDER_TEXT, ForgeConfig, ForgeConfigError, applied_stages, load_config
+from forge_core.training import compare_runs, synthetic_tokens, train_steps
+from forge_mesh import build_device_mesh, init_distributed, mesh_layout
+
+from .build import build_parallel_model, check_plan
+
+__all__ = ["BuildReport", "check_config", "run_build"]
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    text: str
+    passed: bool
+
+
+def check_config(cfg: ForgeConfig, world_size: int) -> None:
+    """Every check that needs no process group: raises ForgeConfigError before any launch."""
+    par = cfg.parallelism.resolve(world_size)
+    sizes = {name: getattr(par, name) for name in ("tp", "cp", "pp", "domain")}
+    dtype = getattr(torch, cfg.training.param_dtype)
+    check_plan(par.data, sizes, param_dtype=dtype, ac_mode=cfg.training.ac_mode)
+    t = cfg.training
+    if t.global_batch_size % (par.dp_degree * t.grad_accum):
+        raise ForgeConfigError(
+            f"training.global_batch_size={t.global_batch_size} must be divisible by the "
+            f"{par.dp_degree} data-parallel ranks x training.grad_accum={t.grad_accum}"
+        )
+    if t.seq_len > cfg.model.max_seq_len:
+        raise ForgeConfigError(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+
+
+def _param_bytes(model: torch.nn.Module) -> int:
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport | None:
+    """One rank's part of ``forge build``; rank 0 returns the report, the others None."""
+    start = time.perf_counter()
+    cfg = load_config(cfg_dict)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    check_config(cfg, world_size)
+    if device_type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    init_distributed(device_type)
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    par = cfg.parallelism.resolve(world_size)
+    mesh = build_device_mesh(par, device_type)
+    t = cfg.training
+    dtype = getattr(torch, t.param_dtype)
+    model = build_parallel_model(
+        cfg.model, device, mesh, data=par.data, ac_mode=t.ac_mode, param_dtype=dtype,
+        compile_model=t.compile, seed=t.seed, reshard_after_forward=t.reshard_after_forward,
+        cpu_offload=t.cpu_offload,
+    )
+    reference = build_parallel_model(cfg.model, device, None, param_dtype=torch.float32, seed=t.seed)
+    local_bytes = _param_bytes(model)
+    all_bytes: list[int] = [0] * world_size
+    dist.all_gather_object(all_bytes, local_bytes)
+    tokens = synthetic_tokens(t.seed, t.steps, t.global_batch_size, t.seq_len, cfg.model.vocab_size)
+    ref_steps = train_steps(reference, tokens, lr=t.lr, device=device)
+    par_steps = train_steps(model, tokens, mesh=mesh, lr=t.lr, grad_accum=t.grad_accum, device=device)
+    result = compare_runs(ref_steps, par_steps, dtype)
+    elapsed = time.perf_counter() - start
+    if rank != 0:
+        return None
+    full_bytes = _param_bytes(reference)
+    names, sizes = mesh_layout(par, world_size)
+    lines = [
+        f"forge build: {world_size} rank(s) on {device_type}, model {cfg.model.n_layers} layers x dim {cfg.model.dim} "
+        f"({cfg.model.num_params():,} parameters), param_dtype {t.param_dtype}",
+        "mesh:   " + " x ".join(f"{n}={s}" for n, s in zip(names, sizes, strict=True)) + f"  (data={par.data})",
+        "stages: " + (" -> ".join(applied_stages(model)) or "(none)") + f"   (forge's order: {ORDER_TEXT})",
+        f"params: unsharded {full_bytes:,} B; per rank " + ", ".join(f"r{r} {b:,} B ({b / full_bytes:.0%})" for r, b in enumerate(all_bytes)),
+        f"train:  {t.steps} steps, global batch {t.global_batch_size} x seq {t.seq_len}, grad_accum {t.grad_accum}, AdamW lr {t.lr}",
+        result.table(),
+        f"{'PASS' if result.passed else 'FAIL'}: parallel run {'matches' if result.passed else 'does NOT match'} the single-device model "
+        f"(rank 0 job time {elapsed:.1f}s)",
+    ]
+    return BuildReport("\n".join(lines), result.passed)
