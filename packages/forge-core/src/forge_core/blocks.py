@@ -14,8 +14,16 @@ from .errors import ForgeConfigError
 
 __all__ = ["find_block_container", "find_blocks"]
 
-_KNOWN_PATHS = ("layers", "model.layers", "model.language_model.layers", "transformer.h",
-                "model.decoder.layers", "decoder.layers", "blocks", "encoder.layers")
+_KNOWN_PATHS = (
+    "layers",
+    "model.layers",
+    "model.language_model.layers",
+    "transformer.h",
+    "model.decoder.layers",
+    "decoder.layers",
+    "blocks",
+    "encoder.layers",
+)
 
 
 def _get(model: nn.Module, path: str) -> nn.Module | None:

@@ -33,9 +33,17 @@ _AXIS_FIELDS = ("dp_replicate", "dp_shard", "cp", "tp", "ep", "pp", "domain")
 
 
 def _check_positive_int(name: str, value: Any, *, allow_infer: bool = False) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and (value >= 1 or (allow_infer and value == -1))
+    ok = (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and (value >= 1 or (allow_infer and value == -1))
+    )
     if not ok:
-        allowed = "a positive integer or -1 (infer from the world size)" if allow_infer else "a positive integer"
+        allowed = (
+            "a positive integer or -1 (infer from the world size)"
+            if allow_infer
+            else "a positive integer"
+        )
         raise ForgeConfigError(f"parallelism.{name}={value!r} is invalid: it must be {allowed}")
 
 
@@ -197,7 +205,11 @@ class ForgeConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
 
 
-_SECTIONS: dict[str, type] = {"model": ModelConfig, "parallelism": ParallelismConfig, "training": TrainingConfig}
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallelism": ParallelismConfig,
+    "training": TrainingConfig,
+}
 
 
 def _parse_value(text: str) -> Any:

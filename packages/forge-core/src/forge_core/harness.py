@@ -27,7 +27,9 @@ class RankError(RuntimeError):
     """One or more ranks failed or hung; the message holds their tracebacks."""
 
 
-def _worker(rank: int, world_size: int, store_path: str, sys_path: list[str], tasks: Any, results: Any) -> None:
+def _worker(
+    rank: int, world_size: int, store_path: str, sys_path: list[str], tasks: Any, results: Any
+) -> None:
     sys.path[:] = sys_path
     import torch
     import torch.distributed as dist
@@ -72,7 +74,14 @@ class RankPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, store_path, list(sys.path), self._tasks[r], self._results),
+                args=(
+                    r,
+                    self.world_size,
+                    store_path,
+                    list(sys.path),
+                    self._tasks[r],
+                    self._results,
+                ),
                 daemon=True,
                 name=f"forge-rank-{r}",
             )
@@ -95,9 +104,17 @@ class RankPool:
                 dead = [p.name for p in self._procs if not p.is_alive()]
                 if dead or time.monotonic() > deadline:
                     missing = sorted(set(range(self.world_size)) - outputs.keys() - errors.keys())
-                    reason = f"worker(s) {dead} died" if dead else f"no answer within {timeout:.0f}s"
+                    reason = (
+                        f"worker(s) {dead} died" if dead else f"no answer within {timeout:.0f}s"
+                    )
                     self.close(force=True)
-                    raise RankError(self._message(what, errors, f"ranks {missing}: {reason} (hung in a collective?); pool restarted")) from None
+                    raise RankError(
+                        self._message(
+                            what,
+                            errors,
+                            f"ranks {missing}: {reason} (hung in a collective?); pool restarted",
+                        )
+                    ) from None
                 continue
             if tid != task_id:
                 continue  # a late answer from an earlier, abandoned call
@@ -113,7 +130,9 @@ class RankPool:
             parts.append(extra)
         return "\n".join(parts)
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, **kwargs: Any
+    ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order."""
         if not self._procs:
             self._start()

@@ -46,7 +46,9 @@ def fill_param_(
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         local = param.to_local()
-        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        shape, offset = compute_local_shape_and_global_offset(
+            param.shape, param.device_mesh, param.placements
+        )
         index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
         local.copy_(full[index])
     else:

@@ -71,7 +71,11 @@ class ModelConfig:
             raise ForgeConfigError(
                 f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}"
             )
-        if not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+        if (
+            not isinstance(self.n_kv_heads, int)
+            or self.n_kv_heads < 1
+            or self.n_heads % self.n_kv_heads
+        ):
             raise ForgeConfigError(
                 f"model.n_kv_heads={self.n_kv_heads!r} must be a positive divisor of "
                 f"model.n_heads={self.n_heads}"
@@ -111,10 +115,32 @@ class ModelConfig:
 
 PRESETS: dict[str, ModelConfig] = {
     # Tiny and CPU-fast: every test and `forge build` use it.
-    "debug": ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128),
-    "debug_tied": ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128, tie_embeddings=True),
-    "small": ModelConfig(vocab_size=32000, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, max_seq_len=1024),
-    "llama3_8b": ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0),
+    "debug": ModelConfig(
+        vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128
+    ),
+    "debug_tied": ModelConfig(
+        vocab_size=256,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=128,
+        max_seq_len=128,
+        tie_embeddings=True,
+    ),
+    "small": ModelConfig(
+        vocab_size=32000, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, max_seq_len=1024
+    ),
+    "llama3_8b": ModelConfig(
+        vocab_size=128256,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
 }
 
 
@@ -150,7 +176,9 @@ class Attention(nn.Module):
         v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+        )
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -178,7 +206,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.feed_forward = feed_forward if feed_forward is not None else FeedForward(config.dim, config.ffn_dim)
+        self.feed_forward = (
+            feed_forward if feed_forward is not None else FeedForward(config.dim, config.ffn_dim)
+        )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -192,11 +222,17 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(config) for i in range(config.n_layers)}
+        )
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
-        self.register_buffer("rope_cos", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
+        self.register_buffer(
+            "rope_cos", torch.empty(config.max_seq_len, config.head_dim), persistent=False
+        )
+        self.register_buffer(
+            "rope_sin", torch.empty(config.max_seq_len, config.head_dim), persistent=False
+        )
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -241,7 +277,11 @@ class Transformer(nn.Module):
         c = self.config
         depth_std = 0.02 / math.sqrt(2 * c.n_layers)
         # Modules whose class defines init_weights (e.g. an MoE in the FFN slot) own their init.
-        custom = {n: m for n, m in self.named_modules() if m is not self and callable(getattr(type(m), "init_weights", None))}
+        custom = {
+            n: m
+            for n, m in self.named_modules()
+            if m is not self and callable(getattr(type(m), "init_weights", None))
+        }
         for fqn, param in self.named_parameters():
             if any(fqn.startswith(prefix + ".") for prefix in custom):
                 continue
@@ -253,10 +293,29 @@ class Transformer(nn.Module):
                 fill_param_(param, name, seed, lambda t, g: t.normal_(0.0, 0.02, generator=g))
             elif name == "output.weight":
                 std = c.dim**-0.5
-                fill_param_(param, name, seed, lambda t, g, s=std: nn.init.trunc_normal_(t, 0.0, s, -3 * s, 3 * s, generator=g))
+                fill_param_(
+                    param,
+                    name,
+                    seed,
+                    lambda t, g, s=std: nn.init.trunc_normal_(
+                        t, 0.0, s, -3 * s, 3 * s, generator=g
+                    ),
+                )
             elif leaf[-2] in ("wo", "w2"):
-                fill_param_(param, name, seed, lambda t, g: nn.init.trunc_normal_(t, 0.0, depth_std, -3 * depth_std, 3 * depth_std, generator=g))
+                fill_param_(
+                    param,
+                    name,
+                    seed,
+                    lambda t, g: nn.init.trunc_normal_(
+                        t, 0.0, depth_std, -3 * depth_std, 3 * depth_std, generator=g
+                    ),
+                )
             else:
-                fill_param_(param, name, seed, lambda t, g: nn.init.trunc_normal_(t, 0.0, 0.02, -0.06, 0.06, generator=g))
+                fill_param_(
+                    param,
+                    name,
+                    seed,
+                    lambda t, g: nn.init.trunc_normal_(t, 0.0, 0.02, -0.06, 0.06, generator=g),
+                )
         for m in custom.values():
             m.init_weights(seed)

@@ -21,10 +21,26 @@ import torch.nn as nn
 
 from .errors import ForgeConfigError
 
-__all__ = ["STAGES", "ORDER_TEXT", "applied_stages", "check_stage", "record_stage", "stage", "unwrap"]
+__all__ = [
+    "STAGES",
+    "ORDER_TEXT",
+    "applied_stages",
+    "check_stage",
+    "record_stage",
+    "stage",
+    "unwrap",
+]
 
 #: Stage name -> rank in the order. fsdp2 and ddp share a rank: a model gets one of them.
-STAGES: dict[str, int] = {"tp": 0, "ep": 1, "float8": 2, "ac": 3, "compile": 4, "fsdp2": 5, "ddp": 5}
+STAGES: dict[str, int] = {
+    "tp": 0,
+    "ep": 1,
+    "float8": 2,
+    "ac": 3,
+    "compile": 4,
+    "fsdp2": 5,
+    "ddp": 5,
+}
 ORDER_TEXT = "TP -> EP -> Float8 -> AC -> compile -> FSDP2 (or DDP)"
 _ATTR = "_forge_stages"
 

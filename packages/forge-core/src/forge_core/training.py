@@ -60,7 +60,9 @@ def tolerances_for(dtype: torch.dtype) -> Tolerances:
     return Tolerances(first_loss=2e-2, loss=3e-2, grad_norm=5e-2)
 
 
-def synthetic_tokens(seed: int, steps: int, batch_size: int, seq_len: int, vocab_size: int) -> torch.Tensor:
+def synthetic_tokens(
+    seed: int, steps: int, batch_size: int, seq_len: int, vocab_size: int
+) -> torch.Tensor:
     """Learnable token ids ``[steps, batch_size, seq_len + 1]``, the same on every rank.
 
     Each sequence starts at a random token and follows one fixed random bigram map (with 10%
@@ -74,7 +76,9 @@ def synthetic_tokens(seed: int, steps: int, batch_size: int, seq_len: int, vocab
     noise = torch.randint(0, vocab_size, tokens.shape, generator=g)
     use_noise = torch.rand(tokens.shape, generator=g) < 0.1
     for t in range(1, seq_len + 1):
-        tokens[..., t] = torch.where(use_noise[..., t], noise[..., t], next_token[tokens[..., t - 1]])
+        tokens[..., t] = torch.where(
+            use_noise[..., t], noise[..., t], next_token[tokens[..., t - 1]]
+        )
     return tokens
 
 
@@ -160,7 +164,9 @@ def train_steps(
         for i, micro in enumerate(micro_batches):
             set_gradient_sync(model, i == len(micro_batches) - 1)
             logits = model(micro[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten()) / grad_accum
+            loss = (
+                F.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten()) / grad_accum
+            )
             loss.backward()
             total += loss.detach()
         grad_norm = global_grad_norm(list(model.parameters()))
@@ -186,8 +192,19 @@ class ParityResult:
     grad_norm_errors: list[float] = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "loss_errors", [_rel(p.loss, r.loss) for r, p in zip(self.reference, self.parallel, strict=True)])
-        object.__setattr__(self, "grad_norm_errors", [_rel(p.grad_norm, r.grad_norm) for r, p in zip(self.reference, self.parallel, strict=True)])
+        object.__setattr__(
+            self,
+            "loss_errors",
+            [_rel(p.loss, r.loss) for r, p in zip(self.reference, self.parallel, strict=True)],
+        )
+        object.__setattr__(
+            self,
+            "grad_norm_errors",
+            [
+                _rel(p.grad_norm, r.grad_norm)
+                for r, p in zip(self.reference, self.parallel, strict=True)
+            ],
+        )
 
     @property
     def passed(self) -> bool:
@@ -220,10 +237,14 @@ class ParityResult:
     def assert_ok(self) -> None:
         """Raise ``AssertionError`` with the table when the runs differ beyond tolerance."""
         if not self.passed:
-            raise AssertionError("parallel run differs from the single-device run:\n" + self.table())
+            raise AssertionError(
+                "parallel run differs from the single-device run:\n" + self.table()
+            )
 
 
-def compare_runs(reference: list[StepRecord], parallel: list[StepRecord], dtype: torch.dtype = torch.float32) -> ParityResult:
+def compare_runs(
+    reference: list[StepRecord], parallel: list[StepRecord], dtype: torch.dtype = torch.float32
+) -> ParityResult:
     """Compare two runs step by step with the tolerances for ``dtype``."""
     return ParityResult(reference, parallel, tolerances_for(dtype))
 

@@ -18,4 +18,12 @@ from .compile import apply_compile
 from .data_parallel import apply_ddp, apply_fsdp2, default_mp_policy, unshard_fsdp2_model
 
 __version__ = "0.1.0"
-__all__ = ["AC_MODES", "apply_ac", "apply_compile", "apply_ddp", "apply_fsdp2", "default_mp_policy", "unshard_fsdp2_model"]
+__all__ = [
+    "AC_MODES",
+    "apply_ac",
+    "apply_compile",
+    "apply_ddp",
+    "apply_fsdp2",
+    "default_mp_policy",
+    "unshard_fsdp2_model",
+]

@@ -38,7 +38,11 @@ def _saved_ops() -> set[object]:
     """Ops whose outputs ``op`` mode keeps (those that exist in this torch build)."""
     aten = torch.ops.aten
     names = [
-        (aten, "mm"), (aten, "addmm"), (aten, "bmm"), (aten, "_scaled_mm"), (aten, "_grouped_mm"),
+        (aten, "mm"),
+        (aten, "addmm"),
+        (aten, "bmm"),
+        (aten, "_scaled_mm"),
+        (aten, "_grouped_mm"),
         (aten, "_scaled_dot_product_flash_attention"),
         (aten, "_scaled_dot_product_efficient_attention"),
         (aten, "_scaled_dot_product_cudnn_attention"),
@@ -52,7 +56,9 @@ def _saved_ops() -> set[object]:
     return ops
 
 
-def _op_policy(saved: set[object], ctx: object, func: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+def _op_policy(
+    saved: set[object], ctx: object, func: object, *args: object, **kwargs: object
+) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -73,7 +79,10 @@ def _attention_of(block: nn.Module) -> tuple[nn.Module, str]:
 def apply_ac(model: nn.Module, mode: str) -> nn.Module:
     """Apply activation checkpointing ``mode`` to ``model``'s blocks in place; returns ``model``."""
     if mode not in AC_MODES:
-        raise ForgeConfigError(f"ac_mode={mode!r} is invalid: choose one of {list(AC_MODES)}" + did_you_mean(str(mode), AC_MODES))
+        raise ForgeConfigError(
+            f"ac_mode={mode!r} is invalid: choose one of {list(AC_MODES)}"
+            + did_you_mean(str(mode), AC_MODES)
+        )
     with stage(model, "ac"):
         if mode == "none":
             return model

@@ -15,7 +15,9 @@ from forge_core.stages import stage
 __all__ = ["apply_compile"]
 
 
-def apply_compile(model: nn.Module, *, backend: str = "inductor", fullgraph: bool = True) -> nn.Module:
+def apply_compile(
+    model: nn.Module, *, backend: str = "inductor", fullgraph: bool = True
+) -> nn.Module:
     """Compile every block of ``model`` in place; returns ``model``."""
     with stage(model, "compile"):
         for _, _, block in find_blocks(model):

@@ -41,13 +41,19 @@ def default_mp_policy(param_dtype: torch.dtype = torch.bfloat16) -> MixedPrecisi
     in the dtype the unit computes in without manual casts. It is pinned here explicitly rather
     than relying on the library default.
     """
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=True)
+    return MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=True
+    )
 
 
 def _check_reshard(reshard_after_forward: bool | int, shard_size: int) -> None:
     if isinstance(reshard_after_forward, bool):
         return
-    if not isinstance(reshard_after_forward, int) or reshard_after_forward < 1 or shard_size % reshard_after_forward:
+    if (
+        not isinstance(reshard_after_forward, int)
+        or reshard_after_forward < 1
+        or shard_size % reshard_after_forward
+    ):
         raise ForgeConfigError(
             f"reshard_after_forward={reshard_after_forward!r}: use True, False, or an int that divides "
             f"the shard group size {shard_size} (parameters are resharded to that many ranks after "
@@ -79,14 +85,24 @@ def apply_fsdp2(
     dp_mesh = get_dp_mesh(device_mesh)
     _check_reshard(reshard_after_forward, dp_mesh.size(dp_mesh.ndim - 1))
     with stage(model, "fsdp2"):
-        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-        kwargs = {"mesh": dp_mesh, "mp_policy": mp_policy or default_mp_policy(), "offload_policy": offload}
+        offload = (
+            CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+            if cpu_offload
+            else OffloadPolicy()
+        )
+        kwargs = {
+            "mesh": dp_mesh,
+            "mp_policy": mp_policy or default_mp_policy(),
+            "offload_policy": offload,
+        }
         blocks = find_blocks(model)
         for i, (_, _, block) in enumerate(blocks):
             # NOTE: backward starts with the last block, so resharding it after forward would only
             # make FSDP all-gather the same parameters again immediately.
             last = i == len(blocks) - 1
-            fully_shard(block, reshard_after_forward=False if last else reshard_after_forward, **kwargs)
+            fully_shard(
+                block, reshard_after_forward=False if last else reshard_after_forward, **kwargs
+            )
         fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
     return model
 
@@ -97,7 +113,9 @@ def apply_ddp(model: nn.Module, device_mesh: DeviceMesh) -> DistributedDataParal
     The parameters must be materialized (DDP broadcasts rank 0's values when it wraps).
     """
     if not has_dp_mesh(device_mesh):
-        raise ForgeConfigError("apply_ddp needs a data-parallel axis (parallelism.dp_replicate > 1)")
+        raise ForgeConfigError(
+            "apply_ddp needs a data-parallel axis (parallelism.dp_replicate > 1)"
+        )
     dp_mesh = get_dp_mesh(device_mesh)
     if dp_mesh.ndim != 1:
         raise ForgeConfigError(
@@ -105,11 +123,15 @@ def apply_ddp(model: nn.Module, device_mesh: DeviceMesh) -> DistributedDataParal
             "use data='ddp' with dp_replicate only, or data='fsdp2' for HSDP"
         )
     if any(p.is_meta for p in model.parameters()):
-        raise ForgeConfigError("apply_ddp needs materialized parameters: call to_empty + init_weights first")
+        raise ForgeConfigError(
+            "apply_ddp needs materialized parameters: call to_empty + init_weights first"
+        )
     with stage(model, "ddp"):
         device = next(model.parameters()).device
         device_ids = [device.index] if device.type == "cuda" else None
-        wrapped = DistributedDataParallel(model, process_group=dp_mesh.get_group(), device_ids=device_ids)
+        wrapped = DistributedDataParallel(
+            model, process_group=dp_mesh.get_group(), device_ids=device_ids
+        )
     return wrapped
 
 

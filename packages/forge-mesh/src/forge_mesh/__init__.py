@@ -22,12 +22,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from forge_core import ParallelismConfig
-from forge_core.errors import ForgeConfigError
 from forge_core.mesh_dims import AXES, VIEWS_ATTR, get_dp_mesh, get_tp_mesh, has_dp_mesh
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __version__ = "0.1.0"
-__all__ = ["build_device_mesh", "get_dp_mesh", "get_tp_mesh", "has_dp_mesh", "init_distributed", "mesh_layout"]
+__all__ = [
+    "build_device_mesh",
+    "get_dp_mesh",
+    "get_tp_mesh",
+    "has_dp_mesh",
+    "init_distributed",
+    "mesh_layout",
+]
 
 _FLATTENED = {
     "dp": ("dp_replicate", "dp_shard"),
@@ -36,7 +42,9 @@ _FLATTENED = {
 }
 
 
-def mesh_layout(parallelism: ParallelismConfig | Mapping[str, Any], world_size: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+def mesh_layout(
+    parallelism: ParallelismConfig | Mapping[str, Any], world_size: int
+) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """Axis names and sizes the mesh will have for ``world_size`` ranks (pure; no process group)."""
     cfg = ParallelismConfig.from_any(parallelism).resolve(world_size)
     named = [(n, getattr(cfg, n)) for n in AXES if getattr(cfg, n) > 1]
@@ -56,7 +64,9 @@ def init_distributed(device_type: str = "cuda") -> None:
     dist.init_process_group(backend)
 
 
-def build_device_mesh(parallelism: ParallelismConfig | Mapping[str, Any], device_type: str = "cuda") -> DeviceMesh:
+def build_device_mesh(
+    parallelism: ParallelismConfig | Mapping[str, Any], device_type: str = "cuda"
+) -> DeviceMesh:
     """Build the named DeviceMesh for ``parallelism`` over the current world.
 
     ``parallelism`` is a :class:`ParallelismConfig`, a dict of its fields, or a CREDIT-style
@@ -66,7 +76,9 @@ def build_device_mesh(parallelism: ParallelismConfig | Mapping[str, Any], device
     any collective) when the degrees do not fit the world size.
     """
     cfg = ParallelismConfig.from_any(parallelism)
-    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = (
+        dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    )
     names, sizes = mesh_layout(cfg, world_size)  # validates before any process-group work
     if not dist.is_initialized():
         init_distributed(device_type)

@@ -28,8 +28,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["ParallelPlan", "build_parallel_model", "check_plan", "materialize"]
 
-_NOT_YET = {"tp": "forge-tp-plans", "cp": "context parallelism", "pp": "pipeline parallelism",
-            "domain": "forge-domain"}
+_NOT_YET = {
+    "tp": "forge-tp-plans",
+    "cp": "context parallelism",
+    "pp": "pipeline parallelism",
+    "domain": "forge-domain",
+}
 
 
 def check_plan(
@@ -84,11 +88,20 @@ class ParallelPlan:
         sizes = {axis: axis_size(self.device_mesh, axis) for axis in _NOT_YET}
         if self.data is None:
             self.data = "fsdp2" if has_dp_mesh(self.device_mesh) else "none"
-        check_plan(self.data, sizes, param_dtype=self.param_dtype, mp_policy=self.mp_policy, fp8=self.fp8, ac_mode=self.ac_mode)
+        check_plan(
+            self.data,
+            sizes,
+            param_dtype=self.param_dtype,
+            mp_policy=self.mp_policy,
+            fp8=self.fp8,
+            ac_mode=self.ac_mode,
+        )
         if self.data == "fsdp2" and not has_dp_mesh(self.device_mesh):
             raise ForgeConfigError("data='fsdp2' needs a mesh with a data-parallel axis")
 
-    def parallelize(self, model: nn.Module, *, device: torch.device | str | None = None, seed: int | None = None) -> nn.Module:
+    def parallelize(
+        self, model: nn.Module, *, device: torch.device | str | None = None, seed: int | None = None
+    ) -> nn.Module:
         """Apply the plan to ``model`` in order; with ``device``, materialize on it from ``seed``.
 
         A model on the meta device is materialized with ``to_empty(device)`` + ``init_weights(seed)``
@@ -116,7 +129,9 @@ def materialize(model: nn.Module, device: torch.device | str, seed: int) -> nn.M
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         model.to_empty(device=device)
     if not callable(getattr(model, "init_weights", None)):
-        raise ForgeConfigError(f"{type(model).__name__} has no init_weights(seed); materialize it yourself")
+        raise ForgeConfigError(
+            f"{type(model).__name__} has no init_weights(seed); materialize it yourself"
+        )
     model.init_weights(seed)
     return model
 
@@ -146,10 +161,19 @@ def build_parallel_model(
     model built with the same seed). ``device_mesh=None`` builds a plain single-device model.
     """
     if vlm_config is not None or vision_config is not None or adapter_config is not None:
-        raise ForgeConfigError("vision-language models need forge-vlm, which this forge does not have yet")
+        raise ForgeConfigError(
+            "vision-language models need forge-vlm, which this forge does not have yet"
+        )
     plan = ParallelPlan(
-        device_mesh, data=data, ac_mode=ac_mode, compile_model=compile_model, mp_policy=mp_policy,
-        param_dtype=param_dtype, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload, fp8=fp8,
+        device_mesh,
+        data=data,
+        ac_mode=ac_mode,
+        compile_model=compile_model,
+        mp_policy=mp_policy,
+        param_dtype=param_dtype,
+        reshard_after_forward=reshard_after_forward,
+        cpu_offload=cpu_offload,
+        fp8=fp8,
     )
     with torch.device("meta"):
         model = Transformer(model_config)

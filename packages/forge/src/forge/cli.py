@@ -11,18 +11,19 @@ Exit status: 0 PASS, 1 FAIL (parity or a rank error), 2 bad config or arguments.
 
 from __future__ import annotations
 
-import warnings
-
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # noqa: E402 - before torch
-
 import argparse
+import dataclasses
 import logging
 import os
 import socket
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Sequence
+
+# torch warns at import when NumPy is absent; forge does not use NumPy. Set before torch loads.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 __all__ = ["main"]
 
@@ -49,7 +50,9 @@ def _build(args: argparse.Namespace) -> int:
             import torch
 
             if not torch.cuda.is_available():
-                raise ForgeConfigError("--device cuda but no CUDA device is visible; use --device cpu")
+                raise ForgeConfigError(
+                    "--device cuda but no CUDA device is visible; use --device cpu"
+                )
         nproc = args.nproc
         if nproc is None:
             import torch
@@ -60,7 +63,7 @@ def _build(args: argparse.Namespace) -> int:
     except ForgeConfigError as e:
         print(f"forge build: config error: {e}", file=sys.stderr)
         return 2
-    cfg_dict = _as_dict(cfg)
+    cfg_dict = dataclasses.asdict(cfg)
     start = time.perf_counter()
     if _under_launcher():
         report = run_build(cfg_dict, args.device)
@@ -81,9 +84,15 @@ def _launch_local(cfg_dict: dict, device: str, nproc: int, start: float) -> int:
     if device == "cpu":
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"forge-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
-        monitor_interval=0.1, start_method="spawn",
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"forge-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
     )
     try:
         results = elastic_launch(config, run_build)(cfg_dict, device)
@@ -91,25 +100,41 @@ def _launch_local(cfg_dict: dict, device: str, nproc: int, start: float) -> int:
         print(f"forge build: FAIL: a rank failed:\n{e}", file=sys.stderr)
         return 1
     report = results[0]
-    print(report.text + f"\n(total wall time with {nproc} rank launch: {time.perf_counter() - start:.1f}s)")
+    print(
+        report.text
+        + f"\n(total wall time with {nproc} rank launch: {time.perf_counter() - start:.1f}s)"
+    )
     return 0 if report.passed else 1
 
 
-def _as_dict(cfg) -> dict:  # noqa: ANN001
-    import dataclasses
-
-    d = dataclasses.asdict(cfg)
-    return d
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="forge", description="forge: make a PyTorch model parallel.")
+    parser = argparse.ArgumentParser(
+        prog="forge", description="forge: make a PyTorch model parallel."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    build = sub.add_parser("build", help="build the parallel model, train a few steps, check parity, report")
-    build.add_argument("config", nargs="?", default=None, help="TOML config ([model], [parallelism], [training]); default: embedded debug config")
-    build.add_argument("--nproc", type=int, default=None, help="local ranks to start (default: 4 on cpu, all GPUs on cuda); ignored under torchrun")
+    build = sub.add_parser(
+        "build", help="build the parallel model, train a few steps, check parity, report"
+    )
+    build.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help="TOML config ([model], [parallelism], [training]); default: embedded debug config",
+    )
+    build.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local ranks to start (default: 4 on cpu, all GPUs on cuda); ignored under torchrun",
+    )
     build.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    build.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value, e.g. --set parallelism.dp_replicate=2")
+    build.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set parallelism.dp_replicate=2",
+    )
     args = parser.parse_args(argv)
     if args.nproc is not None and args.nproc < 1:
         parser.error("--nproc must be >= 1")

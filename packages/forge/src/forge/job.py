@@ -42,7 +42,9 @@ def check_config(cfg: ForgeConfig, world_size: int) -> None:
             f"{par.dp_degree} data-parallel ranks x training.grad_accum={t.grad_accum}"
         )
     if t.seq_len > cfg.model.max_seq_len:
-        raise ForgeConfigError(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+        raise ForgeConfigError(
+            f"training.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}"
+        )
 
 
 def _param_bytes(model: torch.nn.Module) -> int:
@@ -62,26 +64,43 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     check_config(cfg, world_size)
     if device_type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        torch.set_num_threads(
+            max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        )
     init_distributed(device_type)
     rank = dist.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if device_type == "cuda"
+        else torch.device("cpu")
+    )
     par = cfg.parallelism.resolve(world_size)
     mesh = build_device_mesh(par, device_type)
     t = cfg.training
     dtype = getattr(torch, t.param_dtype)
     model = build_parallel_model(
-        cfg.model, device, mesh, data=par.data, ac_mode=t.ac_mode, param_dtype=dtype,
-        compile_model=t.compile, seed=t.seed, reshard_after_forward=t.reshard_after_forward,
+        cfg.model,
+        device,
+        mesh,
+        data=par.data,
+        ac_mode=t.ac_mode,
+        param_dtype=dtype,
+        compile_model=t.compile,
+        seed=t.seed,
+        reshard_after_forward=t.reshard_after_forward,
         cpu_offload=t.cpu_offload,
     )
-    reference = build_parallel_model(cfg.model, device, None, param_dtype=torch.float32, seed=t.seed)
+    reference = build_parallel_model(
+        cfg.model, device, None, param_dtype=torch.float32, seed=t.seed
+    )
     local_bytes = _param_bytes(model)
     all_bytes: list[int] = [0] * world_size
     dist.all_gather_object(all_bytes, local_bytes)
     tokens = synthetic_tokens(t.seed, t.steps, t.global_batch_size, t.seq_len, cfg.model.vocab_size)
     ref_steps = train_steps(reference, tokens, lr=t.lr, device=device)
-    par_steps = train_steps(model, tokens, mesh=mesh, lr=t.lr, grad_accum=t.grad_accum, device=device)
+    par_steps = train_steps(
+        model, tokens, mesh=mesh, lr=t.lr, grad_accum=t.grad_accum, device=device
+    )
     result = compare_runs(ref_steps, par_steps, dtype)
     elapsed = time.perf_counter() - start
     if rank != 0:
@@ -91,9 +110,14 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
     lines = [
         f"forge build: {world_size} rank(s) on {device_type}, model {cfg.model.n_layers} layers x dim {cfg.model.dim} "
         f"({cfg.model.num_params():,} parameters), param_dtype {t.param_dtype}",
-        "mesh:   " + " x ".join(f"{n}={s}" for n, s in zip(names, sizes, strict=True)) + f"  (data={par.data})",
-        "stages: " + (" -> ".join(applied_stages(model)) or "(none)") + f"   (forge's order: {ORDER_TEXT})",
-        f"params: unsharded {full_bytes:,} B; per rank " + ", ".join(f"r{r} {b:,} B ({b / full_bytes:.0%})" for r, b in enumerate(all_bytes)),
+        "mesh:   "
+        + " x ".join(f"{n}={s}" for n, s in zip(names, sizes, strict=True))
+        + f"  (data={par.data})",
+        "stages: "
+        + (" -> ".join(applied_stages(model)) or "(none)")
+        + f"   (forge's order: {ORDER_TEXT})",
+        f"params: unsharded {full_bytes:,} B; per rank "
+        + ", ".join(f"r{r} {b:,} B ({b / full_bytes:.0%})" for r, b in enumerate(all_bytes)),
         f"train:  {t.steps} steps, global batch {t.global_batch_size} x seq {t.seq_len}, grad_accum {t.grad_accum}, AdamW lr {t.lr}",
         result.table(),
         f"{'PASS' if result.passed else 'FAIL'}: parallel run {'matches' if result.passed else 'does NOT match'} the single-device model "
