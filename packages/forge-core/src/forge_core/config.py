@@ -237,6 +237,8 @@ def _set_override(raw: dict[str, dict[str, Any]], override: str) -> None:
 
 def _build_section(section: str, values: Mapping[str, Any]) -> Any:
     cls = _SECTIONS[section]
+    if cls is ParallelismConfig:  # also accepts CREDIT's {data, tensor, domain}
+        return ParallelismConfig.from_any(values)
     names = {f.name for f in fields(cls)}
     extra = {"preset"} if cls is ModelConfig else set()
     for key in values:
@@ -248,8 +250,6 @@ def _build_section(section: str, values: Mapping[str, Any]) -> Any:
     if cls is ModelConfig:
         values = dict(values)
         return ModelConfig.preset(values.pop("preset", "debug"), **values)
-    if cls is ParallelismConfig:
-        return ParallelismConfig.from_any(values)
     return cls(**values)
 
 

@@ -18,6 +18,7 @@ wrapped blocks, and compile must see the checkpoint boundaries.
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 
 import torch
@@ -26,7 +27,7 @@ from forge_core.blocks import find_blocks
 from forge_core.errors import ForgeConfigError, did_you_mean
 from forge_core.stages import stage
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 __all__ = ["AC_MODES", "apply_ac"]
 
@@ -66,6 +67,15 @@ def _op_context_fn(saved: set[object]):  # noqa: ANN202 - torch's context_fn pro
     return create_selective_checkpoint_contexts(partial(_op_policy, saved))
 
 
+def _op_checkpoint_kwargs(saved: set[object]) -> dict[str, object]:
+    kwargs: dict[str, object] = {"context_fn": partial(_op_context_fn, saved)}
+    # NOTE: torch >= 2.15 can route the tensors SAC saves through active saved_tensors_hooks
+    # (e.g. save_on_cpu offload); older versions silently bypass them. Opt in where available.
+    if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters:
+        kwargs["respect_saved_tensors_hooks"] = True
+    return kwargs
+
+
 def _attention_of(block: nn.Module) -> tuple[nn.Module, str]:
     for name in _ATTENTION_NAMES:
         if isinstance(getattr(block, name, None), nn.Module):
@@ -86,7 +96,7 @@ def apply_ac(model: nn.Module, mode: str) -> nn.Module:
     with stage(model, "ac"):
         if mode == "none":
             return model
-        saved = _saved_ops()
+        op_kwargs = _op_checkpoint_kwargs(_saved_ops()) if mode == "op" else {}
         for container, key, block in find_blocks(model):
             if mode == "full":
                 container.register_module(key, checkpoint_wrapper(block))
@@ -94,6 +104,5 @@ def apply_ac(model: nn.Module, mode: str) -> nn.Module:
                 parent, name = _attention_of(block)
                 parent.register_module(name, checkpoint_wrapper(getattr(parent, name)))
             else:
-                wrapped = checkpoint_wrapper(block, context_fn=partial(_op_context_fn, saved))
-                container.register_module(key, wrapped)
+                container.register_module(key, checkpoint_wrapper(block, **op_kwargs))
     return model

@@ -1,0 +1,64 @@
+"""The multi-rank harness reports failures and hangs clearly, and the parity check can fail."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from forge_core.harness import RankError, RankPool
+from forge_core.training import compare_runs, StepRecord
+
+
+def _rank_and_sum() -> tuple[int, float]:
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank(), t.item()
+
+
+def _fail_on_rank_one() -> int:
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank one")
+    return dist.get_rank()
+
+
+def _hang_on_rank_zero() -> None:
+    if dist.get_rank() == 0:
+        dist.barrier()  # rank 1 never joins
+
+
+def test_run_returns_results_in_rank_order_and_collectives_work(run_on_ranks):
+    assert run_on_ranks(2, _rank_and_sum) == [(0, 3.0), (1, 3.0)]
+
+
+def test_a_rank_traceback_appears_in_the_failure(run_on_ranks):
+    with pytest.raises(RankError) as info:
+        run_on_ranks(2, _fail_on_rank_one)
+    msg = str(info.value)
+    assert "--- rank 1 ---" in msg and "ValueError: boom on rank one" in msg and "_fail_on_rank_one" in msg
+    assert run_on_ranks(2, _rank_and_sum)[0] == (0, 3.0)  # pool still usable
+
+
+def test_a_hang_times_out_with_a_message_and_the_pool_restarts():
+    with RankPool(2) as pool:
+        with pytest.raises(RankError, match=r"ranks \[0\]: no answer within 3s"):
+            pool.run(_hang_on_rank_zero, timeout=3)
+        assert pool.run(_rank_and_sum) == [(0, 3.0), (1, 3.0)]
+
+
+def test_workers_are_separate_processes(run_on_ranks):
+    assert run_on_ranks(2, os.getpid) != [os.getpid()] * 2
+
+
+def test_parity_check_fails_beyond_tolerance_and_names_the_step():
+    ref = [StepRecord(2.0, 1.0), StepRecord(1.5, 1.0)]
+    ok = compare_runs(ref, [StepRecord(2.0 * (1 + 5e-6), 1.0), StepRecord(1.5, 1.0 + 5e-5)])
+    assert ok.passed
+    ok.assert_ok()
+    first_step_off = compare_runs(ref, [StepRecord(2.0 * (1 + 2e-5), 1.0), StepRecord(1.5, 1.0)])
+    assert not first_step_off.passed
+    grad_off = compare_runs(ref, [StepRecord(2.0, 1.0), StepRecord(1.5, 1.0 + 2e-4)])
+    assert not grad_off.passed
+    with pytest.raises(AssertionError, match="FAIL"):
+        grad_off.assert_ok()

@@ -1,0 +1,69 @@
+"""The stage-order contract refuses wrong orders and repeats, naming the right order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from forge_core import ForgeConfigError, ModelConfig, Transformer, applied_stages, check_stage, record_stage
+from forge_core.stages import stage, unwrap
+from forge_fsdp_wrap import apply_ac, apply_compile
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+
+def _meta_model() -> Transformer:
+    with torch.device("meta"):
+        return Transformer(ModelConfig.preset("debug"))
+
+
+def test_stages_in_order_are_recorded():
+    m = _meta_model()
+    for name in ("tp", "ep", "float8", "ac", "compile", "fsdp2"):
+        with stage(m, name):
+            pass
+    assert applied_stages(m) == ["tp", "ep", "float8", "ac", "compile", "fsdp2"]
+
+
+@pytest.mark.parametrize(("done", "late"), [("fsdp2", "ac"), ("ac", "float8"), ("compile", "tp"), ("ddp", "compile"), ("fsdp2", "ddp")])
+def test_out_of_order_stage_is_refused_with_the_order(done, late):
+    m = _meta_model()
+    record_stage(m, done)
+    with pytest.raises(ForgeConfigError, match=rf"cannot apply '{late}' after \['{done}'\].*TP -> EP -> Float8 -> AC -> compile -> FSDP2"):
+        check_stage(m, late)
+
+
+def test_repeated_and_unknown_stages_are_refused():
+    m = _meta_model()
+    apply_ac(m, "full")
+    with pytest.raises(ForgeConfigError, match=r"stage 'ac' was already applied"):
+        apply_ac(m, "full")
+    with pytest.raises(ForgeConfigError, match=r"unknown stage 'fsdp'"):
+        check_stage(m, "fsdp")
+
+
+def test_compile_then_ac_is_refused():
+    m = _meta_model()
+    apply_compile(m, backend="eager")
+    with pytest.raises(ForgeConfigError, match=r"cannot apply 'ac' after \['compile'\]"):
+        apply_ac(m, "full")
+
+
+def test_failed_stage_is_not_recorded():
+    m = _meta_model()
+    with pytest.raises(ForgeConfigError, match=r"ac_mode='fulll' is invalid.*did you mean 'full'"):
+        apply_ac(m, "fulll")
+    assert applied_stages(m) == []
+
+
+def test_checkpoint_wrapper_applied_by_hand_is_detected():
+    m = _meta_model()
+    m.layers["0"] = checkpoint_wrapper(m.layers["0"])
+    assert applied_stages(m) == ["ac"]
+    with pytest.raises(ForgeConfigError, match="already applied"):
+        apply_ac(m, "full")
+
+
+def test_stages_are_read_through_compile_wrappers():
+    m = _meta_model()
+    record_stage(m, "ac")
+    compiled = torch.compile(m, backend="eager")
+    assert unwrap(compiled) is m and applied_stages(compiled) == ["ac"]

@@ -1,0 +1,105 @@
+"""build_parallel_model and `forge build`: the pipeline, the report, the CLI's errors and exit codes."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from forge.build import build_parallel_model
+from forge.cli import main
+from forge.job import run_build
+from forge_core import ForgeConfigError, ModelConfig, applied_stages, load_config
+from forge_mesh import build_device_mesh
+
+CFG = ModelConfig.preset("debug")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _pipeline_stages() -> list[str]:
+    mesh = build_device_mesh({}, "cpu")
+    model = build_parallel_model(CFG, "cpu", mesh, ac_mode="full", compile_model=True, param_dtype=torch.float32)
+    return applied_stages(model)
+
+
+def test_pipeline_applies_ac_compile_fsdp2_in_order(run_on_ranks):
+    assert run_on_ranks(2, _pipeline_stages)[0] == ["ac", "compile", "fsdp2"]
+
+
+def test_layers_that_do_not_exist_yet_are_refused_not_ignored():
+    with pytest.raises(ForgeConfigError, match="fp8=True needs forge-float8"):
+        build_parallel_model(CFG, "cpu", None, fp8=True, param_dtype=torch.float32)
+    with pytest.raises(ForgeConfigError, match="vision-language models need forge-vlm"):
+        build_parallel_model(CFG, "cpu", None, vlm_config=object())
+
+
+def test_single_device_build_without_a_mesh():
+    model = build_parallel_model(CFG, "cpu", None, param_dtype=torch.float32)
+    assert model(torch.zeros(1, 4, dtype=torch.long)).shape == (1, 4, CFG.vocab_size)
+    assert applied_stages(model) == []
+
+
+def _job(overrides: list[str]):
+    os.environ["WORLD_SIZE"] = "4"
+    os.environ["LOCAL_WORLD_SIZE"] = "4"
+    return run_build(dataclasses.asdict(load_config(None, overrides)), "cpu")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["parallelism.dp_replicate=2", "training.ac_mode=op"],
+        ["parallelism.data=ddp", "training.grad_accum=2"],
+        ["model.preset=debug_tied", "training.cpu_offload=true", "training.steps=3"],
+    ],
+)
+def test_build_job_reports_pass_for_other_layouts(run_on_ranks, overrides):
+    reports = run_on_ranks(4, _job, overrides)
+    assert reports[1:] == [None, None, None]
+    report = reports[0]
+    assert report.passed, report.text
+    assert "PASS: parallel run matches the single-device model" in report.text
+
+
+def test_bf16_compute_is_checked_with_low_precision_tolerances(run_on_ranks):
+    report = run_on_ranks(4, _job, ["training.param_dtype=bfloat16", "training.steps=3"])[0]
+    assert report.passed, report.text
+    assert "tolerances: step-1 loss 2e-02" in report.text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["build", "--set", "parallelism.tp=3"], "world size 4 is not divisible by"),
+        (["build", "--set", "parallelism.tp=2"], "parallelism.tp=2 needs forge-tp-plans"),
+        (["build", "--set", "training.stepz=3"], "unknown key 'training.stepz' (did you mean 'steps'?)"),
+        (["build", "--set", "parallelism.data=ddp", "--set", "training.param_dtype=bfloat16"], "data='ddp' has none"),
+        (["build", "--nproc", "3"], "global_batch_size=8 must be divisible by the 3 data-parallel ranks"),
+        (["build", "does-not-exist.toml"], "config file 'does-not-exist.toml' does not exist"),
+    ],
+)
+def test_cli_bad_config_exits_2_before_launching(capsys, args, message):
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_rejects_bad_arguments():
+    with pytest.raises(SystemExit) as info:
+        main(["build", "--nproc", "0"])
+    assert info.value.code == 2
+
+
+def test_forge_build_default_prints_a_passing_report():
+    """The README's first command, end to end: 4 CPU ranks started by forge's own launcher."""
+    forge = Path(sys.executable).with_name("forge")
+    proc = subprocess.run([str(forge), "build"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "mesh:   dp_shard=4  (data=fsdp2)" in out
+    assert "stages: fsdp2" in out
+    assert "r3 106,816 B (25%)" in out
+    assert out.count("\n   ") >= 5 and "PASS: parallel run matches the single-device model" in out
