@@ -123,6 +123,7 @@ def machine_facts(torch_version: str) -> dict[str, str]:
         "OS": f"{platform.system()} {platform.release()}",
         "Python": platform.python_version(),
         "torch": torch_version,
+        "load average at the end (1 min)": f"{os.getloadavg()[0]:.1f}",
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
