@@ -11,7 +11,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists() and p.name != "forge")
+LAYERS = sorted(
+    p.name
+    for p in (ROOT / "packages").iterdir()
+    if (p / "pyproject.toml").exists() and p.name != "forge"
+)
 FORGE_IMPORTS = {d.replace("-", "_") for d in LAYERS} | {"forge"}
 
 
@@ -34,20 +38,44 @@ def test_layer_sources_import_only_forge_core(dist):
     own = _import_name(dist)
     for path in (ROOT / "packages" / dist / "src").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and node.level == 0
+                else []
+            )
             for name in names:
                 top = name.split(".")[0]
-                assert top not in FORGE_IMPORTS - {own, "forge_core"}, f"{path.relative_to(ROOT)} imports {name}"
+                assert top not in FORGE_IMPORTS - {own, "forge_core"}, (
+                    f"{path.relative_to(ROOT)} imports {name}"
+                )
 
 
 @pytest.mark.parametrize("dist", LAYERS)
 def test_layer_installs_alone_and_loads_no_other_layer(dist, tmp_path):
     uv, venv = _uv(), tmp_path / "venv"
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "UV_PROJECT_ENVIRONMENT")}
-    subprocess.run([uv, "venv", "-q", "--python", "3.11", str(venv)], check=True, env=env, cwd=tmp_path)
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "UV_PROJECT_ENVIRONMENT")
+    }
+    subprocess.run(
+        [uv, "venv", "-q", "--python", "3.11", str(venv)], check=True, env=env, cwd=tmp_path
+    )
     env["VIRTUAL_ENV"] = str(venv)
-    subprocess.run([uv, "pip", "install", "-q", str(ROOT / "packages" / dist)], check=True, env=env, cwd=tmp_path)
-    listed = subprocess.run([uv, "pip", "list", "--format", "freeze"], check=True, env=env, cwd=tmp_path, capture_output=True, text=True).stdout
+    subprocess.run(
+        [uv, "pip", "install", "-q", str(ROOT / "packages" / dist)],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    listed = subprocess.run(
+        [uv, "pip", "list", "--format", "freeze"],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    ).stdout
     installed = {line.split("==")[0].split(" @ ")[0].lower() for line in listed.splitlines()}
     forge_dists = {d for d in installed if d.startswith("forge")}
     assert forge_dists <= {dist, "forge-core"}, forge_dists
@@ -57,5 +85,12 @@ def test_layer_installs_alone_and_loads_no_other_layer(dist, tmp_path):
         f"import {_import_name(dist)}; "
         "print(' '.join(sorted({m.split('.')[0] for m in sys.modules if m.startswith('forge')})))"
     )
-    out = subprocess.run([str(venv / "bin" / "python"), "-c", code], check=True, env=env, cwd=tmp_path, capture_output=True, text=True).stdout.split()
+    out = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", code],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     assert set(out) <= {_import_name(dist), "forge_core"}, out

@@ -14,16 +14,31 @@ def test_forge_config_error_is_a_value_error():
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [
-        ({"dp_shard": 0}, r"parallelism\.dp_shard=0 is invalid: it must be a positive integer or -1"),
-        ({"dp_replicate": -1}, r"parallelism\.dp_replicate=-1 is invalid: it must be a positive integer"),
+        (
+            {"dp_shard": 0},
+            r"parallelism\.dp_shard=0 is invalid: it must be a positive integer or -1",
+        ),
+        (
+            {"dp_replicate": -1},
+            r"parallelism\.dp_replicate=-1 is invalid: it must be a positive integer",
+        ),
         ({"tp": 2.0}, r"parallelism\.tp=2\.0 is invalid"),
         ({"cp": True}, r"parallelism\.cp=True is invalid"),
         ({"ep": 0}, r"parallelism\.ep=0"),
         ({"pp": -2}, r"parallelism\.pp=-2"),
         ({"domain": "2"}, r"parallelism\.domain='2'"),
-        ({"data": "fsdp"}, r"parallelism\.data='fsdp' is invalid: choose one of \['fsdp2', 'ddp', 'none'\] \(did you mean 'fsdp2'\?\)"),
-        ({"dp_replicate": 2, "data": "none"}, r"dp_replicate=2 needs data='fsdp2' \(HSDP\) or 'ddp'"),
-        ({"dp_shard": 4, "data": "ddp"}, r"dp_shard=4 with data='ddp'.*set dp_replicate=4 and dp_shard=1"),
+        (
+            {"data": "fsdp"},
+            r"parallelism\.data='fsdp' is invalid: choose one of \['fsdp2', 'ddp', 'none'\] \(did you mean 'fsdp2'\?\)",
+        ),
+        (
+            {"dp_replicate": 2, "data": "none"},
+            r"dp_replicate=2 needs data='fsdp2' \(HSDP\) or 'ddp'",
+        ),
+        (
+            {"dp_shard": 4, "data": "ddp"},
+            r"dp_shard=4 with data='ddp'.*set dp_replicate=4 and dp_shard=1",
+        ),
     ],
 )
 def test_invalid_parallelism_fields_are_named(kwargs, pattern):
@@ -35,7 +50,11 @@ def test_invalid_parallelism_fields_are_named(kwargs, pattern):
     ("kwargs", "world", "pattern"),
     [
         ({"tp": 3}, 8, r"world size 8 is not divisible by .*tp=3.* = 3"),
-        ({"dp_shard": 2, "tp": 2}, 8, r"dp_shard=2 = 4 ranks, but the world size is 8; set dp_shard=-1"),
+        (
+            {"dp_shard": 2, "tp": 2},
+            8,
+            r"dp_shard=2 = 4 ranks, but the world size is 8; set dp_shard=-1",
+        ),
         ({"data": "none"}, 4, r"data='none' but 4 of the 4 ranks are left for data parallelism"),
         ({"ep": 3}, 4, r"parallelism\.ep=3 must divide dp_shard x cp x tp = 4"),
     ],
@@ -60,7 +79,9 @@ def test_credit_style_dict_and_mixed_keys():
     assert (cfg.data, cfg.tp, cfg.domain) == ("ddp", 2, 2)
     with pytest.raises(ForgeConfigError, match=r"mixes CREDIT-style key 'tensor' with \['tp'\]"):
         ParallelismConfig.from_any({"tensor": 2, "tp": 2})
-    with pytest.raises(ForgeConfigError, match=r"unknown parallelism key 'dp_shards' \(did you mean 'dp_shard'\?\)"):
+    with pytest.raises(
+        ForgeConfigError, match=r"unknown parallelism key 'dp_shards' \(did you mean 'dp_shard'\?\)"
+    ):
         ParallelismConfig.from_any({"dp_shards": 2})
 
 
@@ -89,9 +110,13 @@ def test_model_presets_and_defaults():
     cfg = ModelConfig(vocab_size=32, dim=96, n_layers=1, n_heads=4)
     assert cfg.n_kv_heads == 4 and cfg.ffn_dim == 256  # 8/3 * 96 = 256, a multiple of 64
     assert ModelConfig.preset("debug", n_layers=3).n_layers == 3
-    with pytest.raises(ForgeConfigError, match=r"unknown model preset 'debgu' \(did you mean 'debug'\?\)"):
+    with pytest.raises(
+        ForgeConfigError, match=r"unknown model preset 'debgu' \(did you mean 'debug'\?\)"
+    ):
         ModelConfig.preset("debgu")
-    with pytest.raises(ForgeConfigError, match=r"unknown model field 'n_layer' \(did you mean 'n_layers'\?\)"):
+    with pytest.raises(
+        ForgeConfigError, match=r"unknown model field 'n_layer' \(did you mean 'n_layers'\?\)"
+    ):
         ModelConfig.preset("debug", n_layer=3)
 
 
@@ -99,13 +124,21 @@ def test_load_config_from_toml_with_overrides(tmp_path):
     path = tmp_path / "job.toml"
     path.write_text(
         '[model]\npreset = "debug"\nn_layers = 3\n\n'
-        '[parallelism]\ndp_replicate = 2\n\n'
+        "[parallelism]\ndp_replicate = 2\n\n"
         '[training]\nsteps = 4\nac_mode = "full"\n'
     )
-    cfg = load_config(path, ["parallelism.tp=2", "training.lr=0.01", "training.compile=true", 'training.ac_mode="op"'])
+    cfg = load_config(
+        path,
+        ["parallelism.tp=2", "training.lr=0.01", "training.compile=true", 'training.ac_mode="op"'],
+    )
     assert cfg.model.n_layers == 3 and cfg.model.dim == 64
     assert (cfg.parallelism.dp_replicate, cfg.parallelism.tp) == (2, 2)
-    assert (cfg.training.steps, cfg.training.lr, cfg.training.compile, cfg.training.ac_mode) == (4, 0.01, True, "op")
+    assert (cfg.training.steps, cfg.training.lr, cfg.training.compile, cfg.training.ac_mode) == (
+        4,
+        0.01,
+        True,
+        "op",
+    )
 
 
 def test_load_config_defaults_and_dicts():
@@ -121,9 +154,17 @@ def test_load_config_defaults_and_dicts():
         ({"model": {"dimm": 3}}, (), r"unknown key 'model\.dimm' \(did you mean 'dim'\?\)"),
         ({}, ["parallelism.tp"], r"must look like section\.key=value"),
         ({}, ["tp=2"], r"must look like section\.key=value"),
-        ({}, ["parallelsim.tp=2"], r"unknown section 'parallelsim' \(did you mean 'parallelism'\?\)"),
+        (
+            {},
+            ["parallelsim.tp=2"],
+            r"unknown section 'parallelsim' \(did you mean 'parallelism'\?\)",
+        ),
         ({}, ["training.steps=0"], r"training\.steps=0 must be a positive integer"),
-        ({}, ["training.param_dtype=fp8"], r"training\.param_dtype='fp8': choose float32, bfloat16 or float16"),
+        (
+            {},
+            ["training.param_dtype=fp8"],
+            r"training\.param_dtype='fp8': choose float32, bfloat16 or float16",
+        ),
         ({"training": 3}, (), r"config section 'training' must be a table"),
     ],
 )

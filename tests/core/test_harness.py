@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from forge_core.harness import RankError, RankPool
-from forge_core.training import compare_runs, StepRecord
+from forge_core.training import StepRecord, compare_runs
 
 
 def _rank_and_sum() -> tuple[int, float]:
@@ -36,7 +36,11 @@ def test_a_rank_traceback_appears_in_the_failure(run_on_ranks):
     with pytest.raises(RankError) as info:
         run_on_ranks(2, _fail_on_rank_one)
     msg = str(info.value)
-    assert "--- rank 1 ---" in msg and "ValueError: boom on rank one" in msg and "_fail_on_rank_one" in msg
+    assert (
+        "--- rank 1 ---" in msg
+        and "ValueError: boom on rank one" in msg
+        and "_fail_on_rank_one" in msg
+    )
     assert run_on_ranks(2, _rank_and_sum)[0] == (0, 3.0)  # pool still usable
 
 

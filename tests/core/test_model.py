@@ -22,9 +22,18 @@ def _model(cfg: ModelConfig = CFG, seed: int = 0) -> Transformer:
 
 def test_documented_module_names_exist():
     names = dict(_model().named_modules())
-    for name in ["tok_embeddings", "layers.0.attention.wq", "layers.1.attention.wo", "layers.0.feed_forward.w1",
-                 "layers.0.feed_forward.w2", "layers.0.feed_forward.w3", "layers.0.attention_norm",
-                 "layers.0.ffn_norm", "norm", "output"]:
+    for name in [
+        "tok_embeddings",
+        "layers.0.attention.wq",
+        "layers.1.attention.wo",
+        "layers.0.feed_forward.w1",
+        "layers.0.feed_forward.w2",
+        "layers.0.feed_forward.w3",
+        "layers.0.attention_norm",
+        "layers.0.ffn_norm",
+        "norm",
+        "output",
+    ]:
         assert name in names
     assert isinstance(names["layers"], nn.ModuleDict)
 
@@ -111,5 +120,7 @@ def test_ffn_slot_accepts_any_module_and_its_own_init():
 
 
 def test_too_long_sequence_is_a_clear_error():
-    with pytest.raises(ForgeConfigError, match=r"sequence length 129 exceeds model\.max_seq_len=128"):
+    with pytest.raises(
+        ForgeConfigError, match=r"sequence length 129 exceeds model\.max_seq_len=128"
+    ):
         _model()(torch.zeros(1, 129, dtype=torch.long))

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from forge_core import ForgeConfigError, ModelConfig, Transformer, applied_stages, check_stage, record_stage
+from forge_core import (
+    ForgeConfigError,
+    ModelConfig,
+    Transformer,
+    applied_stages,
+    check_stage,
+    record_stage,
+)
 from forge_core.stages import stage, unwrap
 from forge_fsdp_wrap import apply_ac, apply_compile
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -23,11 +30,17 @@ def test_stages_in_order_are_recorded():
     assert applied_stages(m) == ["tp", "ep", "float8", "ac", "compile", "fsdp2"]
 
 
-@pytest.mark.parametrize(("done", "late"), [("fsdp2", "ac"), ("ac", "float8"), ("compile", "tp"), ("ddp", "compile"), ("fsdp2", "ddp")])
+@pytest.mark.parametrize(
+    ("done", "late"),
+    [("fsdp2", "ac"), ("ac", "float8"), ("compile", "tp"), ("ddp", "compile"), ("fsdp2", "ddp")],
+)
 def test_out_of_order_stage_is_refused_with_the_order(done, late):
     m = _meta_model()
     record_stage(m, done)
-    with pytest.raises(ForgeConfigError, match=rf"cannot apply '{late}' after \['{done}'\].*TP -> EP -> Float8 -> AC -> compile -> FSDP2"):
+    with pytest.raises(
+        ForgeConfigError,
+        match=rf"cannot apply '{late}' after \['{done}'\].*TP -> EP -> Float8 -> AC -> compile -> FSDP2",
+    ):
         check_stage(m, late)
 
 

@@ -28,7 +28,9 @@ def _sharded_init_is_bitwise_equal(layout: dict) -> bool:
     sharded = build_parallel_model(CFG, "cpu", mesh, param_dtype=torch.float32, seed=3)
     full = build_parallel_model(CFG, "cpu", None, param_dtype=torch.float32, seed=3)
     pairs = zip(sharded.named_parameters(), full.named_parameters(), strict=True)
-    return all(isinstance(a, DTensor) and torch.equal(a.full_tensor(), b) for (_, a), (_, b) in pairs)
+    return all(
+        isinstance(a, DTensor) and torch.equal(a.full_tensor(), b) for (_, a), (_, b) in pairs
+    )
 
 
 @pytest.mark.parametrize("layout", [{}, {"dp_replicate": 2}])
@@ -94,7 +96,13 @@ def _unshard_roundtrip() -> dict:
 
 def test_unshard_context_gathers_full_params_and_reshards_even_on_error(run_on_ranks):
     out = run_on_ranks(4, _unshard_roundtrip)[0]
-    assert out == {"before": True, "inside_shape": (CFG.vocab_size, CFG.dim), "inside_plain": True, "after": True, "after_error": True}
+    assert out == {
+        "before": True,
+        "inside_shape": (CFG.vocab_size, CFG.dim),
+        "inside_plain": True,
+        "after": True,
+        "after_error": True,
+    }
 
 
 def _fsdp2_then_ac() -> str:
@@ -109,7 +117,10 @@ def _fsdp2_then_ac() -> str:
 
 def test_fsdp2_then_ac_wrong_order_raises(run_on_ranks):
     msg = run_on_ranks(4, _fsdp2_then_ac)[0]
-    assert "cannot apply 'ac' after ['fsdp2']" in msg and "TP -> EP -> Float8 -> AC -> compile -> FSDP2" in msg
+    assert (
+        "cannot apply 'ac' after ['fsdp2']" in msg
+        and "TP -> EP -> Float8 -> AC -> compile -> FSDP2" in msg
+    )
 
 
 def _fully_shard_by_hand_then_ac() -> str:
@@ -149,10 +160,16 @@ def _wrap_errors() -> list[str]:
 def test_wrapping_errors_are_clear(run_on_ranks):
     errors = run_on_ranks(4, _wrap_errors)[0]
     assert "apply_fsdp2 needs a data-parallel axis, but the mesh has ['tp']" in errors[0]
-    assert "reshard_after_forward=3: use True, False, or an int that divides the shard group size 4" in errors[1]
+    assert (
+        "reshard_after_forward=3: use True, False, or an int that divides the shard group size 4"
+        in errors[1]
+    )
     assert "apply_ddp needs materialized parameters" in errors[2]
     assert "apply_ddp needs one data-parallel axis" in errors[3]
-    assert "param_dtype=torch.bfloat16 is FSDP2's mixed-precision compute dtype; data='ddp'" in errors[4]
+    assert (
+        "param_dtype=torch.bfloat16 is FSDP2's mixed-precision compute dtype; data='ddp'"
+        in errors[4]
+    )
 
 
 class _HFStyleLM(nn.Module):
@@ -162,7 +179,10 @@ class _HFStyleLM(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.model = nn.Module()
-        self.model.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU()) for _ in range(n_layers))
+        self.model.layers = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU())
+            for _ in range(n_layers)
+        )
         self.lm_head = nn.Linear(dim, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

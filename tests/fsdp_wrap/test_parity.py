@@ -11,12 +11,16 @@ from forge_core.training import ParityResult, run_parity
 from forge_mesh import build_device_mesh
 
 
-def _parity(layout: dict, preset: str = "debug", grad_accum: int = 1, **plan: object) -> ParityResult:
+def _parity(
+    layout: dict, preset: str = "debug", grad_accum: int = 1, **plan: object
+) -> ParityResult:
     cfg = ModelConfig.preset(preset)
     mesh = build_device_mesh(layout, "cpu")
     parallel = build_parallel_model(cfg, "cpu", mesh, param_dtype=torch.float32, **plan)
     reference = build_parallel_model(cfg, "cpu", None, param_dtype=torch.float32)
-    return run_parity(reference, parallel, mesh=mesh, steps=10, batch_size=8, seq_len=16, grad_accum=grad_accum)
+    return run_parity(
+        reference, parallel, mesh=mesh, steps=10, batch_size=8, seq_len=16, grad_accum=grad_accum
+    )
 
 
 def _assert_all_ranks_pass(results: list[ParityResult]) -> None:
@@ -59,7 +63,9 @@ def test_fsdp2_reshard_to_a_smaller_group_matches_single_device(run_on_ranks):
 
 
 def test_hsdp_ddp_ac_and_accumulation_combined(run_on_ranks):
-    _assert_all_ranks_pass(run_on_ranks(4, _parity, {"dp_replicate": 2}, ac_mode="op", grad_accum=2))
+    _assert_all_ranks_pass(
+        run_on_ranks(4, _parity, {"dp_replicate": 2}, ac_mode="op", grad_accum=2)
+    )
 
 
 def _compiled_parity() -> ParityResult:
@@ -69,7 +75,13 @@ def _compiled_parity() -> ParityResult:
         from forge_core import Transformer
 
         model = Transformer(cfg)
-    plan = ParallelPlan(mesh, ac_mode="full", compile_model=True, compile_backend="aot_eager", param_dtype=torch.float32)
+    plan = ParallelPlan(
+        mesh,
+        ac_mode="full",
+        compile_model=True,
+        compile_backend="aot_eager",
+        param_dtype=torch.float32,
+    )
     parallel = plan.parallelize(model, device="cpu", seed=0)
     reference = build_parallel_model(cfg, "cpu", None, param_dtype=torch.float32)
     return run_parity(reference, parallel, mesh=mesh, steps=4, batch_size=4, seq_len=16)

@@ -33,7 +33,9 @@ def _groups(layout: dict, world: int, axes: list[str]) -> dict[int, dict[str, li
     return out
 
 
-def _expected(sizes: dict[str, int], groups: dict[str, tuple[str, ...]]) -> dict[int, dict[str, list[int]]]:
+def _expected(
+    sizes: dict[str, int], groups: dict[str, tuple[str, ...]]
+) -> dict[int, dict[str, list[int]]]:
     """Row-major rank layout over ``sizes``; a group = ranks that differ only along its axes."""
     names = list(sizes)
     coords = list(itertools.product(*(range(sizes[n]) for n in names)))
@@ -47,32 +49,49 @@ def _expected(sizes: dict[str, int], groups: dict[str, tuple[str, ...]]) -> dict
 
 
 def test_hsdp_tp_2x2x2_groups():
-    got = _groups({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, 8, ["dp_replicate", "dp_shard", "tp", "dp"])
+    got = _groups(
+        {"dp_replicate": 2, "dp_shard": 2, "tp": 2}, 8, ["dp_replicate", "dp_shard", "tp", "dp"]
+    )
     # by hand for rank 5 = (replicate 1, shard 0, tp 1)
     assert got[5] == {"dp_replicate": [1, 5], "dp_shard": [5, 7], "tp": [4, 5], "dp": [1, 3, 5, 7]}
     assert got == _expected(
         {"dp_replicate": 2, "dp_shard": 2, "tp": 2},
-        {"dp_replicate": ("dp_replicate",), "dp_shard": ("dp_shard",), "tp": ("tp",), "dp": ("dp_replicate", "dp_shard")},
+        {
+            "dp_replicate": ("dp_replicate",),
+            "dp_shard": ("dp_shard",),
+            "tp": ("tp",),
+            "dp": ("dp_replicate", "dp_shard"),
+        },
     )
 
 
 def test_pp_dp_tp_2x2x2_groups():
     got = _groups({"pp": 2, "tp": 2}, 8, ["pp", "dp_shard", "tp"])
     assert got[6] == {"pp": [2, 6], "dp_shard": [4, 6], "tp": [6, 7]}
-    assert got == _expected({"pp": 2, "dp_shard": 2, "tp": 2}, {"pp": ("pp",), "dp_shard": ("dp_shard",), "tp": ("tp",)})
+    assert got == _expected(
+        {"pp": 2, "dp_shard": 2, "tp": 2}, {"pp": ("pp",), "dp_shard": ("dp_shard",), "tp": ("tp",)}
+    )
 
 
 def test_dp_cp_tp_groups_and_fsdp_shard_group():
     got = _groups({"dp_shard": 2, "cp": 2, "tp": 2}, 8, ["dp_shard", "cp", "tp", "dp_shard_cp"])
     assert got == _expected(
         {"dp_shard": 2, "cp": 2, "tp": 2},
-        {"dp_shard": ("dp_shard",), "cp": ("cp",), "tp": ("tp",), "dp_shard_cp": ("dp_shard", "cp")},
+        {
+            "dp_shard": ("dp_shard",),
+            "cp": ("cp",),
+            "tp": ("tp",),
+            "dp_shard_cp": ("dp_shard", "cp"),
+        },
     )
 
 
 def test_credit_style_layout_with_domain():
     got = _groups({"data": "fsdp2", "tensor": 2, "domain": 2}, 8, ["dp_shard", "domain", "tp"])
-    assert got == _expected({"dp_shard": 2, "domain": 2, "tp": 2}, {"dp_shard": ("dp_shard",), "domain": ("domain",), "tp": ("tp",)})
+    assert got == _expected(
+        {"dp_shard": 2, "domain": 2, "tp": 2},
+        {"dp_shard": ("dp_shard",), "domain": ("domain",), "tp": ("tp",)},
+    )
 
 
 def test_dp_mesh_helpers():
@@ -106,7 +125,10 @@ def test_thousands_of_ranks_plan_in_one_process():
 
 
 def test_mesh_layout_is_pure():
-    assert mesh_layout({"tp": 2, "dp_replicate": 2}, 16) == (("dp_replicate", "dp_shard", "tp"), (2, 4, 2))
+    assert mesh_layout({"tp": 2, "dp_replicate": 2}, 16) == (
+        ("dp_replicate", "dp_shard", "tp"),
+        (2, 4, 2),
+    )
 
 
 def test_bad_layout_fails_before_any_process_group(monkeypatch):

@@ -27,7 +27,11 @@ from forge_core.blocks import find_blocks
 from forge_core.errors import ForgeConfigError, did_you_mean
 from forge_core.stages import stage
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 __all__ = ["AC_MODES", "apply_ac"]
 

@@ -117,22 +117,40 @@ class ParallelPlan:
             mp = self.mp_policy or default_mp_policy(self.param_dtype)
             apply_fsdp2(model, self.device_mesh, mp, self.reshard_after_forward, self.cpu_offload)
         if device is not None:
-            materialize(model, device, seed or 0)
+            # NOTE: with CPU offload the sharded parameters live on the CPU (FSDP2 copies them to
+            # the device per unit); buffers are not managed by FSDP2 and must be on the device.
+            param_device = "cpu" if self.cpu_offload and self.data == "fsdp2" else device
+            materialize(model, device, seed or 0, param_device=param_device)
         if self.data == "ddp":
             return apply_ddp(model, self.device_mesh)
         return model
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device | str, seed: int) -> nn.Module:
-    """Allocate a meta-device model on ``device`` and fill it deterministically from ``seed``."""
-    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        model.to_empty(device=device)
+def materialize(
+    model: nn.Module,
+    device: torch.device | str,
+    seed: int,
+    *,
+    param_device: torch.device | str | None = None,
+) -> nn.Module:
+    """Allocate a meta-device model and fill it deterministically from ``seed``.
+
+    Parameters go to ``param_device`` (default ``device``), buffers to ``device``.
+    """
     if not callable(getattr(model, "init_weights", None)):
         raise ForgeConfigError(
             f"{type(model).__name__} has no init_weights(seed); materialize it yourself"
         )
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        model.to_empty(device=param_device or device)
     model.init_weights(seed)
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf.device != torch.device(device):
+                module.register_buffer(
+                    name, buf.to(device), persistent=name not in module._non_persistent_buffers_set
+                )
     return model
 
 

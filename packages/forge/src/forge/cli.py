@@ -67,10 +67,9 @@ def _build(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     if _under_launcher():
         report = run_build(cfg_dict, args.device)
-        if report is not None:
+        if report.text:
             print(report.text + f"\n(total wall time {time.perf_counter() - start:.1f}s)")
-            return 0 if report.passed else 1
-        return 0
+        return 0 if report.passed else 1
     return _launch_local(cfg_dict, args.device, nproc, start)
 
 

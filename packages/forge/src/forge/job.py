@@ -57,8 +57,8 @@ def _param_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport | None:
-    """One rank's part of ``forge build``; rank 0 returns the report, the others None."""
+def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport:
+    """One rank's part of ``forge build``: every rank returns the verdict, rank 0 also the text."""
     start = time.perf_counter()
     cfg = load_config(cfg_dict)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -104,7 +104,7 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
     result = compare_runs(ref_steps, par_steps, dtype)
     elapsed = time.perf_counter() - start
     if rank != 0:
-        return None
+        return BuildReport("", result.passed)
     full_bytes = _param_bytes(reference)
     names, sizes = mesh_layout(par, world_size)
     lines = [
