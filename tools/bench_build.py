@@ -2,13 +2,11 @@
 
 Run from anywhere: ``uv run python tools/bench_build.py`` (about 3 minutes on 2 CPU cores).
 
-- ``forge build``: wall time of the default CLI run, ``--reps`` times, as a subprocess; each run
-  must exit 0 and print PASS (the script stops otherwise).
-- planning at scale: one fresh interpreter per layout (so ``ru_maxrss`` is that layout's alone):
-  the ``fake`` backend at world size 1,024, ``build_device_mesh``, the ``llama3_8b`` Transformer
-  on the meta device, optionally ``apply_ac(full)``, then ``apply_fsdp2``; each phase timed.
+- ``forge build``: wall time of the default CLI run, ``--reps`` times; each must exit 0 and PASS.
+- planning: one fresh interpreter per layout (so ``ru_maxrss`` is its own) on the ``fake`` backend
+  at world size 1,024: mesh, ``llama3_8b`` on meta, optional ``apply_ac(full)``, ``apply_fsdp2``.
 
-Prints the tables and rewrites ``benchmarks/build.md`` (the page says how to read them).
+Prints the tables and rewrites ``benchmarks/build.md``.
 """
 
 from __future__ import annotations
@@ -164,23 +162,19 @@ Written by `uv run python tools/bench_build.py`; rerun it to refresh this page.
 
 ## What and how
 
-1. **`forge build`**: wall time of the default `forge build` (`python -m forge.cli build` from the
-   repo root, a fresh process each run: interpreter start, rank launch, building the model, the
-   parallel and single-device training runs, the parity check). Every run exited 0 and printed
-   PASS. "rank-0 job time" is the job's own time as its report prints it; the rest is process
-   start, torch imports and rank launch. The last run's report:
+1. **`forge build`**: wall time of `python -m forge.cli build` (default config) from the repo
+   root, a fresh process per run; every run exited 0 and printed PASS. "rank-0 job time" is the
+   job's own time from its report; the rest is process start, imports and rank launch. Last report:
 
    ```
 {textwrap.indent(cli["report"].strip(), "   ")}
    ```
-2. **Planning at scale**: one fresh Python process per row, `init_process_group("fake", rank=0,
-   world_size=1024)`, `forge_mesh.build_device_mesh(layout, "cpu")`, the `{PRESET}` reference
-   Transformer ({full:,} parameters, 32 layers) built under `torch.device("meta")`, optionally
-   `apply_ac(model, "full")`, then `apply_fsdp2(model, mesh, mp_policy=default_mp_policy())`.
-   Phases timed with `time.perf_counter`; peak RSS is `ru_maxrss` of the process, with the RSS
-   right after importing torch and forge in brackets. Nothing is materialized: every parameter
-   is a meta DTensor. Per-rank counts are rank 0's local shards; FSDP2 splits dim 0 into
-   equal chunks rounded up, so rank 0 holds slightly more than full / world.
+2. **Planning at scale**: a fresh process per row: `init_process_group("fake", rank=0,
+   world_size=1024)`, `build_device_mesh(layout, "cpu")`, the `{PRESET}` Transformer ({full:,}
+   parameters) under `torch.device("meta")`, optionally `apply_ac(model, "full")`, then
+   `apply_fsdp2(model, mesh, mp_policy=default_mp_policy())`, each timed. Peak RSS is `ru_maxrss`
+   (in brackets: right after the imports). Nothing is materialized (all parameters are meta
+   DTensors). FSDP2 chunks dim 0 rounded up, so rank 0 holds a bit more than full / world.
 
 ## Results
 

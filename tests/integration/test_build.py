@@ -67,8 +67,11 @@ def test_build_job_reports_pass_for_other_layouts(run_on_ranks, overrides):
     assert "PASS: parallel run matches the single-device model" in report.text
 
 
-def test_bf16_compute_is_checked_with_low_precision_tolerances(run_on_ranks):
-    report = run_on_ranks(4, _job, ["training.param_dtype=bfloat16", "training.steps=3"])[0]
+@pytest.mark.parametrize("data", ["fsdp2", "ddp"])
+def test_bf16_compute_is_checked_with_low_precision_tolerances(run_on_ranks, data):
+    report = run_on_ranks(
+        4, _job, ["training.param_dtype=bfloat16", "training.steps=3", f"parallelism.data={data}"]
+    )[0]
     assert report.passed, report.text
     assert "tolerances: step-1 loss 2e-02" in report.text
 
@@ -82,10 +85,7 @@ def test_bf16_compute_is_checked_with_low_precision_tolerances(run_on_ranks):
             ["build", "--set", "training.stepz=3"],
             "unknown key 'training.stepz' (did you mean 'steps'?)",
         ),
-        (
-            ["build", "--set", "parallelism.data=ddp", "--set", "training.param_dtype=bfloat16"],
-            "data='ddp' has none",
-        ),
+        (["build", "--set", "parallelism.ep=2"], "parallelism.ep=2 needs forge-moe-ep"),
         (
             ["build", "--nproc", "3"],
             "global_batch_size=8 must be divisible by the 3 data-parallel ranks",

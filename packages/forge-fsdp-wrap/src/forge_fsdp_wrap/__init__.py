@@ -6,6 +6,7 @@ The last stages of forge's order (TP -> EP -> Float8 -> AC -> compile -> FSDP2/D
 - :func:`apply_compile` compiles each block in place
 - :func:`apply_fsdp2` shards each block, then the root; a 2-D DP mesh gives HSDP
 - :func:`apply_ddp` replicates with DistributedDataParallel
+- :func:`enable_autocast` low-precision compute for DDP / single-device models
 - :func:`unshard_fsdp2_model` gathers full parameters for a while (eval, export)
 
 Every ``apply_*`` goes through forge_core's stage-order contract. Gradient accumulation:
@@ -15,7 +16,13 @@ Depends on forge_core and torch only.
 
 from .ac import AC_MODES, apply_ac
 from .compile import apply_compile
-from .data_parallel import apply_ddp, apply_fsdp2, default_mp_policy, unshard_fsdp2_model
+from .data_parallel import (
+    apply_ddp,
+    apply_fsdp2,
+    default_mp_policy,
+    enable_autocast,
+    unshard_fsdp2_model,
+)
 
 __version__ = "0.1.0"
 __all__ = [
@@ -25,5 +32,6 @@ __all__ = [
     "apply_ddp",
     "apply_fsdp2",
     "default_mp_policy",
+    "enable_autocast",
     "unshard_fsdp2_model",
 ]

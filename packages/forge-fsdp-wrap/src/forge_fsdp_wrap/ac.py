@@ -97,9 +97,9 @@ def apply_ac(model: nn.Module, mode: str) -> nn.Module:
             f"ac_mode={mode!r} is invalid: choose one of {list(AC_MODES)}"
             + did_you_mean(str(mode), AC_MODES)
         )
+    if mode == "none":  # nothing is wrapped, so nothing is recorded: a later mode may still run
+        return model
     with stage(model, "ac"):
-        if mode == "none":
-            return model
         op_kwargs = _op_checkpoint_kwargs(_saved_ops()) if mode == "op" else {}
         for container, key, block in find_blocks(model):
             if mode == "full":

@@ -27,7 +27,13 @@ from torch.distributed.fsdp import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["apply_ddp", "apply_fsdp2", "default_mp_policy", "unshard_fsdp2_model"]
+__all__ = [
+    "apply_ddp",
+    "apply_fsdp2",
+    "default_mp_policy",
+    "enable_autocast",
+    "unshard_fsdp2_model",
+]
 
 
 def default_mp_policy(param_dtype: torch.dtype = torch.bfloat16) -> MixedPrecisionPolicy:
@@ -44,6 +50,33 @@ def default_mp_policy(param_dtype: torch.dtype = torch.bfloat16) -> MixedPrecisi
     return MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=True
     )
+
+
+def enable_autocast(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Run ``model``'s forward under ``torch.autocast(dtype)``: float32 parameters, ``dtype`` compute.
+
+    The mixed-precision counterpart of :func:`default_mp_policy` for DDP and single-device models,
+    which have no FSDP2 policy. Done with forward hooks (the post-hook also runs when forward
+    raises), so the module keeps its class and parameter names. Returns ``model``.
+    """
+    if model.__dict__.get("_forge_autocast") is not None:
+        raise ForgeConfigError(
+            f"autocast is already enabled on this model ({model._forge_autocast})"
+        )
+    active: list[torch.autocast] = []
+
+    def enter(module: nn.Module, args: object) -> None:
+        device = next(module.parameters()).device.type
+        active.append(torch.autocast(device, dtype=dtype))
+        active[-1].__enter__()
+
+    def leave(module: nn.Module, args: object, output: object) -> None:
+        active.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
+    model.__dict__["_forge_autocast"] = dtype
+    return model
 
 
 def _check_reshard(reshard_after_forward: bool | int, shard_size: int) -> None:

@@ -22,17 +22,20 @@ from forge_fsdp_wrap import (
     apply_ddp,
     apply_fsdp2,
     default_mp_policy,
+    enable_autocast,
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["ParallelPlan", "build_parallel_model", "check_plan", "materialize"]
 
-_NOT_YET = {
+#: Axes whose layer this forge does not have yet -> what provides them. Refused, never ignored.
+NOT_YET = {
     "tp": "forge-tp-plans",
     "cp": "context parallelism",
     "pp": "pipeline parallelism",
     "domain": "forge-domain",
+    "ep": "forge-moe-ep",
 }
 
 
@@ -40,15 +43,13 @@ def check_plan(
     data: str,
     axis_sizes: dict[str, int],
     *,
-    param_dtype: torch.dtype,
-    mp_policy: MixedPrecisionPolicy | None = None,
     fp8: bool = False,
     ac_mode: str = "none",
 ) -> None:
     """Refuse what this forge cannot do, before any process group exists (pure checks)."""
     if data not in ("fsdp2", "ddp", "none"):
         raise ForgeConfigError(f"data={data!r}: choose 'fsdp2', 'ddp' or 'none'")
-    for axis, layer in _NOT_YET.items():
+    for axis, layer in NOT_YET.items():
         if axis_sizes.get(axis, 1) > 1:
             raise ForgeConfigError(
                 f"parallelism.{axis}={axis_sizes[axis]} needs {layer}, which this forge does not have yet; set {axis}=1"
@@ -57,11 +58,6 @@ def check_plan(
         raise ForgeConfigError("fp8=True needs forge-float8, which this forge does not have yet")
     if ac_mode not in AC_MODES:
         raise ForgeConfigError(f"ac_mode={ac_mode!r} is invalid: choose one of {list(AC_MODES)}")
-    if data in ("ddp", "none") and mp_policy is None and param_dtype != torch.float32:
-        raise ForgeConfigError(
-            f"param_dtype={param_dtype} is FSDP2's mixed-precision compute dtype; data='{data}' "
-            "has none: pass param_dtype=torch.float32 (and torch.autocast for low-precision compute)"
-        )
 
 
 @dataclass
@@ -69,8 +65,9 @@ class ParallelPlan:
     """How to parallelize a model over ``device_mesh``; :meth:`parallelize` applies it.
 
     ``data``: ``fsdp2`` | ``ddp`` | ``none``; None picks ``fsdp2`` when the mesh has a DP axis.
-    ``param_dtype`` is FSDP2's compute dtype (ignored when ``mp_policy`` is given); DDP and
-    ``none`` have no mixed-precision policy, so they need float32 (use ``torch.autocast``).
+    ``param_dtype`` is the compute dtype; parameters (master weights) stay float32 in every mode.
+    FSDP2 gets it through ``default_mp_policy`` (ignored when ``mp_policy`` is given); DDP and
+    ``none`` run the forward under ``torch.autocast(param_dtype)`` (see ``enable_autocast``).
     """
 
     device_mesh: DeviceMesh | None
@@ -85,14 +82,12 @@ class ParallelPlan:
     fp8: bool = False
 
     def __post_init__(self) -> None:
-        sizes = {axis: axis_size(self.device_mesh, axis) for axis in _NOT_YET}
+        sizes = {axis: axis_size(self.device_mesh, axis) for axis in NOT_YET}
         if self.data is None:
             self.data = "fsdp2" if has_dp_mesh(self.device_mesh) else "none"
         check_plan(
             self.data,
             sizes,
-            param_dtype=self.param_dtype,
-            mp_policy=self.mp_policy,
             fp8=self.fp8,
             ac_mode=self.ac_mode,
         )
@@ -121,6 +116,8 @@ class ParallelPlan:
             # the device per unit); buffers are not managed by FSDP2 and must be on the device.
             param_device = "cpu" if self.cpu_offload and self.data == "fsdp2" else device
             materialize(model, device, seed or 0, param_device=param_device)
+        if self.data in ("ddp", "none") and self.param_dtype != torch.float32:
+            enable_autocast(model, self.param_dtype)
         if self.data == "ddp":
             return apply_ddp(model, self.device_mesh)
         return model

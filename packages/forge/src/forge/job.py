@@ -18,7 +18,7 @@ from forge_core import ORDER_TEXT, ForgeConfig, ForgeConfigError, applied_stages
 from forge_core.training import compare_runs, synthetic_tokens, train_steps
 from forge_mesh import build_device_mesh, init_distributed, mesh_layout
 
-from .build import build_parallel_model, check_plan
+from .build import NOT_YET, build_parallel_model, check_plan
 
 __all__ = ["BuildReport", "check_config", "run_build"]
 
@@ -32,9 +32,8 @@ class BuildReport:
 def check_config(cfg: ForgeConfig, world_size: int) -> None:
     """Every check that needs no process group: raises ForgeConfigError before any launch."""
     par = cfg.parallelism.resolve(world_size)
-    sizes = {name: getattr(par, name) for name in ("tp", "cp", "pp", "domain")}
-    dtype = getattr(torch, cfg.training.param_dtype)
-    check_plan(par.data, sizes, param_dtype=dtype, ac_mode=cfg.training.ac_mode)
+    sizes = {name: getattr(par, name) for name in NOT_YET}
+    check_plan(par.data, sizes, ac_mode=cfg.training.ac_mode)
     t = cfg.training
     if t.global_batch_size % (par.dp_degree * t.grad_accum):
         raise ForgeConfigError(
