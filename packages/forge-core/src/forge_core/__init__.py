@@ -11,7 +11,7 @@ Depends on torch only.
 """
 
 from .blocks import find_block_container, find_blocks
-from .config import ForgeConfig, ParallelismConfig, TrainingConfig, load_config
+from .config import ForgeConfig, ParallelismConfig, TPConfig, TrainingConfig, load_config
 from .errors import ForgeConfigError
 from .mesh_dims import (
     AXES,
@@ -36,6 +36,7 @@ __all__ = [
     "ForgeConfigError",
     "ModelConfig",
     "ParallelismConfig",
+    "TPConfig",
     "TrainingConfig",
     "Transformer",
     "TransformerBlock",

@@ -24,6 +24,7 @@ __all__ = [
     "DATA_MODES",
     "ForgeConfig",
     "ParallelismConfig",
+    "TPConfig",
     "TrainingConfig",
     "load_config",
 ]
@@ -197,19 +198,57 @@ class TrainingConfig:
 
 
 @dataclass(frozen=True)
+class TPConfig:
+    """Tensor-parallel options (used when ``parallelism.tp > 1``).
+
+    ``plan``: an import path ``"package.module:NAME"`` of a plan dict or function; None chooses
+    automatically. Importing runs code, so it happens only for modules listed in
+    ``allow_import`` (module prefixes) — a config file cannot make forge import anything else.
+    ``sequence_parallel``: ``"auto"`` (on for registered plans unless embeddings are tied),
+    true or false. ``loss_parallel``: keep logits vocab-sharded through the loss.
+    """
+
+    plan: str | None = None
+    allow_import: tuple[str, ...] = ()
+    sequence_parallel: bool | str = "auto"
+    loss_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if self.sequence_parallel not in (True, False, "auto"):
+            raise ForgeConfigError(f"tp.sequence_parallel={self.sequence_parallel!r}: use true, false or \"auto\"")
+        if not isinstance(self.allow_import, tuple | list) or not all(isinstance(p, str) for p in self.allow_import):
+            raise ForgeConfigError(f"tp.allow_import={self.allow_import!r} must be a list of module prefixes")
+        object.__setattr__(self, "allow_import", tuple(self.allow_import))
+        if self.plan is not None and not isinstance(self.plan, str):
+            raise ForgeConfigError(f"tp.plan={self.plan!r} must be an import path 'package.module:NAME'")
+
+    @property
+    def sequence_parallel_flag(self) -> bool | None:
+        """None for ``"auto"``, else the bool."""
+        return None if self.sequence_parallel == "auto" else bool(self.sequence_parallel)
+
+
+@dataclass(frozen=True)
 class ForgeConfig:
-    """Everything ``forge build`` needs: the model, the layout and the training job."""
+    """Everything ``forge build`` needs: the model, the layout, TP options and the training job."""
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig.preset("debug"))
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    tp: TPConfig = field(default_factory=TPConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
 
 
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "parallelism": ParallelismConfig,
+    "tp": TPConfig,
     "training": TrainingConfig,
 }
+
+
+#: What ``load_config(None)`` (``forge build`` with no config file) starts from: the debug model,
+#: tp=2 with sequence parallelism and FSDP2 over the remaining ranks (dp_shard 2 x tp 2 on 4).
+EMBEDDED_DEFAULT: dict[str, dict[str, Any]] = {"model": {"preset": "debug"}, "parallelism": {"tp": 2}}
 
 
 def _parse_value(text: str) -> Any:
@@ -259,10 +298,11 @@ def load_config(
     """Load a :class:`ForgeConfig` from a TOML path or a dict, then apply ``key=value`` overrides.
 
     ``[model]`` takes ``preset = "debug"`` plus any ``ModelConfig`` field to override the preset.
-    Missing sections take their defaults; unknown sections and keys are errors.
+    Missing sections take their defaults; unknown sections and keys are errors. With no path or
+    dict, the start is :data:`EMBEDDED_DEFAULT` (what ``forge build`` runs by default).
     """
     if path_or_dict is None:
-        raw: dict[str, Any] = {}
+        raw: dict[str, Any] = {k: dict(v) for k, v in EMBEDDED_DEFAULT.items()}
     elif isinstance(path_or_dict, Mapping):
         raw = {k: dict(v) if isinstance(v, Mapping) else v for k, v in path_or_dict.items()}
     else:

@@ -11,6 +11,8 @@ fp32 tolerances (relative): step-1 loss <= 1e-5, every step's loss and grad norm
 
 from __future__ import annotations
 
+import logging
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from .errors import ForgeConfigError
 from .mesh_dims import DP_AXES, dp_rank_and_size, has_axis, sub_mesh
@@ -123,10 +126,18 @@ def global_grad_norm(parameters: list[nn.Parameter] | object) -> torch.Tensor:
     by_mesh: dict[int, list[DTensor]] = {}
     for g in sharded:
         by_mesh.setdefault(id(g.device_mesh), []).append(g)
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(group)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        squares += norm.double().cpu() ** 2
+    # NOTE: reducing a norm that is partial over 2 mesh axes takes 2 all-reduces; DTensor logs a
+    # performance warning per call for that, which is noise for this diagnostic.
+    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute_log.level
+    redistribute_log.setLevel(logging.ERROR)
+    try:
+        for group in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm(group)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            squares += norm.double().cpu() ** 2
+    finally:
+        redistribute_log.setLevel(level)
     return squares.sqrt()
 
 
@@ -164,10 +175,13 @@ def train_steps(
         for i, micro in enumerate(micro_batches):
             set_gradient_sync(model, i == len(micro_batches) - 1)
             logits = model(micro[:, :-1])
-            loss = (
-                F.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten()) / grad_accum
-            )
-            loss.backward()
+            # Vocab-sharded logits (loss parallel): the cross entropy reduces across the tp ranks
+            # without ever gathering the logits; forward and backward both need the context.
+            context = loss_parallel() if isinstance(logits, DTensor) else nullcontext()
+            with context:
+                loss = F.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten()) / grad_accum
+                loss.backward()
+            loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
             total += loss.detach()
         grad_norm = global_grad_norm(list(model.parameters()))
         optimizer.step()

@@ -3,18 +3,20 @@
     mesh -> model on meta -> TP -> EP -> Float8 -> AC -> compile -> FSDP2 -> materialize
                                                             (DDP: materialize -> DDP)
 
-TP, EP and Float8 arrive with their layers (forge-tp-plans, forge-moe-ep, forge-float8); until
-then a config asking for them is refused with the reason, never silently ignored.
+EP and Float8 arrive with their layers (forge-moe-ep, forge-float8); until then a config asking
+for them is refused with the reason, never silently ignored.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from forge_core import ForgeConfigError, ModelConfig, Transformer
 from forge_core.mesh_dims import axis_size, has_dp_mesh
+from forge_tp_plans import apply_tensor_parallel
 from forge_fsdp_wrap import (
     AC_MODES,
     apply_ac,
@@ -31,7 +33,6 @@ __all__ = ["ParallelPlan", "build_parallel_model", "check_plan", "materialize"]
 
 #: Axes whose layer this forge does not have yet -> what provides them. Refused, never ignored.
 NOT_YET = {
-    "tp": "forge-tp-plans",
     "cp": "context parallelism",
     "pp": "pipeline parallelism",
     "domain": "forge-domain",
@@ -56,6 +57,11 @@ def check_plan(
             )
     if fp8:
         raise ForgeConfigError("fp8=True needs forge-float8, which this forge does not have yet")
+    if data == "ddp" and axis_sizes.get("tp", 1) > 1:
+        raise ForgeConfigError(
+            f"data='ddp' with tp={axis_sizes['tp']}: DDP does not handle tensor-parallel (DTensor) "
+            "parameters; use data='fsdp2' (FSDP2 shards them on the dp axis: 2-D)"
+        )
     if ac_mode not in AC_MODES:
         raise ForgeConfigError(f"ac_mode={ac_mode!r} is invalid: choose one of {list(AC_MODES)}")
 
@@ -80,9 +86,13 @@ class ParallelPlan:
     reshard_after_forward: bool | int = True
     cpu_offload: bool = False
     fp8: bool = False
+    tp_plan: Mapping[str, object] | str | None = None
+    sequence_parallel: bool | None = None
+    loss_parallel: bool = False
+    allow_plan_import: bool | Sequence[str] = False
 
     def __post_init__(self) -> None:
-        sizes = {axis: axis_size(self.device_mesh, axis) for axis in NOT_YET}
+        sizes = {axis: axis_size(self.device_mesh, axis) for axis in (*NOT_YET, "tp")}
         if self.data is None:
             self.data = "fsdp2" if has_dp_mesh(self.device_mesh) else "none"
         check_plan(
@@ -103,7 +113,16 @@ class ParallelPlan:
         (after FSDP2, so each rank allocates only its shard; before DDP, which needs values).
         Returns the model (the DDP wrapper for ``data='ddp'``).
         """
-        # TP -> EP -> Float8: arrive with their layers (refused in __post_init__ until then).
+        if axis_size(self.device_mesh, "tp") > 1:
+            apply_tensor_parallel(
+                model,
+                self.device_mesh,
+                plan=self.tp_plan,
+                sequence_parallel=self.sequence_parallel,
+                loss_parallel=self.loss_parallel,
+                allow_import=self.allow_plan_import,
+            )
+        # EP -> Float8: arrive with their layers (refused in __post_init__ until then).
         if self.ac_mode != "none":
             apply_ac(model, self.ac_mode)
         if self.compile_model:
@@ -168,6 +187,10 @@ def build_parallel_model(
     seed: int = 0,
     reshard_after_forward: bool | int = True,
     cpu_offload: bool = False,
+    tp_plan: Mapping[str, object] | str | None = None,
+    sequence_parallel: bool | None = None,
+    loss_parallel: bool = False,
+    allow_plan_import: bool | Sequence[str] = False,
 ) -> nn.Module:
     """Build the reference Transformer on the meta device, parallelize it, materialize it.
 
@@ -189,6 +212,10 @@ def build_parallel_model(
         reshard_after_forward=reshard_after_forward,
         cpu_offload=cpu_offload,
         fp8=fp8,
+        tp_plan=tp_plan,
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+        allow_plan_import=allow_plan_import,
     )
     with torch.device("meta"):
         model = Transformer(model_config)

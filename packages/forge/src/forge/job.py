@@ -17,6 +17,7 @@ import torch.distributed as dist
 from forge_core import ORDER_TEXT, ForgeConfig, ForgeConfigError, applied_stages, load_config
 from forge_core.training import compare_runs, synthetic_tokens, train_steps
 from forge_mesh import build_device_mesh, init_distributed, mesh_layout
+from forge_tp_plans import check_transformer_tp, describe_tp_plan
 
 from .build import NOT_YET, build_parallel_model, check_plan
 
@@ -32,9 +33,15 @@ class BuildReport:
 def check_config(cfg: ForgeConfig, world_size: int) -> None:
     """Every check that needs no process group: raises ForgeConfigError before any launch."""
     par = cfg.parallelism.resolve(world_size)
-    sizes = {name: getattr(par, name) for name in NOT_YET}
+    sizes = {name: getattr(par, name) for name in (*NOT_YET, "tp")}
     check_plan(par.data, sizes, ac_mode=cfg.training.ac_mode)
     t = cfg.training
+    if par.tp > 1 and cfg.tp.plan is None:
+        sp = cfg.tp.sequence_parallel_flag
+        sp = (not cfg.model.tie_embeddings) if sp is None else sp
+        if sp and cfg.model.tie_embeddings:
+            raise ForgeConfigError("tp.sequence_parallel=true with model.tie_embeddings: set tp.sequence_parallel=false")
+        check_transformer_tp(cfg.model, par.tp, seq_len=t.seq_len, sequence_parallel=sp)
     if t.global_batch_size % (par.dp_degree * t.grad_accum):
         raise ForgeConfigError(
             f"training.global_batch_size={t.global_batch_size} must be divisible by the "
@@ -88,6 +95,10 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         seed=t.seed,
         reshard_after_forward=t.reshard_after_forward,
         cpu_offload=t.cpu_offload,
+        tp_plan=cfg.tp.plan,
+        sequence_parallel=cfg.tp.sequence_parallel_flag,
+        loss_parallel=cfg.tp.loss_parallel,
+        allow_plan_import=cfg.tp.allow_import,
     )
     reference = build_parallel_model(
         cfg.model, device, None, param_dtype=torch.float32, seed=t.seed
@@ -117,6 +128,7 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         + f"   (forge's order: {ORDER_TEXT})",
         f"params: unsharded {full_bytes:,} B; per rank "
         + ", ".join(f"r{r} {b:,} B ({b / full_bytes:.0%})" for r, b in enumerate(all_bytes)),
+        *(["tp:     " + describe_tp_plan(model)] if par.tp > 1 else []),
         f"train:  {t.steps} steps, global batch {t.global_batch_size} x seq {t.seq_len}, grad_accum {t.grad_accum}, AdamW lr {t.lr}",
         result.table(),
         f"{'PASS' if result.passed else 'FAIL'}: parallel run {'matches' if result.passed else 'does NOT match'} the single-device model "

@@ -1,0 +1,31 @@
+"""forge_tp_plans: tensor and sequence parallelism for the reference model, Hugging Face models,
+and any model that opts in with class attributes.
+
+- :func:`apply_tensor_parallel` chooses a plan (explicit > registered > Hugging Face > opt-in),
+  validates it, shards with DTensor and records what it did (:func:`describe_tp_plan`)
+- :func:`translate_parallel_style` maps transformers 4.x / 5.x style strings to torch styles
+- :func:`register_tp_plan` adds a plan for a model class
+- ``ColwiseConv1x1`` / ``RowwiseConv1x1`` shard 1x1 convolutions on channels
+
+The first stage of forge's order (TP -> EP -> Float8 -> AC -> compile -> FSDP2). Depends on
+forge_core and torch only.
+"""
+
+from .apply import AppliedPlan, applied_tp_plan, apply_tensor_parallel, check_transformer_tp, describe_tp_plan
+from .plans import PlanContext, reference_plan, register_tp_plan
+from .styles import ColwiseConv1x1, RowwiseConv1x1, translate_parallel_style
+
+__version__ = "0.1.0"
+__all__ = [
+    "AppliedPlan",
+    "ColwiseConv1x1",
+    "PlanContext",
+    "RowwiseConv1x1",
+    "applied_tp_plan",
+    "apply_tensor_parallel",
+    "check_transformer_tp",
+    "describe_tp_plan",
+    "reference_plan",
+    "register_tp_plan",
+    "translate_parallel_style",
+]

@@ -1,0 +1,226 @@
+"""``apply_tensor_parallel``: validate, choose a plan, shard, and record what was applied."""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from forge_core import ModelConfig, Transformer
+from forge_core.errors import ForgeConfigError
+from forge_core.mesh_dims import get_tp_mesh
+from forge_core.stages import stage
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from .plans import PlanContext, Style, expand_plan, registered_plan_fn, resolve_plan
+from .styles import describe_style
+
+__all__ = ["AppliedPlan", "applied_tp_plan", "apply_tensor_parallel", "check_transformer_tp", "describe_tp_plan"]
+
+log = logging.getLogger("forge_tp_plans")
+_APPLIED_ATTR = "_forge_tp_plan"
+
+
+@dataclass(frozen=True)
+class AppliedPlan:
+    """What ``apply_tensor_parallel`` did: plan source, per-module styles, SP and loss-parallel flags."""
+
+    source: str
+    tp_size: int
+    sequence_parallel: bool
+    loss_parallel: bool
+    styles: dict[str, str]
+
+    def __str__(self) -> str:
+        grouped: dict[str, str] = {}
+        for name, style in self.styles.items():
+            grouped.setdefault(re.sub(r"\.\d+(\.|$)", r".*\1", name), style)
+        width = max((len(k) for k in grouped), default=0)
+        head = (
+            f"{self.source} plan over {self.tp_size} ranks, sequence_parallel={self.sequence_parallel}, "
+            f"loss_parallel={self.loss_parallel}"
+        )
+        return "\n".join([head] + [f"  {k:<{width}}  {v}" for k, v in grouped.items()])
+
+
+def applied_tp_plan(model: nn.Module) -> AppliedPlan | None:
+    """The plan applied to ``model`` (None if TP was not applied)."""
+    from forge_core.stages import unwrap
+
+    return unwrap(model).__dict__.get(_APPLIED_ATTR)
+
+
+def describe_tp_plan(model: nn.Module) -> str:
+    """Readable ``module -> style`` listing of the applied plan (layer indices folded to ``*``)."""
+    plan = applied_tp_plan(model)
+    return str(plan) if plan is not None else "tensor parallelism not applied"
+
+
+def _tp_mesh_of(device_mesh: DeviceMesh) -> DeviceMesh | None:
+    if device_mesh.ndim == 1 and (device_mesh.mesh_dim_names in (None, ("tp",))):
+        return device_mesh
+    return get_tp_mesh(device_mesh)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_divides(tp: int, sizes: Mapping[str, int]) -> None:
+    for name, size in sizes.items():
+        if size % tp:
+            choices = _divisors(math.gcd(*sizes.values()))
+            raise ForgeConfigError(f"tp={tp} does not divide {name}={size}; choose tp in {{{', '.join(map(str, choices))}}}")
+
+
+def check_transformer_tp(
+    config: ModelConfig, tp: int, *, head_sharded: bool = True, seq_len: int | None = None, sequence_parallel: bool = False
+) -> None:
+    """Pure checks of the reference Transformer's sizes against ``tp`` (run before any launch)."""
+    sizes = {"n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads, "ffn_dim": config.ffn_dim}
+    if head_sharded:
+        sizes["vocab_size"] = config.vocab_size
+    _check_divides(tp, sizes)
+    if sequence_parallel and seq_len is not None and seq_len % tp:
+        raise ForgeConfigError(
+            f"sequence length {seq_len} is not divisible by tp={tp}, which sequence parallelism needs; "
+            f"choose a multiple of {tp} or sequence_parallel=False"
+        )
+
+
+def _validate(model: nn.Module, plan: Mapping[str, ParallelStyle | None], tp: int) -> None:
+    """Head counts and every sharded dimension must split evenly across the tp ranks."""
+    config = getattr(model, "config", None)
+    sizes: dict[str, int] = {}
+    if isinstance(model, Transformer):
+        check_transformer_tp(model.config, tp, head_sharded=plan.get("output") is not None)
+    elif config is not None:  # Hugging Face config names
+        for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            if isinstance(getattr(config, key, None), int):
+                sizes[key] = getattr(config, key)
+    if sizes:
+        _check_divides(tp, sizes)
+    for name, style in plan.items():
+        module = model.get_submodule(name)
+        if isinstance(module, nn.Linear) and isinstance(style, ColwiseParallel):
+            _check_divides(tp, {f"{name}.out_features": module.out_features})
+        elif isinstance(module, nn.Linear) and isinstance(style, RowwiseParallel):
+            _check_divides(tp, {f"{name}.in_features": module.in_features})
+        elif isinstance(module, nn.Conv2d) and style is not None:
+            dim = module.out_channels if type(style).__name__ == "ColwiseConv1x1" else module.in_channels
+            _check_divides(tp, {f"{name} channels": dim})
+        elif isinstance(module, nn.Embedding) and isinstance(style, RowwiseParallel):
+            _check_divides(tp, {f"{name}.num_embeddings": module.num_embeddings})
+
+
+def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of (module, name) holding the same Parameter (tied weights)."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for pname, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((module, pname))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
+    """Sharding replaces parameters one module at a time; share them again where layouts agree."""
+    for group in groups:
+        first = getattr(group[0][0], group[0][1])
+        for module, pname in group[1:]:
+            other = getattr(module, pname)
+            if other is first:
+                continue
+            if getattr(other, "placements", None) != getattr(first, "placements", None):
+                raise ForgeConfigError(
+                    f"tied weight '{pname}' of {type(module).__name__} got a different tensor-parallel layout "
+                    "than the module it is tied to; shard both the same way (e.g. embedding rowwise + head colwise) "
+                    "or neither"
+                )
+            module.register_parameter(pname, first)
+
+
+def _default_sequence_parallel(model: nn.Module, requested: bool | None, has_registered_plan: bool) -> bool:
+    tied = isinstance(model, Transformer) and model.config.tie_embeddings
+    stage_module = isinstance(model, Transformer) and (
+        getattr(model, "tok_embeddings", None) is None or getattr(model, "output", None) is None
+    )
+    if requested is None:
+        return has_registered_plan and not tied and not stage_module
+    if requested and not has_registered_plan:
+        raise ForgeConfigError(
+            f"sequence_parallel=True needs a registered plan that implements it; {type(model).__name__} has none "
+            "(Hugging Face and opt-in plans are basic TP); give an explicit plan with SequenceParallel entries instead"
+        )
+    if requested and tied:
+        raise ForgeConfigError(
+            "sequence_parallel=True with tie_embeddings: the embedding and the head share one vocab-sharded weight, "
+            "and the sharded head cannot take sequence-sharded input; use sequence_parallel=False"
+        )
+    if requested and stage_module:
+        raise ForgeConfigError(
+            "sequence_parallel=True on a pipeline stage: stage boundaries must carry plain tensors, not DTensors; "
+            "use sequence_parallel=False (basic TP) for pipeline stages"
+        )
+    return requested
+
+
+def _check_sequence_length(tp: int):  # noqa: ANN202
+    def hook(module: nn.Module, args: tuple) -> None:
+        if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2 and args[0].shape[1] % tp:
+            raise ForgeConfigError(
+                f"sequence length {args[0].shape[1]} is not divisible by tp={tp}, which sequence parallelism "
+                f"needs; pad or choose a sequence length that is a multiple of {tp}"
+            )
+
+    return hook
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    device_mesh: DeviceMesh,
+    *,
+    plan: Mapping[str, Style] | str | None = None,
+    sequence_parallel: bool | None = None,
+    loss_parallel: bool = False,
+    allow_import: bool | Sequence[str] = False,
+) -> nn.Module:
+    """Shard ``model`` for tensor (and sequence) parallelism over the ``tp`` axis; returns ``model``.
+
+    ``device_mesh`` is the full mesh (its ``tp`` sub-mesh is used) or a 1-D tp mesh; with no tp
+    axis or tp=1 nothing happens (logged). ``plan`` overrides the automatic choice (see
+    :mod:`forge_tp_plans.plans`). ``sequence_parallel=None`` turns SP on for registered plans
+    unless embeddings are tied or the model is a pipeline stage. ``loss_parallel=True`` keeps the
+    logits vocab-sharded (compute the loss under ``torch.distributed.tensor.parallel.loss_parallel``;
+    ``forge_core.training`` does). Must run first: before EP, Float8, AC, compile and FSDP2.
+    """
+    tp_mesh = _tp_mesh_of(device_mesh)
+    if tp_mesh is None or tp_mesh.size() == 1:
+        log.info("tensor parallelism not applied: the mesh has no tp axis of size > 1")
+        return model
+    tp = tp_mesh.size()
+    with stage(model, "tp"):
+        has_registered = plan is None and registered_plan_fn(model) is not None
+        sp = _default_sequence_parallel(model, sequence_parallel, has_registered)
+        if loss_parallel and not has_registered and plan is None:
+            raise ForgeConfigError(
+                "loss_parallel=True needs a plan whose output head keeps vocab-sharded logits: use a registered plan "
+                "(the reference Transformer's) or an explicit plan"
+            )
+        ctx = PlanContext(tp_size=tp, sequence_parallel=sp, loss_parallel=loss_parallel)
+        source, raw = resolve_plan(model, plan, ctx, allow_import=allow_import)
+        concrete = expand_plan(model, raw)
+        _validate(model, concrete, tp)
+        tied = _shared_parameters(model)
+        parallelize_module(model, tp_mesh, {n: s for n, s in concrete.items() if s is not None})
+        _retie(tied)
+        if sp:
+            model.register_forward_pre_hook(_check_sequence_length(tp))
+        applied = AppliedPlan(source, tp, sp, loss_parallel, {n: describe_style(s) for n, s in concrete.items()})
+        model.__dict__[_APPLIED_ATTR] = applied
+        log.info("%s", applied)
+    return model

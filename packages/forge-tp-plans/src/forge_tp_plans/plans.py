@@ -1,0 +1,250 @@
+"""Choosing a tensor-parallel plan for a model, and the reference Transformer's plan.
+
+Plans are chosen in this order (the first that applies wins):
+
+1. an explicit ``plan``: ``{pattern: style}`` (``*`` matches one name segment; a style is a
+   torch ``ParallelStyle``, a transformers style string, or None = replicated), or an import path
+   ``"package.module:NAME"`` naming such a dict or a callable returning one. Importing runs the
+   module's code, so a path is imported only when the caller allows it (``allow_import=True`` or
+   a tuple of allowed module prefixes); paths from config files need that opt-in.
+2. a plan registered for the model's class (``register_tp_plan``), the reference Transformer's
+   built in;
+3. the model's own Hugging Face ``_tp_plan`` (class, instance, and inner ``model`` prefixed);
+4. opt-in class attributes (CREDIT style): any module class may declare ``_tp_col`` / ``_tp_row``
+   (a dotted path or a list of them, relative to the module) or a ``_tp_plan`` dict;
+5. otherwise a ``ForgeConfigError`` listing those ways.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch.nn as nn
+from forge_core import Transformer
+from forge_core.errors import ForgeConfigError
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from .styles import ColwiseConv1x1, RowwiseConv1x1, translate_parallel_style
+
+__all__ = ["PlanContext", "PlanFn", "expand_plan", "reference_plan", "register_tp_plan", "resolve_plan"]
+
+Style = ParallelStyle | str | None
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What a plan function may depend on."""
+
+    tp_size: int
+    sequence_parallel: bool
+    loss_parallel: bool
+
+
+PlanFn = Callable[[nn.Module, PlanContext], Mapping[str, Style]]
+_REGISTRY_ATTR = "_forge_tp_plan_fn"
+
+
+def register_tp_plan(model_cls: type[nn.Module], fn: PlanFn) -> None:
+    """Register ``fn(model, ctx) -> {pattern: style}`` as the plan for ``model_cls`` (and subclasses).
+
+    Stored on the class itself (no global registry); a subclass may register its own.
+    """
+    if not (isinstance(model_cls, type) and issubclass(model_cls, nn.Module)):
+        raise ForgeConfigError(f"register_tp_plan needs an nn.Module subclass, got {model_cls!r}")
+    if not callable(fn):
+        raise ForgeConfigError(f"register_tp_plan needs a callable plan function, got {fn!r}")
+    setattr(model_cls, _REGISTRY_ATTR, staticmethod(fn))
+
+
+def reference_plan(model: nn.Module, ctx: PlanContext) -> dict[str, Style]:
+    """The plan for forge's reference Transformer (KempnerForge's layout).
+
+    With sequence parallelism the residual stream between blocks is sharded on the sequence
+    (dim 1); attention and the FFN all-gather it on entry and reduce-scatter on exit.
+    """
+    sp, tied = ctx.sequence_parallel, model.config.tie_embeddings
+    plan: dict[str, Style] = {}
+    if tied:
+        # The shared weight gets one layout: vocab-sharded for both the embedding and the head.
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
+    # Untied embedding stays replicated: RowwiseParallel on nn.Embedding would relabel its output
+    # Shard(1) without scattering; the first block's input prep slices Replicate -> Shard(1).
+    if sp:
+        plan["layers.0"] = PrepareModuleInput(
+            input_layouts=(Replicate(), None, None), desired_input_layouts=(Shard(1), None, None), use_local_output=True
+        )
+        plan["layers.*.attention_norm"] = SequenceParallel()  # norms run on sequence shards
+        plan["layers.*.attention"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        )
+        plan["layers.*.ffn_norm"] = SequenceParallel()
+        plan["layers.*.feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan["norm"] = SequenceParallel()
+    for proj in ("wq", "wk", "wv"):
+        plan[f"layers.*.attention.{proj}"] = ColwiseParallel()  # heads split across ranks
+    plan["layers.*.attention.wo"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+    plan["layers.*.feed_forward.w1"] = ColwiseParallel()  # hidden dim split
+    plan["layers.*.feed_forward.w3"] = ColwiseParallel()
+    plan["layers.*.feed_forward.w2"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+    if getattr(model, "output", None) is not None:
+        # Vocab-sharded head: gathered for a plain loss, or kept sharded for loss_parallel.
+        plan["output"] = ColwiseParallel(
+            input_layouts=Shard(1) if sp else Replicate(),
+            output_layouts=Shard(-1) if ctx.loss_parallel else Replicate(),
+            use_local_output=not ctx.loss_parallel,
+        )
+    return plan
+
+
+_BUILTIN: dict[type, PlanFn] = {Transformer: reference_plan}
+
+
+def registered_plan_fn(model: nn.Module) -> PlanFn | None:
+    """The plan function registered for ``model``'s class (nearest in the MRO), if any."""
+    for cls in type(model).__mro__:
+        if _REGISTRY_ATTR in cls.__dict__:
+            return cls.__dict__[_REGISTRY_ATTR].__func__
+        if cls in _BUILTIN:
+            return _BUILTIN[cls]
+    return None
+
+
+def _import_plan(path: str, allow_import: bool | Sequence[str], ctx: PlanContext, model: nn.Module) -> Mapping[str, Style]:
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ForgeConfigError(f"plan={path!r}: an import path must look like 'package.module:NAME'")
+    allowed = allow_import is True or (
+        not isinstance(allow_import, bool) and any(module_name == p or module_name.startswith(p.rstrip(".") + ".") for p in allow_import)
+    )
+    if not allowed:
+        raise ForgeConfigError(
+            f"plan={path!r}: importing '{module_name}' runs its code, and imports are off by default; "
+            "allow it with allow_import=True (Python) or list the module prefix in tp.allow_import (config)"
+        )
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ForgeConfigError(f"plan={path!r} cannot be imported: {e}") from None
+    if callable(obj) and not isinstance(obj, Mapping):
+        try:
+            obj = obj(model, ctx)
+        except TypeError:
+            obj = obj()
+    if not isinstance(obj, Mapping):
+        raise ForgeConfigError(f"plan={path!r} gave a {type(obj).__name__}; it must be a dict of module pattern -> style")
+    return obj
+
+
+def _hf_plan(model: nn.Module) -> dict[str, Style]:
+    """Compose the Hugging Face plan as transformers does: class, instance, inner model (prefixed)."""
+    plan: dict[str, Style] = {}
+    plan.update(getattr(type(model), "_tp_plan", None) or {})
+    plan.update(model.__dict__.get("_tp_plan") or {})
+    inner = getattr(model, "model", None)
+    if isinstance(inner, nn.Module) and inner is not model:
+        plan.update({f"model.{k}": v for k, v in (getattr(inner, "_tp_plan", None) or {}).items()})
+    # A "gather" parent over local_rowwise children: forge's rowwise already reduces.
+    for key in [k for k, v in plan.items() if v == "gather"]:
+        if any(k2.startswith(key + ".") and v2 == "local_rowwise" for k2, v2 in plan.items()):
+            plan[key] = None
+    return plan
+
+
+def _as_paths(value: object, where: str) -> list[str]:
+    paths = [value] if isinstance(value, str) else list(value) if isinstance(value, list | tuple) else None
+    if paths is None or not all(isinstance(p, str) and p for p in paths):
+        raise ForgeConfigError(f"{where} must be a dotted path or a list of them, got {value!r}")
+    return paths
+
+
+def _leaf_style(leaf: nn.Module, column: bool, path: str) -> ParallelStyle:
+    if isinstance(leaf, nn.Linear):
+        return ColwiseParallel() if column else RowwiseParallel()
+    if isinstance(leaf, nn.Conv2d):
+        from .styles import _check_conv
+
+        _check_conv(leaf, path)
+        return ColwiseConv1x1() if column else RowwiseConv1x1()
+    raise ForgeConfigError(
+        f"'{path}' is a {type(leaf).__name__}: opt-in tensor parallelism supports nn.Linear and 1x1 nn.Conv2d"
+    )
+
+
+def _opt_in_plan(model: nn.Module) -> dict[str, Style]:
+    """Plan entries from modules whose classes declare ``_tp_col`` / ``_tp_row`` / ``_tp_plan``."""
+    plan: dict[str, Style] = {}
+    for name, module in model.named_modules():
+        cls = type(module)
+        prefix = f"{name}." if name else ""
+        for attr, column in (("_tp_col", True), ("_tp_row", False)):
+            if getattr(cls, attr, None) is None:
+                continue
+            for path in _as_paths(getattr(cls, attr), f"{cls.__name__}.{attr}"):
+                try:
+                    leaf = module.get_submodule(path)
+                except AttributeError:
+                    raise ForgeConfigError(f"{cls.__name__}.{attr} = {path!r}: '{prefix}{path}' is not a submodule") from None
+                plan[prefix + path] = _leaf_style(leaf, column, prefix + path)
+        if module is not model and isinstance(cls.__dict__.get("_tp_plan"), Mapping):
+            plan.update({prefix + k: v for k, v in cls.__dict__["_tp_plan"].items()})
+    return plan
+
+
+def resolve_plan(
+    model: nn.Module, plan: Mapping[str, Style] | str | None, ctx: PlanContext, *, allow_import: bool | Sequence[str] = False
+) -> tuple[str, Mapping[str, Style]]:
+    """``(source, {pattern: style})`` for ``model``; source names which rule picked the plan."""
+    if plan is not None:
+        if isinstance(plan, str):
+            return "explicit (imported)", _import_plan(plan, allow_import, ctx, model)
+        if isinstance(plan, Mapping):
+            return "explicit", plan
+        raise ForgeConfigError(f"plan must be a dict or an import path string, got {type(plan).__name__}")
+    fn = registered_plan_fn(model)
+    if fn is not None:
+        return "registered", fn(model, ctx)
+    hf = _hf_plan(model)
+    if hf:
+        return "huggingface", hf
+    opt_in = _opt_in_plan(model)
+    if opt_in:
+        return "opt-in attributes", opt_in
+    raise ForgeConfigError(
+        f"no tensor-parallel plan for {type(model).__name__}. Give one of: plan={{pattern: style}} (or an "
+        "import path 'pkg.module:NAME'); register_tp_plan(ModelClass, fn); a Hugging Face _tp_plan; or "
+        "class attributes _tp_col / _tp_row on the blocks"
+    )
+
+
+def _pattern_regex(pattern: str) -> re.Pattern[str]:
+    return re.compile("^" + r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")) + "$")
+
+
+def expand_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, ParallelStyle | None]:
+    """Concrete ``{module name: style}``; every pattern must match a module, strings are translated."""
+    names = [n for n, _ in model.named_modules() if n]
+    out: dict[str, ParallelStyle | None] = {}
+    for pattern, style in plan.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise ForgeConfigError(f"plan key {pattern!r} must be a module name pattern like 'layers.*.attention.wq'")
+        if isinstance(style, str):
+            style = translate_parallel_style(style)
+        elif style is not None and not isinstance(style, ParallelStyle):
+            raise ForgeConfigError(f"plan[{pattern!r}] = {style!r}: a style must be a ParallelStyle, a style string or None")
+        regex = _pattern_regex(pattern)
+        matched = [n for n in names if regex.match(n)]
+        if not matched:
+            raise ForgeConfigError(f"plan pattern {pattern!r} matches no module of {type(model).__name__}")
+        for name in matched:
+            out[name] = style
+    return out
