@@ -55,7 +55,9 @@ def _job(overrides: list[str]):
     "overrides",
     [
         ["parallelism.dp_replicate=2", "training.ac_mode=op"],
-        ["parallelism.data=ddp", "training.grad_accum=2"],
+        ["parallelism.tp=1", "parallelism.data=ddp", "training.grad_accum=2"],
+        ["tp.loss_parallel=true", "training.ac_mode=selective"],
+        ["parallelism.tp=4", "model.n_kv_heads=4", "tp.sequence_parallel=false"],
         ["model.preset=debug_tied", "training.cpu_offload=true", "training.steps=3"],
     ],
 )
@@ -69,9 +71,8 @@ def test_build_job_reports_pass_for_other_layouts(run_on_ranks, overrides):
 
 @pytest.mark.parametrize("data", ["fsdp2", "ddp"])
 def test_bf16_compute_is_checked_with_low_precision_tolerances(run_on_ranks, data):
-    report = run_on_ranks(
-        4, _job, ["training.param_dtype=bfloat16", "training.steps=3", f"parallelism.data={data}"]
-    )[0]
+    overrides = ["training.param_dtype=bfloat16", "training.steps=3", f"parallelism.data={data}"]
+    report = run_on_ranks(4, _job, overrides + (["parallelism.tp=1"] if data == "ddp" else []))[0]
     assert report.passed, report.text
     assert "tolerances: step-1 loss 2e-02" in report.text
 
@@ -80,14 +81,24 @@ def test_bf16_compute_is_checked_with_low_precision_tolerances(run_on_ranks, dat
     ("args", "message"),
     [
         (["build", "--set", "parallelism.tp=3"], "world size 4 is not divisible by"),
-        (["build", "--set", "parallelism.tp=2"], "parallelism.tp=2 needs forge-tp-plans"),
+        (
+            ["build", "--set", "parallelism.tp=4"],
+            "tp=4 does not divide n_kv_heads=2; choose tp in {1, 2}",
+        ),
+        (["build", "--set", "training.seq_len=31"], "sequence length 31 is not divisible by tp=2"),
+        (
+            ["build", "--set", "parallelism.data=ddp"],
+            "data='ddp' with tp=2: DDP does not handle tensor-parallel",
+        ),
+        (["build", "--set", "tp.plan=os:getcwd"], "importing 'os' runs its code"),
         (
             ["build", "--set", "training.stepz=3"],
             "unknown key 'training.stepz' (did you mean 'steps'?)",
         ),
         (["build", "--set", "parallelism.ep=2"], "parallelism.ep=2 needs forge-moe-ep"),
+        (["build", "--nproc", "3"], "world size 3 is not divisible by"),
         (
-            ["build", "--nproc", "3"],
+            ["build", "--nproc", "6"],
             "global_batch_size=8 must be divisible by the 3 data-parallel ranks",
         ),
         (["build", "does-not-exist.toml"], "config file 'does-not-exist.toml' does not exist"),
@@ -112,7 +123,9 @@ def test_forge_build_default_prints_a_passing_report():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    assert "mesh:   dp_shard=4  (data=fsdp2)" in out
-    assert "stages: fsdp2" in out
-    assert "r3 106,816 B (25%)" in out
+    assert "mesh:   dp_shard=2 x tp=2  (data=fsdp2)" in out
+    assert "stages: tp -> fsdp2" in out
+    assert "tp:     registered plan over 2 ranks, sequence_parallel=True" in out
+    assert "layers.*.attention.wq     ColwiseParallel(in R -> out S(-1))" in out
+    assert "r3 123,520 B (29%)" in out
     assert out.count("\n   ") >= 5 and "PASS: parallel run matches the single-device model" in out

@@ -215,12 +215,20 @@ class TPConfig:
 
     def __post_init__(self) -> None:
         if self.sequence_parallel not in (True, False, "auto"):
-            raise ForgeConfigError(f"tp.sequence_parallel={self.sequence_parallel!r}: use true, false or \"auto\"")
-        if not isinstance(self.allow_import, tuple | list) or not all(isinstance(p, str) for p in self.allow_import):
-            raise ForgeConfigError(f"tp.allow_import={self.allow_import!r} must be a list of module prefixes")
+            raise ForgeConfigError(
+                f'tp.sequence_parallel={self.sequence_parallel!r}: use true, false or "auto"'
+            )
+        if not isinstance(self.allow_import, tuple | list) or not all(
+            isinstance(p, str) for p in self.allow_import
+        ):
+            raise ForgeConfigError(
+                f"tp.allow_import={self.allow_import!r} must be a list of module prefixes"
+            )
         object.__setattr__(self, "allow_import", tuple(self.allow_import))
         if self.plan is not None and not isinstance(self.plan, str):
-            raise ForgeConfigError(f"tp.plan={self.plan!r} must be an import path 'package.module:NAME'")
+            raise ForgeConfigError(
+                f"tp.plan={self.plan!r} must be an import path 'package.module:NAME'"
+            )
 
     @property
     def sequence_parallel_flag(self) -> bool | None:
@@ -248,7 +256,10 @@ _SECTIONS: dict[str, type] = {
 
 #: What ``load_config(None)`` (``forge build`` with no config file) starts from: the debug model,
 #: tp=2 with sequence parallelism and FSDP2 over the remaining ranks (dp_shard 2 x tp 2 on 4).
-EMBEDDED_DEFAULT: dict[str, dict[str, Any]] = {"model": {"preset": "debug"}, "parallelism": {"tp": 2}}
+EMBEDDED_DEFAULT: dict[str, dict[str, Any]] = {
+    "model": {"preset": "debug"},
+    "parallelism": {"tp": 2},
+}
 
 
 def _parse_value(text: str) -> Any:

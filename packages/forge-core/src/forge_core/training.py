@@ -179,7 +179,10 @@ def train_steps(
             # without ever gathering the logits; forward and backward both need the context.
             context = loss_parallel() if isinstance(logits, DTensor) else nullcontext()
             with context:
-                loss = F.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten()) / grad_accum
+                loss = (
+                    F.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten())
+                    / grad_accum
+                )
                 loss.backward()
             loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
             total += loss.detach()

@@ -11,8 +11,14 @@ The first stage of forge's order (TP -> EP -> Float8 -> AC -> compile -> FSDP2).
 forge_core and torch only.
 """
 
-from .apply import AppliedPlan, applied_tp_plan, apply_tensor_parallel, check_transformer_tp, describe_tp_plan
-from .plans import PlanContext, reference_plan, register_tp_plan
+from .apply import (
+    AppliedPlan,
+    applied_tp_plan,
+    apply_tensor_parallel,
+    check_transformer_tp,
+    describe_tp_plan,
+)
+from .plans import PlanContext, check_plan_import, reference_plan, register_tp_plan
 from .styles import ColwiseConv1x1, RowwiseConv1x1, translate_parallel_style
 
 __version__ = "0.1.0"
@@ -23,6 +29,7 @@ __all__ = [
     "RowwiseConv1x1",
     "applied_tp_plan",
     "apply_tensor_parallel",
+    "check_plan_import",
     "check_transformer_tp",
     "describe_tp_plan",
     "reference_plan",

@@ -15,12 +15,23 @@ from forge_core.errors import ForgeConfigError
 from forge_core.mesh_dims import get_tp_mesh
 from forge_core.stages import stage
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from .plans import PlanContext, Style, expand_plan, registered_plan_fn, resolve_plan
 from .styles import describe_style
 
-__all__ = ["AppliedPlan", "applied_tp_plan", "apply_tensor_parallel", "check_transformer_tp", "describe_tp_plan"]
+__all__ = [
+    "AppliedPlan",
+    "applied_tp_plan",
+    "apply_tensor_parallel",
+    "check_transformer_tp",
+    "describe_tp_plan",
+]
 
 log = logging.getLogger("forge_tp_plans")
 _APPLIED_ATTR = "_forge_tp_plan"
@@ -75,11 +86,18 @@ def _check_divides(tp: int, sizes: Mapping[str, int]) -> None:
     for name, size in sizes.items():
         if size % tp:
             choices = _divisors(math.gcd(*sizes.values()))
-            raise ForgeConfigError(f"tp={tp} does not divide {name}={size}; choose tp in {{{', '.join(map(str, choices))}}}")
+            raise ForgeConfigError(
+                f"tp={tp} does not divide {name}={size}; choose tp in {{{', '.join(map(str, choices))}}}"
+            )
 
 
 def check_transformer_tp(
-    config: ModelConfig, tp: int, *, head_sharded: bool = True, seq_len: int | None = None, sequence_parallel: bool = False
+    config: ModelConfig,
+    tp: int,
+    *,
+    head_sharded: bool = True,
+    seq_len: int | None = None,
+    sequence_parallel: bool = False,
 ) -> None:
     """Pure checks of the reference Transformer's sizes against ``tp`` (run before any launch)."""
     sizes = {"n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads, "ffn_dim": config.ffn_dim}
@@ -112,7 +130,11 @@ def _validate(model: nn.Module, plan: Mapping[str, ParallelStyle | None], tp: in
         elif isinstance(module, nn.Linear) and isinstance(style, RowwiseParallel):
             _check_divides(tp, {f"{name}.in_features": module.in_features})
         elif isinstance(module, nn.Conv2d) and style is not None:
-            dim = module.out_channels if type(style).__name__ == "ColwiseConv1x1" else module.in_channels
+            dim = (
+                module.out_channels
+                if type(style).__name__ == "ColwiseConv1x1"
+                else module.in_channels
+            )
             _check_divides(tp, {f"{name} channels": dim})
         elif isinstance(module, nn.Embedding) and isinstance(style, RowwiseParallel):
             _check_divides(tp, {f"{name}.num_embeddings": module.num_embeddings})
@@ -144,7 +166,9 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
             module.register_parameter(pname, first)
 
 
-def _default_sequence_parallel(model: nn.Module, requested: bool | None, has_registered_plan: bool) -> bool:
+def _default_sequence_parallel(
+    model: nn.Module, requested: bool | None, has_registered_plan: bool
+) -> bool:
     tied = isinstance(model, Transformer) and model.config.tie_embeddings
     stage_module = isinstance(model, Transformer) and (
         getattr(model, "tok_embeddings", None) is None or getattr(model, "output", None) is None
@@ -171,7 +195,12 @@ def _default_sequence_parallel(model: nn.Module, requested: bool | None, has_reg
 
 def _check_sequence_length(tp: int):  # noqa: ANN202
     def hook(module: nn.Module, args: tuple) -> None:
-        if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2 and args[0].shape[1] % tp:
+        if (
+            args
+            and isinstance(args[0], torch.Tensor)
+            and args[0].dim() >= 2
+            and args[0].shape[1] % tp
+        ):
             raise ForgeConfigError(
                 f"sequence length {args[0].shape[1]} is not divisible by tp={tp}, which sequence parallelism "
                 f"needs; pad or choose a sequence length that is a multiple of {tp}"
@@ -220,7 +249,9 @@ def apply_tensor_parallel(
         _retie(tied)
         if sp:
             model.register_forward_pre_hook(_check_sequence_length(tp))
-        applied = AppliedPlan(source, tp, sp, loss_parallel, {n: describe_style(s) for n, s in concrete.items()})
+        applied = AppliedPlan(
+            source, tp, sp, loss_parallel, {n: describe_style(s) for n, s in concrete.items()}
+        )
         model.__dict__[_APPLIED_ATTR] = applied
         log.info("%s", applied)
     return model

@@ -36,7 +36,15 @@ from torch.distributed.tensor.parallel import (
 
 from .styles import ColwiseConv1x1, RowwiseConv1x1, translate_parallel_style
 
-__all__ = ["PlanContext", "PlanFn", "expand_plan", "reference_plan", "register_tp_plan", "resolve_plan"]
+__all__ = [
+    "PlanContext",
+    "check_plan_import",
+    "PlanFn",
+    "expand_plan",
+    "reference_plan",
+    "register_tp_plan",
+    "resolve_plan",
+]
 
 Style = ParallelStyle | str | None
 
@@ -81,21 +89,27 @@ def reference_plan(model: nn.Module, ctx: PlanContext) -> dict[str, Style]:
     # Shard(1) without scattering; the first block's input prep slices Replicate -> Shard(1).
     if sp:
         plan["layers.0"] = PrepareModuleInput(
-            input_layouts=(Replicate(), None, None), desired_input_layouts=(Shard(1), None, None), use_local_output=True
+            input_layouts=(Replicate(), None, None),
+            desired_input_layouts=(Shard(1), None, None),
+            use_local_output=True,
         )
         plan["layers.*.attention_norm"] = SequenceParallel()  # norms run on sequence shards
         plan["layers.*.attention"] = PrepareModuleInput(
             input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
         )
         plan["layers.*.ffn_norm"] = SequenceParallel()
-        plan["layers.*.feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan["layers.*.feed_forward"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        )
         plan["norm"] = SequenceParallel()
     for proj in ("wq", "wk", "wv"):
         plan[f"layers.*.attention.{proj}"] = ColwiseParallel()  # heads split across ranks
     plan["layers.*.attention.wo"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
     plan["layers.*.feed_forward.w1"] = ColwiseParallel()  # hidden dim split
     plan["layers.*.feed_forward.w3"] = ColwiseParallel()
-    plan["layers.*.feed_forward.w2"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+    plan["layers.*.feed_forward.w2"] = RowwiseParallel(
+        output_layouts=Shard(1) if sp else Replicate()
+    )
     if getattr(model, "output", None) is not None:
         # Vocab-sharded head: gathered for a plain loss, or kept sharded for loss_parallel.
         plan["output"] = ColwiseParallel(
@@ -119,18 +133,36 @@ def registered_plan_fn(model: nn.Module) -> PlanFn | None:
     return None
 
 
-def _import_plan(path: str, allow_import: bool | Sequence[str], ctx: PlanContext, model: nn.Module) -> Mapping[str, Style]:
+def check_plan_import(path: str, allow_import: bool | Sequence[str]) -> str:
+    """Check that ``"package.module:NAME"`` may be imported; returns the module name (pure check).
+
+    Importing runs the module's code: only ``allow_import=True`` or a module prefix listed in
+    ``allow_import`` permits it.
+    """
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise ForgeConfigError(f"plan={path!r}: an import path must look like 'package.module:NAME'")
+        raise ForgeConfigError(
+            f"plan={path!r}: an import path must look like 'package.module:NAME'"
+        )
     allowed = allow_import is True or (
-        not isinstance(allow_import, bool) and any(module_name == p or module_name.startswith(p.rstrip(".") + ".") for p in allow_import)
+        not isinstance(allow_import, bool)
+        and any(
+            module_name == p or module_name.startswith(p.rstrip(".") + ".") for p in allow_import
+        )
     )
     if not allowed:
         raise ForgeConfigError(
             f"plan={path!r}: importing '{module_name}' runs its code, and imports are off by default; "
             "allow it with allow_import=True (Python) or list the module prefix in tp.allow_import (config)"
         )
+    return module_name
+
+
+def _import_plan(
+    path: str, allow_import: bool | Sequence[str], ctx: PlanContext, model: nn.Module
+) -> Mapping[str, Style]:
+    module_name = check_plan_import(path, allow_import)
+    attr = path.partition(":")[2]
     try:
         obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
@@ -141,7 +173,9 @@ def _import_plan(path: str, allow_import: bool | Sequence[str], ctx: PlanContext
         except TypeError:
             obj = obj()
     if not isinstance(obj, Mapping):
-        raise ForgeConfigError(f"plan={path!r} gave a {type(obj).__name__}; it must be a dict of module pattern -> style")
+        raise ForgeConfigError(
+            f"plan={path!r} gave a {type(obj).__name__}; it must be a dict of module pattern -> style"
+        )
     return obj
 
 
@@ -161,7 +195,13 @@ def _hf_plan(model: nn.Module) -> dict[str, Style]:
 
 
 def _as_paths(value: object, where: str) -> list[str]:
-    paths = [value] if isinstance(value, str) else list(value) if isinstance(value, list | tuple) else None
+    paths = (
+        [value]
+        if isinstance(value, str)
+        else list(value)
+        if isinstance(value, list | tuple)
+        else None
+    )
     if paths is None or not all(isinstance(p, str) and p for p in paths):
         raise ForgeConfigError(f"{where} must be a dotted path or a list of them, got {value!r}")
     return paths
@@ -193,7 +233,9 @@ def _opt_in_plan(model: nn.Module) -> dict[str, Style]:
                 try:
                     leaf = module.get_submodule(path)
                 except AttributeError:
-                    raise ForgeConfigError(f"{cls.__name__}.{attr} = {path!r}: '{prefix}{path}' is not a submodule") from None
+                    raise ForgeConfigError(
+                        f"{cls.__name__}.{attr} = {path!r}: '{prefix}{path}' is not a submodule"
+                    ) from None
                 plan[prefix + path] = _leaf_style(leaf, column, prefix + path)
         if module is not model and isinstance(cls.__dict__.get("_tp_plan"), Mapping):
             plan.update({prefix + k: v for k, v in cls.__dict__["_tp_plan"].items()})
@@ -201,7 +243,11 @@ def _opt_in_plan(model: nn.Module) -> dict[str, Style]:
 
 
 def resolve_plan(
-    model: nn.Module, plan: Mapping[str, Style] | str | None, ctx: PlanContext, *, allow_import: bool | Sequence[str] = False
+    model: nn.Module,
+    plan: Mapping[str, Style] | str | None,
+    ctx: PlanContext,
+    *,
+    allow_import: bool | Sequence[str] = False,
 ) -> tuple[str, Mapping[str, Style]]:
     """``(source, {pattern: style})`` for ``model``; source names which rule picked the plan."""
     if plan is not None:
@@ -209,7 +255,9 @@ def resolve_plan(
             return "explicit (imported)", _import_plan(plan, allow_import, ctx, model)
         if isinstance(plan, Mapping):
             return "explicit", plan
-        raise ForgeConfigError(f"plan must be a dict or an import path string, got {type(plan).__name__}")
+        raise ForgeConfigError(
+            f"plan must be a dict or an import path string, got {type(plan).__name__}"
+        )
     fn = registered_plan_fn(model)
     if fn is not None:
         return "registered", fn(model, ctx)
@@ -227,7 +275,11 @@ def resolve_plan(
 
 
 def _pattern_regex(pattern: str) -> re.Pattern[str]:
-    return re.compile("^" + r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")) + "$")
+    return re.compile(
+        "^"
+        + r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split("."))
+        + "$"
+    )
 
 
 def expand_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, ParallelStyle | None]:
@@ -236,15 +288,21 @@ def expand_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, Parall
     out: dict[str, ParallelStyle | None] = {}
     for pattern, style in plan.items():
         if not isinstance(pattern, str) or not pattern:
-            raise ForgeConfigError(f"plan key {pattern!r} must be a module name pattern like 'layers.*.attention.wq'")
+            raise ForgeConfigError(
+                f"plan key {pattern!r} must be a module name pattern like 'layers.*.attention.wq'"
+            )
         if isinstance(style, str):
             style = translate_parallel_style(style)
         elif style is not None and not isinstance(style, ParallelStyle):
-            raise ForgeConfigError(f"plan[{pattern!r}] = {style!r}: a style must be a ParallelStyle, a style string or None")
+            raise ForgeConfigError(
+                f"plan[{pattern!r}] = {style!r}: a style must be a ParallelStyle, a style string or None"
+            )
         regex = _pattern_regex(pattern)
         matched = [n for n in names if regex.match(n)]
         if not matched:
-            raise ForgeConfigError(f"plan pattern {pattern!r} matches no module of {type(model).__name__}")
+            raise ForgeConfigError(
+                f"plan pattern {pattern!r} matches no module of {type(model).__name__}"
+            )
         for name in matched:
             out[name] = style
     return out

@@ -84,7 +84,9 @@ def translate_parallel_style(name: str) -> ParallelStyle | None:
     if name in _TRANSLATIONS:
         return _TRANSLATIONS[name]()
     if name in _REFUSED:
-        raise ForgeConfigError(f"tensor-parallel style '{name}' is not supported: it {_REFUSED[name]}")
+        raise ForgeConfigError(
+            f"tensor-parallel style '{name}' is not supported: it {_REFUSED[name]}"
+        )
     raise ForgeConfigError(
         f"unknown tensor-parallel style '{name}'{did_you_mean(name, HF_STYLE_NAMES)}; "
         f"known: {sorted(_TRANSLATIONS)}"
@@ -95,7 +97,16 @@ def _layout(placements: object) -> str:
     if placements is None:
         return "?"
     seq = placements if isinstance(placements, tuple | list) else (placements,)
-    return ",".join("R" if isinstance(p, Replicate) else f"S({p.dim})" if isinstance(p, Shard) else "-" if p is None else type(p).__name__ for p in seq)
+    return ",".join(
+        "R"
+        if isinstance(p, Replicate)
+        else f"S({p.dim})"
+        if isinstance(p, Shard)
+        else "-"
+        if p is None
+        else type(p).__name__
+        for p in seq
+    )
 
 
 def describe_style(style: ParallelStyle | None) -> str:
@@ -169,7 +180,13 @@ class _Conv1x1Style(ParallelStyle):
         def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             for pname, param in list(mod.named_parameters(recurse=False)):
                 placement = Shard(self.weight_dim) if pname == "weight" else self.bias_placement
-                mod.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement]), requires_grad=param.requires_grad))
+                mod.register_parameter(
+                    pname,
+                    nn.Parameter(
+                        distribute_tensor(param, mesh, [placement]),
+                        requires_grad=param.requires_grad,
+                    ),
+                )
 
         distribute_module(module, device_mesh, partition)
         module.forward = types.MethodType(self._forward(device_mesh.get_group()), module)

@@ -16,7 +16,6 @@ import torch
 import torch.nn as nn
 from forge_core import ForgeConfigError, ModelConfig, Transformer
 from forge_core.mesh_dims import axis_size, has_dp_mesh
-from forge_tp_plans import apply_tensor_parallel
 from forge_fsdp_wrap import (
     AC_MODES,
     apply_ac,
@@ -26,6 +25,7 @@ from forge_fsdp_wrap import (
     default_mp_policy,
     enable_autocast,
 )
+from forge_tp_plans import apply_tensor_parallel
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 

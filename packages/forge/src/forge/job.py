@@ -17,7 +17,7 @@ import torch.distributed as dist
 from forge_core import ORDER_TEXT, ForgeConfig, ForgeConfigError, applied_stages, load_config
 from forge_core.training import compare_runs, synthetic_tokens, train_steps
 from forge_mesh import build_device_mesh, init_distributed, mesh_layout
-from forge_tp_plans import check_transformer_tp, describe_tp_plan
+from forge_tp_plans import check_plan_import, check_transformer_tp, describe_tp_plan
 
 from .build import NOT_YET, build_parallel_model, check_plan
 
@@ -36,11 +36,15 @@ def check_config(cfg: ForgeConfig, world_size: int) -> None:
     sizes = {name: getattr(par, name) for name in (*NOT_YET, "tp")}
     check_plan(par.data, sizes, ac_mode=cfg.training.ac_mode)
     t = cfg.training
+    if cfg.tp.plan is not None:
+        check_plan_import(cfg.tp.plan, cfg.tp.allow_import)
     if par.tp > 1 and cfg.tp.plan is None:
         sp = cfg.tp.sequence_parallel_flag
         sp = (not cfg.model.tie_embeddings) if sp is None else sp
         if sp and cfg.model.tie_embeddings:
-            raise ForgeConfigError("tp.sequence_parallel=true with model.tie_embeddings: set tp.sequence_parallel=false")
+            raise ForgeConfigError(
+                "tp.sequence_parallel=true with model.tie_embeddings: set tp.sequence_parallel=false"
+            )
         check_transformer_tp(cfg.model, par.tp, seq_len=t.seq_len, sequence_parallel=sp)
     if t.global_batch_size % (par.dp_degree * t.grad_accum):
         raise ForgeConfigError(
@@ -84,11 +88,13 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
     mesh = build_device_mesh(par, device_type)
     t = cfg.training
     dtype = getattr(torch, t.param_dtype)
+    # NOTE: with every rank used by tp/cp/domain there is no data-parallel axis left to shard over.
+    data = par.data if par.dp_degree > 1 or world_size == 1 else "none"
     model = build_parallel_model(
         cfg.model,
         device,
         mesh,
-        data=par.data,
+        data=data,
         ac_mode=t.ac_mode,
         param_dtype=dtype,
         compile_model=t.compile,
@@ -122,7 +128,7 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         f"({cfg.model.num_params():,} parameters), param_dtype {t.param_dtype}",
         "mesh:   "
         + " x ".join(f"{n}={s}" for n, s in zip(names, sizes, strict=True))
-        + f"  (data={par.data})",
+        + f"  (data={data})",
         "stages: "
         + (" -> ".join(applied_stages(model)) or "(none)")
         + f"   (forge's order: {ORDER_TEXT})",
