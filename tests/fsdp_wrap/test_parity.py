@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from forge.build import ParallelPlan, build_parallel_model
+from forge.build import build_parallel_model
 from forge_core import ModelConfig
 from forge_core.training import ParityResult, run_parity
 from forge_mesh import build_device_mesh
+
+from tests.parity_jobs import compiled_parity
 
 
 def _parity(
@@ -68,25 +70,6 @@ def test_hsdp_ddp_ac_and_accumulation_combined(run_on_ranks):
     )
 
 
-def _compiled_parity() -> ParityResult:
-    cfg = ModelConfig.preset("debug")
-    mesh = build_device_mesh({}, "cpu")
-    with torch.device("meta"):
-        from forge_core import Transformer
-
-        model = Transformer(cfg)
-    plan = ParallelPlan(
-        mesh,
-        ac_mode="full",
-        compile_model=True,
-        compile_backend="aot_eager",
-        param_dtype=torch.float32,
-    )
-    parallel = plan.parallelize(model, device="cpu", seed=0)
-    reference = build_parallel_model(cfg, "cpu", None, param_dtype=torch.float32)
-    return run_parity(reference, parallel, mesh=mesh, steps=4, batch_size=4, seq_len=16)
-
-
 def test_fsdp2_with_ac_and_compile_matches_single_device(run_on_ranks):
-    for r in run_on_ranks(2, _compiled_parity):
+    for r in run_on_ranks(2, compiled_parity, {}):
         r.assert_ok()

@@ -12,6 +12,8 @@ from forge_mesh import build_device_mesh
 from forge_tp_plans import applied_tp_plan
 from torch.distributed.tensor import DTensor
 
+from tests.parity_jobs import compiled_parity
+
 KV4 = {"n_kv_heads": 4}  # debug has 2 kv heads; tp=4 needs 4
 
 
@@ -77,29 +79,9 @@ def test_fsdp2_x_tp_with_ac_matches_single_device(run_on_ranks, ac_mode):
     _check(run_on_ranks(4, _parity, {"tp": 2}, ac_mode=ac_mode))
 
 
-def _compiled(layout: dict) -> ParityResult:
-    from forge.build import ParallelPlan
-    from forge_core import Transformer
-
-    cfg = ModelConfig.preset("debug")
-    mesh = build_device_mesh(layout, "cpu")
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    plan = ParallelPlan(
-        mesh,
-        ac_mode="full",
-        compile_model=True,
-        compile_backend="aot_eager",
-        param_dtype=torch.float32,
-    )
-    parallel = plan.parallelize(model, device="cpu", seed=0)
-    reference = build_parallel_model(cfg, "cpu", None, param_dtype=torch.float32)
-    return run_parity(reference, parallel, mesh=mesh, steps=4, batch_size=4, seq_len=16)
-
-
 def test_fsdp2_x_tp_with_ac_and_compile_aot_eager_matches_single_device(run_on_ranks):
     """torch.compile with the aot_eager backend (inductor on 2 CPU cores would dominate the suite)."""
-    for result in run_on_ranks(4, _compiled, {"tp": 2}):
+    for result in run_on_ranks(4, compiled_parity, {"tp": 2}):
         result.assert_ok()
 
 
