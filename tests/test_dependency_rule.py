@@ -11,12 +11,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = sorted(
-    p.name
-    for p in (ROOT / "packages").iterdir()
-    if (p / "pyproject.toml").exists() and p.name != "forge"
-)
+#: distribution -> its directory; forge-kernels lives in kernels/ and may import no forge layer.
+DIST_DIRS = {
+    p.name: p for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists() and p.name != "forge"
+} | {"forge-kernels": ROOT / "kernels"}
+LAYERS = sorted(DIST_DIRS)
 FORGE_IMPORTS = {d.replace("-", "_") for d in LAYERS} | {"forge"}
+
+
+def _allowed(dist: str) -> set[str]:
+    """Import names a distribution may load: itself, plus forge_core for the layers."""
+    own = _import_name(dist)
+    return {own} if dist == "forge-kernels" else {own, "forge_core"}
 
 
 def _import_name(dist: str) -> str:
@@ -30,13 +36,13 @@ def _uv() -> str:
 
 
 def test_there_are_layers_to_check():
-    assert {"forge-core", "forge-mesh", "forge-fsdp-wrap"} <= set(LAYERS)
+    assert {"forge-core", "forge-mesh", "forge-fsdp-wrap", "forge-tp-plans", "forge-kernels"} <= set(LAYERS)
 
 
 @pytest.mark.parametrize("dist", LAYERS)
 def test_layer_sources_import_only_forge_core(dist):
-    own = _import_name(dist)
-    for path in (ROOT / "packages" / dist / "src").rglob("*.py"):
+    allowed = _allowed(dist)
+    for path in (DIST_DIRS[dist] / "src").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = (
                 [a.name for a in node.names]
@@ -47,7 +53,7 @@ def test_layer_sources_import_only_forge_core(dist):
             )
             for name in names:
                 top = name.split(".")[0]
-                assert top not in FORGE_IMPORTS - {own, "forge_core"}, (
+                assert top not in FORGE_IMPORTS - allowed, (
                     f"{path.relative_to(ROOT)} imports {name}"
                 )
 
@@ -63,7 +69,7 @@ def test_layer_installs_alone_and_loads_no_other_layer(dist, tmp_path):
     )
     env["VIRTUAL_ENV"] = str(venv)
     subprocess.run(
-        [uv, "pip", "install", "-q", str(ROOT / "packages" / dist)],
+        [uv, "pip", "install", "-q", str(DIST_DIRS[dist])],
         check=True,
         env=env,
         cwd=tmp_path,
@@ -78,7 +84,7 @@ def test_layer_installs_alone_and_loads_no_other_layer(dist, tmp_path):
     ).stdout
     installed = {line.split("==")[0].split(" @ ")[0].lower() for line in listed.splitlines()}
     forge_dists = {d for d in installed if d.startswith("forge")}
-    assert forge_dists <= {dist, "forge-core"}, forge_dists
+    assert forge_dists <= {dist, "forge-core"} if dist != "forge-kernels" else forge_dists == {dist}, forge_dists
     assert dist in forge_dists
     code = (
         "import sys, warnings; warnings.filterwarnings('ignore'); "
@@ -93,4 +99,4 @@ def test_layer_installs_alone_and_loads_no_other_layer(dist, tmp_path):
         capture_output=True,
         text=True,
     ).stdout.split()
-    assert set(out) <= {_import_name(dist), "forge_core"}, out
+    assert set(out) <= _allowed(dist), out
