@@ -4,6 +4,7 @@ Depends on torch and triton only (no forge layer). Submodules:
 
 - :mod:`forge_kernels.grouped_gemm`  grouped GEMM (Triton on CUDA / interpreter, torch._grouped_mm on CPU)
 - :mod:`forge_kernels.permute`       routing layouts, token permute / unpermute / combine
+- :mod:`forge_kernels.routing`       the routing-layout contract and its pure-PyTorch implementation
 - :mod:`forge_kernels.native`        TORCH_LIBRARY ops (namespace ``forge``), built with CMake
 """
 

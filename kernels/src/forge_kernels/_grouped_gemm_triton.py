@@ -1,0 +1,553 @@
+"""Triton kernels for the ragged grouped GEMM behind :func:`forge_kernels.grouped_gemm`.
+
+Provides:
+
+- :class:`GemmConfig`: one tile shape / launch configuration (frozen).
+- :func:`gmm_rows`: ``out[M, N] = a[rows_e] @ b[e]`` per group, rows past ``offs[-1]`` written as
+  zeros. Used for the forward (``b = w``) and for dX (``b = w.transpose(1, 2)``, a strided view:
+  the kernel takes arbitrary strides, so no transpose is materialized).
+- :func:`gmm_ragged_k`: ``out[e] = a[rows_e].T @ b[rows_e]`` (the weight gradient, reduction over
+  each group's rows; an empty group yields zeros).
+- :data:`INTERPRETED`: whether the kernels in this module were built for the Triton interpreter.
+
+Notable choices:
+
+- **No host sync.** ``offs`` is only ever read inside the kernels. The launch grid is sized from
+  static quantities: ``M // BLOCK_M + E + 1`` row tiles (an upper bound on the row tiles of E
+  groups plus the zero "tail" segment past ``offs[-1]``, whatever the split) times the column
+  tiles. Each program loads ``offs`` (E <= a few hundred int32: one vector), computes the
+  per-segment tile counts and their prefix sum, and finds its segment by counting; programs past
+  the real tile count exit at once. The weight-gradient kernel has a static grid over
+  ``(E, K tiles, N tiles)`` and loops over its group's rows with device-side loop bounds.
+- **Rows past offs[-1]** form segment ``E``, whose tiles skip the K loop and store zeros, so the
+  output never holds uninitialized memory (unlike ``torch._grouped_mm``).
+- **Every output element is written exactly once** per launch (no atomics, no split-K, no
+  accumulation into the output). Relaunching is idempotent, which keeps the autotuner's repeated
+  benchmark launches harmless and lets callers pass a preallocated (even NaN-poisoned) ``out``.
+- **Accumulation in fp32**; fp32 inputs use ``input_precision="ieee"`` by default (the same math
+  as ``torch.matmul`` under torch's default ``allow_tf32=False``); ``fp32_precision="tf32"``
+  opts into TF32 tensor cores (about 1e-3 relative error).
+- **64-bit addressing** for the group/row offsets: DeepSeek-V3-sized weights (256 x 7168 x 2048)
+  have more than 2**31 elements.
+- **Interpreter.** ``triton.jit`` decides at *decoration* time whether a kernel is compiled or
+  interpreted (``TRITON_INTERPRET``, read through ``triton.knobs`` on triton >= 3.4, through
+  ``os.environ`` before). triton's own ``@jit`` library functions (``tl.sum``, ``tl.cumsum``,
+  ``tl.cdiv``, ``tl.zeros``) are decorated at ``import triton``, so the kernels here use only
+  builtins (``tl.reduce`` / ``tl.associative_scan`` with a local ``_add``, ``tl.full``,
+  integer division): then the mode depends on this module alone, which
+  :mod:`forge_kernels.grouped_gemm` imports lazily, when the Triton path first runs, and which
+  a test can reload. Under the interpreter autotuning is bypassed (:data:`INTERPRETER_CONFIG`).
+- **Hopper tuning** (bf16/fp16, sm90): see :data:`_CONFIGS_16BIT`. No TMA: see the note there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "INTERPRETED",
+    "INTERPRETER_CONFIG",
+    "GemmConfig",
+    "gmm_ragged_k",
+    "gmm_rows",
+]
+
+
+def _interpret_mode() -> bool:
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+#: Decided once, when this module's kernels are decorated (that is when triton decides too).
+INTERPRETED: bool = _interpret_mode()
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """One launch configuration of the grouped GEMM kernels.
+
+    For :func:`gmm_rows` ``block_m`` tiles the rows (tokens), ``block_n`` the output columns and
+    ``block_k`` the reduction. For :func:`gmm_ragged_k` ``block_m`` tiles the K rows of the
+    weight gradient, ``block_n`` its columns, ``block_k`` the reduction over tokens.
+    ``group_m`` is the L2 swizzle width (row tiles visited together per column band) and
+    ``persistent`` launches one program per SM that loops over tiles (``gmm_rows`` only).
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+    persistent: bool = False
+
+    def meta(self) -> dict[str, int | bool]:
+        """The kernel meta-parameters this config fixes (names as in the kernels)."""
+        return {
+            "BLOCK_M": self.block_m,
+            "BLOCK_N": self.block_n,
+            "BLOCK_K": self.block_k,
+            "GROUP_M": self.group_m,
+            "PERSISTENT": self.persistent,
+        }
+
+
+#: The one config used under the interpreter: big blocks (few ``tl.dot`` calls, ~10 ms each on
+#: numpy) for the tiny shapes tests use.
+INTERPRETER_CONFIG = GemmConfig(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _find_segment(offs_ptr, tile_m, M, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """Segment (group 0..E-1, or E for the rows past offs[-1]) owning virtual row tile ``tile_m``.
+
+    Returns (segment, first row of the tile, end row of the segment). ``segment > E`` means the
+    tile is past the last real tile. Tiles never straddle a group boundary: each segment's tiles
+    start at the segment's first row.
+    """
+    idx = tl.arange(0, E_POW2)
+    ends = tl.load(offs_ptr + idx, mask=idx < E, other=0)
+    ends = tl.where(idx == E, M, ends)
+    starts = tl.load(offs_ptr + idx - 1, mask=(idx >= 1) & (idx <= E), other=0)
+    # NOTE: clamping keeps malformed offs (past M) from reading out of bounds; offs must be
+    # nondecreasing and <= M (checking that would need a host sync).
+    ends = tl.minimum(ends, M)
+    starts = tl.minimum(starts, M)
+    sizes = tl.where(idx <= E, tl.maximum(ends - starts, 0), 0)
+    tiles = (sizes + BLOCK_M - 1) // BLOCK_M
+    cum = tl.associative_scan(tiles, 0, _add)  # inclusive prefix sum of tiles per segment
+    seg = tl.reduce((cum <= tile_m).to(tl.int32), 0, _add)
+    sel = idx == seg
+    seg_start = tl.reduce(tl.where(sel, starts, 0), 0, _add)
+    seg_end = tl.reduce(tl.where(sel, ends, 0), 0, _add)
+    seg_tile0 = tl.reduce(tl.where(sel, cum - tiles, 0), 0, _add)
+    row0 = seg_start + (tile_m - seg_tile0) * BLOCK_M
+    return seg, row0, seg_end
+
+
+@triton.jit
+def _gmm_rows_tile(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    offs_ptr,
+    tile_id,
+    M,
+    N,
+    K,
+    E,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    E_POW2: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    num_tiles_n = (N + BLOCK_N - 1) // BLOCK_N
+    num_tiles_m = M // BLOCK_M + E + 1  # static upper bound, see the module docstring
+    # L2 swizzle over the virtual (row tile, column tile) grid: GROUP_M consecutive row tiles
+    # (mostly of one expert) sweep a column band together, so a[rows] and b[e] tiles stay in L2.
+    tiles_per_band = GROUP_M * num_tiles_n
+    band = tile_id // tiles_per_band
+    first_m = band * GROUP_M
+    band_m = tl.minimum(num_tiles_m - first_m, GROUP_M)
+    tile_m = first_m + (tile_id % tiles_per_band) % band_m
+    tile_n = (tile_id % tiles_per_band) // band_m
+
+    seg, row0, seg_end = _find_segment(offs_ptr, tile_m, M, E, BLOCK_M, E_POW2)
+    if seg <= E:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        row_mask = rows < seg_end
+        col_mask = cols < N
+        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + ks[None, :] * stride_ak
+        b_ptrs = (
+            b_ptr
+            + seg.to(tl.int64) * stride_be
+            + ks[:, None] * stride_bk
+            + cols.to(tl.int64)[None, :] * stride_bn
+        )
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+        # The tail segment (rows past offs[-1]) runs zero iterations and stores zeros.
+        k_tiles = tl.where(seg < E, (K + BLOCK_K - 1) // BLOCK_K, 0)
+        for kt in range(0, k_tiles):
+            k_mask = ks < K - kt * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+        tl.store(
+            c_ptrs,
+            acc.to(c_ptr.dtype.element_ty),
+            mask=row_mask[:, None] & col_mask[None, :],
+        )
+
+
+@triton.jit
+def _gmm_rows_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    offs_ptr,
+    M,
+    N,
+    K,
+    E,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    M_BUCKET,  # autotune key only (log2 bucket of rows per group), unused in the body
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    E_POW2: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """c[rows_e, :] = a[rows_e, :] @ b[e] for each group e; c[offs[-1]:, :] = 0."""
+    pid = tl.program_id(0)
+    if PERSISTENT:
+        total = (M // BLOCK_M + E + 1) * ((N + BLOCK_N - 1) // BLOCK_N)
+        for tile_id in range(pid, total, tl.num_programs(0)):
+            _gmm_rows_tile(
+                a_ptr, b_ptr, c_ptr, offs_ptr, tile_id, M, N, K, E,
+                stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, E_POW2, INPUT_PRECISION,
+            )  # fmt: skip
+    else:
+        _gmm_rows_tile(
+            a_ptr, b_ptr, c_ptr, offs_ptr, pid, M, N, K, E,
+            stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, E_POW2, INPUT_PRECISION,
+        )  # fmt: skip
+
+
+@triton.jit
+def _gmm_ragged_k_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    offs_ptr,
+    M,
+    N,
+    K,
+    E,
+    stride_am,
+    stride_ak,
+    stride_bm,
+    stride_bn,
+    stride_ce,
+    stride_ck,
+    stride_cn,
+    M_BUCKET,  # autotune key only, unused in the body
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """c[e] = a[rows_e, :].T @ b[rows_e, :] ([K, N] per group; zeros for an empty group)."""
+    pid = tl.program_id(0)
+    num_tiles_k = (K + BLOCK_M - 1) // BLOCK_M
+    num_tiles_n = (N + BLOCK_N - 1) // BLOCK_N
+    tiles_per_group = num_tiles_k * num_tiles_n
+    # Group-major order: all tiles of one expert run together and share its rows in L2.
+    e = pid // tiles_per_group
+    t = pid % tiles_per_group
+    tile_k = t // num_tiles_n
+    tile_n = t % num_tiles_n
+
+    end = tl.minimum(tl.load(offs_ptr + e), M)
+    start = tl.minimum(tl.load(offs_ptr + e - 1, mask=e > 0, other=0), M)
+    end = tl.maximum(end, start)
+
+    ks = tile_k * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rs = tl.arange(0, BLOCK_K)
+    k_mask = ks < K
+    col_mask = cols < N
+    a_ptrs = a_ptr + (start + rs).to(tl.int64)[None, :] * stride_am + ks[:, None] * stride_ak
+    b_ptrs = b_ptr + (start + rs).to(tl.int64)[:, None] * stride_bm + cols[None, :] * stride_bn
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_K):  # device-side bounds: no host sync, empty -> 0 trips
+        r_mask = rs < end - r0
+        a = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=r_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_am
+        b_ptrs += BLOCK_K * stride_bm
+    c_ptrs = (
+        c_ptr
+        + e.to(tl.int64) * stride_ce
+        + ks.to(tl.int64)[:, None] * stride_ck
+        + cols[None, :] * stride_cn
+    )
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=k_mask[:, None] & col_mask[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Hopper configurations and autotuning
+# ---------------------------------------------------------------------------------------------
+#
+# Reasoning (H100 SXM / H200: sm90, 132 SMs, up to 227 KB of shared memory per block):
+# - 16-bit inputs: 128x256x64 with 8 warps (two warpgroups, each a 64x256 wgmma) is the
+#   highest-throughput triton tile on sm90 for K >= 1k; 3 stages = 3 x 48 KB of shared memory.
+#   128x128x64 (4 stages, 32 KB each) keeps more CTAs in flight when N or the number of row tiles
+#   is small (Qwen3 down-projection dX: N = 768 -> only 3 column tiles of 256).
+# - Ragged groups waste on average half a row tile per expert: with DeepSeek-V3 at 4k tokens an
+#   expert averages 128 rows, so 64-row tiles are offered too (M_BUCKET in the autotune key is
+#   log2 of the average rows per group, so small and large batches tune separately).
+# - The persistent variant (one program per SM looping over tiles) saves the launch and
+#   early-exit cost of the E + 1 spare row tiles and smooths the last wave; without TMA or warp
+#   specialization it does not overlap the epilogue, so it is one candidate, not the default.
+# - No TMA. Row tiles of a group end at arbitrary rows, so loads of `a` and stores of `c` would
+#   need masking on top of a bounding box (a TMA store would clobber the next group's rows), and
+#   only the dense per-expert `b` operand is a clean TMA candidate. triton's pointer path on sm90
+#   already lowers these loads to multi-stage cp.async pipelines feeding wgmma. Host-side
+#   descriptors need triton >= 3.4 and device-side ones a global allocator (module state), and
+#   this had no GPU to prove the gain: left for a measured follow-up.
+# - fp32 inputs: block_k 32 keeps 4-byte tiles inside shared memory (TF32/IEEE paths).
+# The weight-gradient kernel reduces over tokens (block_k) and tiles K x N of the weight.
+
+_CONFIGS_16BIT: tuple[GemmConfig, ...] = (
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
+    GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
+    GemmConfig(128, 128, 64, num_warps=4, num_stages=4),
+    GemmConfig(64, 256, 64, num_warps=4, num_stages=4),
+    GemmConfig(64, 128, 64, num_warps=4, num_stages=5),
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, persistent=True),
+    GemmConfig(128, 128, 64, num_warps=8, num_stages=4, persistent=True),
+)
+_CONFIGS_FP32: tuple[GemmConfig, ...] = (
+    GemmConfig(128, 128, 32, num_warps=8, num_stages=3),
+    GemmConfig(128, 64, 32, num_warps=4, num_stages=4),
+    GemmConfig(64, 128, 32, num_warps=4, num_stages=4),
+)
+_DW_CONFIGS_16BIT: tuple[GemmConfig, ...] = (
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
+    GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
+    GemmConfig(128, 128, 64, num_warps=4, num_stages=4),
+    GemmConfig(64, 128, 64, num_warps=4, num_stages=4),
+)
+_DW_CONFIGS_FP32: tuple[GemmConfig, ...] = (
+    GemmConfig(128, 128, 32, num_warps=8, num_stages=3),
+    GemmConfig(64, 128, 32, num_warps=4, num_stages=4),
+)
+
+
+def _triton_configs(configs: tuple[GemmConfig, ...]) -> list[triton.Config]:
+    return [
+        triton.Config(c.meta(), num_warps=c.num_warps, num_stages=c.num_stages) for c in configs
+    ]
+
+
+# Autotuned entry points (compiled mode only), built on first use: triton < 3.4 binds the
+# autotuner to the active GPU driver when it is constructed, which fails on a CPU-only machine.
+# The strides are in the key because the forward (b = w) and dX (b = w^T) can share N and K but
+# not the layout.
+_ROWS_KEY = ["N", "K", "M_BUCKET", "stride_bk", "stride_bn"]
+_DW_KEY = ["N", "K", "M_BUCKET", "stride_am", "stride_bm"]
+
+
+@functools.cache
+def _autotuned(kernel: str, fp32: bool):
+    """The autotuned launcher for ``kernel`` ("rows" or "ragged_k") and input width.
+
+    NOTE: memoized so each autotuner (and its per-key tuning cache) is built once per process.
+    """
+    if kernel == "rows":
+        configs = _CONFIGS_FP32 if fp32 else _CONFIGS_16BIT
+        return triton.autotune(_triton_configs(configs), key=_ROWS_KEY)(_gmm_rows_kernel)
+    configs = _DW_CONFIGS_FP32 if fp32 else _DW_CONFIGS_16BIT
+    return triton.autotune(_triton_configs(configs), key=_DW_KEY)(_gmm_ragged_k_kernel)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------
+
+_DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _m_bucket(m: int, e: int) -> int:
+    """log2 bucket of the average rows per group (autotune key; static, no sync)."""
+    avg = max(1, m // max(e, 1))
+    return min(max(avg.bit_length(), 4), 14)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    # NOTE: memoized device property (not configuration). With _autotuned, the only
+    # module-level state here.
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _input_precision(dtype: torch.dtype, fp32_precision: str) -> str:
+    if fp32_precision not in ("ieee", "tf32"):
+        raise ValueError(f"fp32_precision={fp32_precision!r}; choose 'ieee' or 'tf32'")
+    return fp32_precision if dtype == torch.float32 else "tf32"  # ignored for 16-bit dots
+
+
+def _check_interpreter(t: torch.Tensor) -> None:
+    if t.device.type != "cuda" and not INTERPRETED:
+        raise RuntimeError(
+            f"the Triton grouped GEMM got {t.device.type} tensors but its kernels were compiled "
+            "for a GPU; set TRITON_INTERPRET=1 before forge_kernels' Triton kernels are first "
+            "imported to run them on CPU"
+        )
+
+
+def gmm_rows(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+    fp32_precision: str = "ieee",
+) -> torch.Tensor:
+    """Grouped GEMM over row groups: ``out[rows_e] = a[rows_e] @ b[e]``, zeros past ``offs[-1]``.
+
+    Args:
+        a: ``[M, K]``, any strides.
+        b: ``[E, K, N]``, any strides (pass ``w.transpose(1, 2)`` for dX).
+        offs: ``[E]`` int32 cumulative group ends on ``a``'s device (never read on the host).
+        out: optional preallocated ``[M, N]`` output in ``a.dtype``; every element is written.
+        config: fixed launch configuration; ``None`` autotunes on a GPU and uses
+            :data:`INTERPRETER_CONFIG` under the interpreter.
+        fp32_precision: ``"ieee"`` (default) or ``"tf32"`` for fp32 inputs on a GPU.
+
+    Returns:
+        ``out`` (``[M, N]``, ``a.dtype``).
+    """
+    _check_interpreter(a)
+    m, k = a.shape
+    e, _, n = b.shape
+    if out is None:
+        out = torch.empty((m, n), device=a.device, dtype=a.dtype)
+    if out.numel() == 0:
+        return out
+    if config is None and INTERPRETED:
+        config = INTERPRETER_CONFIG
+    args = (
+        a, b, out, offs, m, n, k, e,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
+        out.stride(0), out.stride(1), _m_bucket(m, e),
+    )  # fmt: skip
+    consts = {
+        "E_POW2": triton.next_power_of_2(e + 1),
+        "INPUT_PRECISION": _input_precision(a.dtype, fp32_precision),
+    }
+
+    def grid(meta: dict) -> tuple[int]:
+        tiles = (m // meta["BLOCK_M"] + e + 1) * triton.cdiv(n, meta["BLOCK_N"])
+        if meta["PERSISTENT"]:
+            sms = _num_sms(a.device.index or 0) if a.is_cuda else 3
+            return (min(tiles, sms),)
+        return (tiles,)
+
+    if config is not None:
+        _gmm_rows_kernel[grid](
+            *args,
+            **config.meta(),
+            **consts,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+    else:
+        _autotuned("rows", a.dtype == torch.float32)[grid](*args, **consts)
+    return out
+
+
+def gmm_ragged_k(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: GemmConfig | None = None,
+    fp32_precision: str = "ieee",
+) -> torch.Tensor:
+    """Grouped GEMM reducing over row groups: ``out[e] = a[rows_e].T @ b[rows_e]``.
+
+    Args:
+        a: ``[M, K]`` (e.g. the layer input x), any strides.
+        b: ``[M, N]`` (e.g. the output gradient), any strides.
+        offs: ``[E]`` int32 cumulative group ends (never read on the host).
+        out: optional preallocated ``[E, K, N]``; every element is written (zeros for an empty
+            group).
+        out_dtype: dtype of a newly allocated ``out`` (default ``a.dtype``).
+        config: fixed launch configuration (``None``: autotune / interpreter config).
+        fp32_precision: ``"ieee"`` or ``"tf32"`` for fp32 inputs on a GPU.
+
+    Returns:
+        ``out`` (``[E, K, N]``).
+    """
+    _check_interpreter(a)
+    m, k = a.shape
+    n = b.shape[1]
+    e = offs.shape[0]
+    if out is None:
+        out = torch.empty((e, k, n), device=a.device, dtype=out_dtype or a.dtype)
+    if out.numel() == 0:
+        return out
+    if config is None and INTERPRETED:
+        config = INTERPRETER_CONFIG
+    args = (
+        a, b, out, offs, m, n, k, e,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        out.stride(0), out.stride(1), out.stride(2), _m_bucket(m, e),
+    )  # fmt: skip
+    consts = {"INPUT_PRECISION": _input_precision(a.dtype, fp32_precision)}
+
+    def grid(meta: dict) -> tuple[int]:
+        return (e * triton.cdiv(k, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    if config is not None:
+        if config.persistent:
+            raise ValueError("gmm_ragged_k has no persistent variant; use persistent=False")
+        _gmm_ragged_k_kernel[grid](
+            *args,
+            **config.meta(),
+            **consts,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+    else:
+        _autotuned("ragged_k", a.dtype == torch.float32)[grid](*args, **consts)
+    return out

@@ -1,0 +1,558 @@
+"""Benchmark forge's grouped GEMM and write ``benchmarks/grouped_gemm.md``.
+
+Run from the repo root: ``uv run python tools/bench_grouped_gemm.py`` (GPU: ~10 minutes on an
+H100 with autotuning; CPU: ~2 minutes on 2 cores).
+
+- On a GPU (bf16): TFLOP/s of forge's Triton kernels vs raw ``torch._grouped_mm`` vs one dense
+  cuBLAS matmul of the same FLOPs, forward (``x @ w[e]``) and backward (dX + dW), for the expert
+  up (K = dim, N = ffn) and down (K = ffn, N = dim) projections of a Qwen3-30B-A3B-like
+  (E=128, top-8, dim 2048, ffn 768) and a DeepSeek-V3-like (E=256, top-8, dim 7168, ffn 2048)
+  MoE, at 4k-32k tokens. Medians over ``--reps`` timings with CUDA events, after warm-up (which
+  includes autotuning).
+- Without a GPU (fp32): the same models with dim and ffn scaled down 8x / 16x (E and top-8 kept,
+  so the routing raggedness is the real one) and 512-2048 tokens: ``torch._grouped_mm`` vs
+  forge's dispatcher (which is ``torch._grouped_mm`` plus the tail masks on CPU) vs the
+  per-group reference loop vs one dense matmul; plus the Triton *interpreter* at a toy shape
+  (a correctness run, not a performance number), and an ahead-of-time compile of every Triton
+  config for sm90 (shared memory, registers, spills; no GPU needed).
+
+Routing is random and balanced-ish: every token picks 8 distinct experts, sampled with
+probabilities ``softmax(0.5 * randn(E))`` (a mild, fixed skew), as a trained router would give.
+Prints the tables and rewrites ``benchmarks/grouped_gemm.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+TOP_K = 8
+# name: (E, dim, ffn)
+MODELS: dict[str, tuple[int, int, int]] = {
+    "Qwen3-30B-A3B-like": (128, 2048, 768),
+    "DeepSeek-V3-like": (256, 7168, 2048),
+}
+CPU_SCALE = {"Qwen3-30B-A3B-like": 8, "DeepSeek-V3-like": 16}
+GPU_TOKENS = (4096, 8192, 16384, 32768)
+CPU_TOKENS = (512, 1024, 2048)
+TARGETS = "Triton >= 1.0x torch._grouped_mm and >= 65% of the dense matmul (fwd and bwd)"
+
+
+def routing_offs(tokens: int, experts: int, device: str, seed: int = 0):
+    """int32 cumulative group ends for ``tokens`` x top-8 balanced-ish random routing."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(0.5 * torch.randn(experts, generator=g), 0)
+    choice = torch.multinomial(probs.expand(tokens, experts), TOP_K, generator=g)
+    counts = torch.bincount(choice.flatten(), minlength=experts)
+    return torch.cumsum(counts, 0).to(torch.int32).to(device), counts
+
+
+def _time_ms_cuda(run: Callable[[Any], Any], setup: Callable[[], Any] | None) -> float:
+    """Milliseconds of ``run(setup())`` between CUDA events (setup not timed)."""
+    import torch
+
+    arg = setup() if setup else None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run(arg)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def _time_ms_cpu(run: Callable[[Any], Any], setup: Callable[[], Any] | None) -> float:
+    """Wall-clock milliseconds of ``run(setup())`` (setup not timed)."""
+    arg = setup() if setup else None
+    t = time.perf_counter()
+    run(arg)
+    return (time.perf_counter() - t) * 1e3
+
+
+def _median_times(
+    impls: dict[str, Impl], reps: int, warmup: int, on_gpu: bool
+) -> dict[tuple[str, str], float]:
+    """Median ms per (impl, pass). Repetitions are interleaved across implementations, so a
+    load change on a shared machine hits all of them alike."""
+    time_ms = _time_ms_cuda if on_gpu else _time_ms_cpu
+    for fwd, bwd, setup in impls.values():
+        for _ in range(warmup):  # includes autotuning on the GPU
+            fwd(None)
+            bwd(setup() if setup else None)
+    samples: dict[tuple[str, str], list[float]] = {}
+    for _ in range(reps):
+        for name, (fwd, bwd, setup) in impls.items():
+            samples.setdefault((name, "fwd"), []).append(time_ms(fwd, None))
+            samples.setdefault((name, "bwd"), []).append(time_ms(bwd, setup))
+    return {key: statistics.median(v) for key, v in samples.items()}
+
+
+# name -> (forward, backward, backward setup or None); backward(setup()) is what is timed.
+Impl = tuple[Callable[[Any], Any], Callable[[Any], Any], Callable[[], Any] | None]
+
+
+def _implementations(x, w, g, offs, on_gpu: bool) -> dict[str, Impl]:
+    """The implementations timed at one shape (closures over its tensors)."""
+    import torch
+    from forge_kernels.grouped_gemm import grouped_gemm
+
+    wd = w[0].contiguous()
+    impls: dict[str, Impl] = {}
+    if on_gpu:
+        from forge_kernels import _grouped_gemm_triton as kern
+
+        impls["triton"] = (
+            lambda _: kern.gmm_rows(x, w, offs),
+            lambda _: (kern.gmm_rows(g, w.transpose(1, 2), offs), kern.gmm_ragged_k(x, g, offs)),
+            None,
+        )
+    impls["torch_grouped_mm"] = (
+        lambda _: torch._grouped_mm(x, w, offs=offs),
+        lambda _: (
+            torch._grouped_mm(g, w.transpose(1, 2), offs=offs),
+            torch._grouped_mm(x.t(), g, offs=offs),
+        ),
+        None,
+    )
+    impls["dense"] = (lambda _: x @ wd, lambda _: (g @ wd.t(), x.t() @ g), None)
+    if not on_gpu:
+        xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+
+        def through_autograd(backend: str) -> Impl:
+            def fwd(_: Any) -> torch.Tensor:
+                return grouped_gemm(xr, wr, offs, backend=backend)
+
+            def bwd(out: torch.Tensor) -> Any:
+                return torch.autograd.grad(out, (xr, wr), g)
+
+            return fwd, bwd, lambda: fwd(None)
+
+        impls["forge (cpu dispatch)"] = through_autograd("torch_grouped_mm")
+        impls["reference loop"] = through_autograd("reference")
+    return impls
+
+
+def bench_shapes(on_gpu: bool, reps: int, tokens_list: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Time every (model, projection, tokens) on the GPU or the CPU; one row per pass."""
+    import torch
+
+    device = "cuda" if on_gpu else "cpu"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    unit, scale = ("TFLOP/s", 1.0) if on_gpu else ("GFLOP/s", 1e3)
+    rows = []
+    for model, (experts, dim, ffn) in MODELS.items():
+        if not on_gpu:
+            dim, ffn = dim // CPU_SCALE[model], ffn // CPU_SCALE[model]
+        for proj, (k, n) in (("up", (dim, ffn)), ("down", (ffn, dim))):
+            for tokens in tokens_list:
+                offs, counts = routing_offs(tokens, experts, device)
+                m = tokens * TOP_K
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                w = torch.randn(experts, k, n, device=device, dtype=dtype) / k**0.5
+                g = torch.randn(m, n, device=device, dtype=dtype)
+                flops = 2.0 * m * k * n
+                point = {"model": model, "proj": proj, "tokens": tokens, "M": m, "K": k, "N": n}
+                point["empty_groups"] = int((counts == 0).sum())
+                summary = []
+                impls = _implementations(x, w, g, offs, on_gpu)
+                medians = _median_times(impls, reps, 3 if on_gpu else 1, on_gpu)
+                for name in impls:
+                    for pass_, f in (("fwd", flops), ("bwd", 2 * flops)):
+                        t_ms = medians[(name, pass_)]
+                        tflops = f / (t_ms * 1e-3) / 1e12
+                        rows.append(
+                            {**point, "impl": name, "pass": pass_, "ms": t_ms, "tflops": tflops}
+                        )
+                        summary.append(f"{name} {pass_} {tflops * scale:.1f}")
+                print(
+                    f"  {model} {proj} tokens={tokens} M={m} K={k} N={n}: "
+                    + ", ".join(summary)
+                    + f" {unit}",
+                    flush=True,
+                )
+                del impls, x, w, g
+                if on_gpu:
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def bench_interpreter_toy() -> dict[str, Any]:
+    """Triton interpreter at a toy shape, checked against float64: correctness, not speed."""
+    import torch
+    from forge_kernels.grouped_gemm import grouped_gemm
+
+    m, k, n, offs_list = 64, 48, 48, [10, 10, 33, 50]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=gen).requires_grad_(True)
+    w = torch.randn(len(offs_list), k, n, generator=gen).requires_grad_(True)
+    offs = torch.tensor(offs_list, dtype=torch.int32)
+    t = time.perf_counter()
+    out = grouped_gemm(x, w, offs, backend="triton")
+    out.backward(torch.ones_like(out))
+    seconds = time.perf_counter() - t
+    ref = torch.zeros(m, n, dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(offs_list):
+        ref[start:end] = x[start:end].double() @ w[e].double()
+        start = end
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    return {"shape": f"M={m} K={k} N={n} E={len(offs_list)}", "seconds": seconds, "rel_err": err}
+
+
+# ---------------------------------------------------------------------------------------------
+# Ahead-of-time compile check for sm90 (no GPU needed)
+# ---------------------------------------------------------------------------------------------
+
+
+def _compile_check_child() -> list[dict[str, Any]]:
+    """Compile each autotune config for sm90 (runs with TRITON_INTERPRET unset)."""
+    import inspect
+    import tempfile
+
+    import triton
+    from forge_kernels import _grouped_gemm_triton as kern
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    new_api = "constexprs" in inspect.signature(ASTSource.__init__).parameters
+    results = []
+    plans = [
+        ("rows (fwd)", kern._gmm_rows_kernel, kern._CONFIGS_16BIT, "*bf16", {"stride_bn": 1}),
+        ("rows (dX)", kern._gmm_rows_kernel, kern._CONFIGS_16BIT[:1], "*bf16", {"stride_bk": 1}),
+        ("rows (fwd)", kern._gmm_rows_kernel, kern._CONFIGS_FP32, "*fp32", {"stride_bn": 1}),
+        ("ragged_k (dW)", kern._gmm_ragged_k_kernel, kern._DW_CONFIGS_16BIT, "*bf16", {}),
+        ("ragged_k (dW)", kern._gmm_ragged_k_kernel, kern._DW_CONFIGS_FP32, "*fp32", {}),
+    ]
+    for label, fn, configs, ptr_type, layout in plans:
+        for cfg in configs:
+            consts: dict[str, Any] = {
+                **cfg.meta(),
+                "INPUT_PRECISION": "ieee" if ptr_type == "*fp32" else "tf32",
+                "stride_ak": 1,
+                "stride_cn": 1,
+                **({"stride_bn": 1} if fn is kern._gmm_ragged_k_kernel else {}),
+                **layout,
+            }
+            if fn is kern._gmm_rows_kernel:
+                consts["E_POW2"] = 256
+            names = fn.arg_names
+            sig = {
+                a: "constexpr"
+                if a in consts
+                else ("*i32" if a == "offs_ptr" else ptr_type)
+                if a.endswith("_ptr")
+                else "i32"
+                for a in names
+            }
+            # what triton's launcher infers for 16-aligned pointers, strides, N and K
+            div16 = [
+                a
+                for a in names
+                if a not in consts
+                and (a.endswith("_ptr") or a.startswith("stride") or a in ("N", "K"))
+            ]
+            if new_api:
+                attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div16}
+                src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
+            else:
+                from triton.backends.compiler import AttrsDescriptor
+
+                attrs = AttrsDescriptor.from_hints({names.index(a): 16 for a in div16})
+                src = ASTSource(fn, sig, constants=consts, attrs=attrs)
+            row = {"kernel": label, "dtype": ptr_type[1:], "config": cfg.__dict__}
+            try:
+                compiled = triton.compile(
+                    src,
+                    target=GPUTarget("cuda", 90, 32),
+                    options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+                )
+            except Exception as exc:  # report, do not hide
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                results.append(row)
+                continue
+            ptx = compiled.asm["ptx"]
+            row.update(
+                smem=compiled.metadata.shared, wgmma="wgmma" in ptx, cp_async="cp.async" in ptx
+            )
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(compiled.asm["cubin"])
+                f.flush()
+                usage = subprocess.run(
+                    [str(cuobjdump), "--dump-resource-usage", f.name],
+                    capture_output=True,
+                    text=True,
+                ).stdout
+            regs = re.search(r"REG:(\d+)", usage)
+            local = re.search(r"LOCAL:(\d+)", usage)
+            row["regs"] = int(regs.group(1)) if regs else None
+            row["spill_bytes"] = int(local.group(1)) if local else None
+            results.append(row)
+    return results
+
+
+def compile_check() -> tuple[list[dict[str, Any]], str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run(
+        [sys.executable, __file__, "--compile-check-child"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        return [], proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"
+    return json.loads(proc.stdout.strip().splitlines()[-1]), ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+
+def machine_facts(on_gpu: bool) -> dict[str, str]:
+    import torch
+
+    facts: dict[str, str] = {}
+    if on_gpu:
+        props = torch.cuda.get_device_properties(0)
+        facts["GPU"] = (
+            f"{props.name} ({props.multi_processor_count} SMs, sm{props.major}{props.minor})"
+        )
+        facts["CUDA (torch build)"] = str(torch.version.cuda)
+    else:
+        cpu = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+        facts["GPU"] = "none"
+        facts["CPU"] = cpu.group(1).strip() if cpu else platform.processor() or "unknown"
+        facts["cores"] = str(len(os.sched_getaffinity(0)))
+        facts["torch threads"] = str(torch.get_num_threads())
+        load = os.getloadavg()
+        facts["load average (1/5/15 min, at the end)"] = " / ".join(f"{v:.1f}" for v in load)
+    try:
+        import triton
+
+        facts["triton"] = triton.__version__
+    except ImportError:
+        facts["triton"] = "not installed"
+    facts["torch"] = torch.__version__
+    facts["Python"] = platform.python_version()
+    facts["date"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return facts
+
+
+def _ratios(rows: list[dict[str, Any]], ours: str, other: str) -> list[float]:
+    """tflops(ours) / tflops(other) at every (model, proj, tokens, pass)."""
+    by_key: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        by_key.setdefault((r["model"], r["proj"], r["tokens"], r["pass"]), {})[r["impl"]] = r[
+            "tflops"
+        ]
+    return [v[ours] / v[other] for v in by_key.values()]
+
+
+def _table(rows: list[dict[str, Any]], on_gpu: bool) -> list[str]:
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    unit, scale = ("TFLOP/s", 1.0) if on_gpu else ("GFLOP/s", 1e3)
+    ours = "triton" if on_gpu else "forge (cpu dispatch)"
+    head = (
+        "| model | proj | tokens | M | K | N | empty experts | pass | "
+        + " | ".join(f"{i} {unit}" for i in impls)
+        + f" | {ours} / torch_grouped_mm | {ours} / dense |"
+    )
+    lines = [head, "|" + "---|" * 8 + "---:|" * (len(impls) + 2)]
+    keys = list(dict.fromkeys((r["model"], r["proj"], r["tokens"], r["pass"]) for r in rows))
+    for key in keys:
+        sel = {r["impl"]: r for r in rows if (r["model"], r["proj"], r["tokens"], r["pass"]) == key}
+        any_row = next(iter(sel.values()))
+        vals = " | ".join(f"{sel[i]['tflops'] * scale:.1f}" for i in impls)
+        ratio_t = sel[ours]["tflops"] / sel["torch_grouped_mm"]["tflops"]
+        ratio_d = sel[ours]["tflops"] / sel["dense"]["tflops"]
+        lines.append(
+            f"| {key[0]} | {key[1]} | {key[2]} | {any_row['M']} | {any_row['K']} | "
+            f"{any_row['N']} | {any_row['empty_groups']} | {key[3]} | {vals} | "
+            f"{ratio_t:.2f}x | {ratio_d:.0%} |"
+        )
+    return lines
+
+
+def render(
+    rows: list[dict[str, Any]],
+    on_gpu: bool,
+    facts: dict[str, str],
+    toy: dict[str, Any] | None,
+    compiled: list[dict[str, Any]],
+    compile_error: str,
+    reps: int,
+    tokens: tuple[int, ...],
+) -> str:
+    out = [
+        "# Grouped GEMM benchmarks",
+        "",
+        "Written by `uv run python tools/bench_grouped_gemm.py`; rerun it to refresh this page.",
+        "",
+        "## Environment",
+        "",
+        *[f"- {k}: {v}" for k, v in facts.items()],
+        "",
+        f"Targets on H100/H200 (bf16): {TARGETS}.",
+        "",
+        "## What is measured",
+        "",
+        "- forge's Triton path (`forge_kernels/_grouped_gemm_triton.py`): fwd and dX share one "
+        "kernel (`gmm_rows`, dX reads `w` transposed through strides), dW is `gmm_ragged_k` "
+        "(reduction over each expert's rows). No host sync: the grid is "
+        "`(M // BLOCK_M + E + 1) x N tiles`, each program finds its expert by a prefix sum over "
+        "`offs` on the device; rows past `offs[-1]` are written as zeros.",
+        "- Autotuned on the GPU over the Hopper configs in the kernel file (key: N, K, log2 "
+        "rows per expert, layout), so the first call per shape pays for tuning (done in the "
+        "warm-up here).",
+        "",
+    ]
+    if on_gpu:
+        ratios_t = _ratios(rows, "triton", "torch_grouped_mm")
+        ratios_d = _ratios(rows, "triton", "dense")
+        out += [
+            "## Results (GPU, bf16)",
+            "",
+            f"Median of {reps} CUDA-event timings, interleaved across implementations, after "
+            "warm-up (autotuning happens in the warm-up). `triton` calls forge's kernels "
+            "directly (fwd: `gmm_rows`; bwd: `gmm_rows` on `w.transpose(1, 2)` for dX + "
+            "`gmm_ragged_k` for dW); `torch_grouped_mm` is raw `torch._grouped_mm` for the same "
+            "three products; `dense` is one `[M, K] @ [K, N]` matmul (bwd: the dX and dW "
+            "matmuls) of the same FLOPs. FLOPs count every routed row; bwd = 2x fwd.",
+            "",
+            f"Against the targets: Triton / torch._grouped_mm ranges {min(ratios_t):.2f}x to "
+            f"{max(ratios_t):.2f}x (target >= 1.0x); Triton / dense {min(ratios_d):.0%} to "
+            f"{max(ratios_d):.0%} (target >= 65%).",
+            "",
+            *_table(rows, on_gpu),
+            "",
+        ]
+    else:
+        torch_threads = facts.get("torch threads", "?")
+        token_list = ", ".join(map(str, tokens))
+        scales = ", ".join(f"{name} /{div}" for name, div in CPU_SCALE.items())
+        out += [
+            "## No GPU on this machine: what is missing",
+            "",
+            "**Every GPU number is missing**: the Triton kernels' TFLOP/s on H100/H200 at the "
+            "Qwen3-30B-A3B-like and DeepSeek-V3-like shapes, the comparison with "
+            "`torch._grouped_mm` and with dense cuBLAS, and so whether the targets are met. "
+            "Run this script on a GPU machine to fill them in. What this machine can say is "
+            "below: CPU throughput of the CPU paths at reduced shapes, a correctness run of the "
+            "Triton interpreter, and the sm90 compile of every Triton config.",
+            "",
+            "## Results (CPU, fp32, reduced shapes; says nothing about GPU performance)",
+            "",
+            f"dim and ffn scaled down ({scales}; E and top-8 kept), tokens {token_list}. Median of "
+            f"{reps} wall-clock timings with {torch_threads} torch thread(s), interleaved across "
+            "implementations (the machine is shared: see the load average above). "
+            "`torch_grouped_mm`: raw `torch._grouped_mm` (bwd: the dX and dW products); "
+            "`forge (cpu dispatch)`: `grouped_gemm` on CPU, i.e. torch._grouped_mm plus the "
+            "device-side tail masks, alignment checks and autograd (bwd: `autograd.grad` of its "
+            "output); `reference loop`: per-expert matmuls (reads offs on the host); `dense`: "
+            "one matmul of the same FLOPs.",
+            "",
+            *_table(rows, on_gpu),
+            "",
+        ]
+    if toy is not None:
+        out += [
+            "## Triton interpreter (correctness run, NOT a performance number)",
+            "",
+            f"`TRITON_INTERPRET=1`, {toy['shape']}, fp32, forward + backward through "
+            f"`grouped_gemm(..., backend='triton')`: {toy['seconds']:.2f} s wall (numpy "
+            f"interpreter), relative error of the output vs float64 {toy['rel_err']:.1e}.",
+            "",
+        ]
+    out += ["## Ahead-of-time compile for sm90 (Hopper), no GPU needed", ""]
+    if compiled:
+        out += [
+            "Every autotune config compiled with the installed triton for `cuda:90` (ptxas "
+            "included in the triton wheel), with the 16-byte divisibility the launcher infers "
+            "for real shapes. `smem` is the pipelined shared-memory footprint (stages x tile), "
+            "`spill` the local-memory bytes (0 = no register spills). fp32 uses "
+            "`input_precision='ieee'` (no tensor cores; `fp32_precision='tf32'` opts in).",
+            "",
+            "| kernel | dtype | block m x n x k | warps | stages | persistent | smem | regs | "
+            "spill | wgmma | cp.async |",
+            "|---|---|---|---:|---:|---|---:|---:|---:|---|---|",
+        ]
+        for r in compiled:
+            c = r["config"]
+            shape = f"{c['block_m']}x{c['block_n']}x{c['block_k']}"
+            if "error" in r:
+                out.append(
+                    f"| {r['kernel']} | {r['dtype']} | {shape} | | | | error: {r['error']} |"
+                )
+                continue
+            out.append(
+                f"| {r['kernel']} | {r['dtype']} | {shape} | {c['num_warps']} | "
+                f"{c['num_stages']} | {c['persistent']} | {r['smem'] // 1024} KiB | {r['regs']} | "
+                f"{r['spill_bytes']} | {r['wgmma']} | {r['cp_async']} |"
+            )
+        out.append("")
+    else:
+        out += [f"Compile check did not run: {compile_error}", ""]
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=None, help="timings per point (GPU 20, CPU 7)")
+    parser.add_argument("--tokens", type=int, nargs="*", help="token counts to run")
+    parser.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=1,
+        help="torch threads on a CPU-only machine (default 1: stable on a shared machine)",
+    )
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "grouped_gemm.md")
+    parser.add_argument("--compile-check-child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.compile_check_child:
+        print(json.dumps(_compile_check_child()))
+        return
+
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    reps = args.reps or (20 if on_gpu else 7)
+    tokens = tuple(args.tokens) if args.tokens else (GPU_TOKENS if on_gpu else CPU_TOKENS)
+    toy = None
+    if not on_gpu:
+        # NOTE: one thread by default. On a shared 2-core machine, 2-thread OpenMP pools made
+        # the per-group loop of torch._grouped_mm 20x slower in the median than in the best run.
+        torch.set_num_threads(args.cpu_threads)
+        # set before forge_kernels' Triton module is first imported (triton reads it at jit time)
+        os.environ["TRITON_INTERPRET"] = "1"
+        print("Triton interpreter toy run (correctness only) ...", flush=True)
+        toy = bench_interpreter_toy()
+        print(f"  {toy}", flush=True)
+    print(f"Timing on {'GPU' if on_gpu else 'CPU'} ...", flush=True)
+    rows = bench_shapes(on_gpu, reps, tokens)
+    print("sm90 compile check ...", flush=True)
+    compiled, compile_error = compile_check()
+    text = render(rows, on_gpu, machine_facts(on_gpu), toy, compiled, compile_error, reps, tokens)
+    args.out.write_text(text)
+    print()
+    print(text)
+    print(f"\nwrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+
+
+if __name__ == "__main__":
+    main()
