@@ -13,7 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 #: distribution -> its directory; forge-kernels lives in kernels/ and may import no forge layer.
 DIST_DIRS = {
-    p.name: p for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists() and p.name != "forge"
+    p.name: p
+    for p in (ROOT / "packages").iterdir()
+    if (p / "pyproject.toml").exists() and p.name != "forge"
 } | {"forge-kernels": ROOT / "kernels"}
 LAYERS = sorted(DIST_DIRS)
 FORGE_IMPORTS = {d.replace("-", "_") for d in LAYERS} | {"forge"}
@@ -36,7 +38,13 @@ def _uv() -> str:
 
 
 def test_there_are_layers_to_check():
-    assert {"forge-core", "forge-mesh", "forge-fsdp-wrap", "forge-tp-plans", "forge-kernels"} <= set(LAYERS)
+    assert {
+        "forge-core",
+        "forge-mesh",
+        "forge-fsdp-wrap",
+        "forge-tp-plans",
+        "forge-kernels",
+    } <= set(LAYERS)
 
 
 @pytest.mark.parametrize("dist", LAYERS)
@@ -84,7 +92,9 @@ def test_layer_installs_alone_and_loads_no_other_layer(dist, tmp_path):
     ).stdout
     installed = {line.split("==")[0].split(" @ ")[0].lower() for line in listed.splitlines()}
     forge_dists = {d for d in installed if d.startswith("forge")}
-    assert forge_dists <= {dist, "forge-core"} if dist != "forge-kernels" else forge_dists == {dist}, forge_dists
+    assert (
+        forge_dists <= {dist, "forge-core"} if dist != "forge-kernels" else forge_dists == {dist}
+    ), forge_dists
     assert dist in forge_dists
     code = (
         "import sys, warnings; warnings.filterwarnings('ignore'); "
