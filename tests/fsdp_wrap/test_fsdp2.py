@@ -277,3 +277,15 @@ def test_ac_none_is_a_no_op_that_leaves_room_for_a_real_mode():
     apply_ac(model, "none")
     apply_ac(model, "full")
     assert applied_stages(model) == ["ac"]
+
+
+def _replicate_only_bytes() -> tuple[tuple, float]:
+    mesh = build_device_mesh({"dp_replicate": 4}, "cpu")
+    model = build_parallel_model(CFG, "cpu", mesh, param_dtype=torch.float32)
+    local = sum(p.to_local().numel() for p in model.parameters())
+    return mesh.mesh_dim_names, local / CFG.num_params()
+
+
+def test_dp_replicate_alone_replicates_instead_of_sharding(run_on_ranks):
+    names, fraction = run_on_ranks(4, _replicate_only_bytes)[0]
+    assert names == ("dp_replicate", "dp_shard") and fraction == 1.0

@@ -124,6 +124,11 @@ def test_thousands_of_ranks_plan_in_one_process():
         assert sub_mesh(mesh, "dp").size() == 512
 
 
+def test_fsdp2_replication_keeps_a_size_one_shard_axis():
+    assert mesh_layout({"dp_replicate": 4}, 4) == (("dp_replicate", "dp_shard"), (4, 1))
+    assert mesh_layout({"dp_replicate": 4, "data": "ddp"}, 4) == (("dp_replicate",), (4,))
+
+
 def test_mesh_layout_is_pure():
     assert mesh_layout({"tp": 2, "dp_replicate": 2}, 16) == (
         ("dp_replicate", "dp_shard", "tp"),

@@ -74,8 +74,9 @@ def _validation_in_ranks() -> dict[str, str]:
     fsdp_first = _meta()
     apply_fsdp2(fsdp_first, build_device_mesh({}, "cpu"), default_mp_policy(torch.float32))
     out["order"] = _error(apply_tensor_parallel, fsdp_first, mesh2)
-    tied = _meta(tie_embeddings=True)
-    out["tied_sp"] = _error(apply_tensor_parallel, tied, mesh2, sequence_parallel=True)
+    hf_like = nn.Sequential(nn.Linear(4, 4))
+    hf_like._tp_plan = {"0": "colwise"}  # an instance plan, as Hugging Face models carry
+    out["basic_sp"] = _error(apply_tensor_parallel, hf_like, mesh2, sequence_parallel=True)
     out["twice"] = _error(apply_tensor_parallel, model, mesh2)
     return out
 
@@ -85,7 +86,7 @@ def test_tp_errors_in_ranks(run_on_ranks):
     assert "tp=4 does not divide n_kv_heads=2" in out["kv"]
     assert "sequence length 15 is not divisible by tp=2" in out["seq"]
     assert "cannot apply 'tp' after ['fsdp2']" in out["order"]
-    assert "sequence_parallel=True with tie_embeddings" in out["tied_sp"]
+    assert "plan found (Hugging Face or opt-in) is basic TP" in out["basic_sp"]
     assert "stage 'tp' was already applied" in out["twice"]
 
 

@@ -74,6 +74,11 @@ def test_tp_with_tied_embeddings_turns_sp_off_and_matches(run_on_ranks):
     assert info["styles"]["tok_embeddings"].startswith("RowwiseParallel")
 
 
+def test_tp_with_tied_embeddings_and_explicit_sp_matches(run_on_ranks):
+    info = _check(run_on_ranks(4, _parity, {"tp": 2}, preset="debug_tied", sequence_parallel=True))
+    assert info["sp"]
+
+
 @pytest.mark.parametrize("ac_mode", ["full", "selective", "op"])
 def test_fsdp2_x_tp_with_ac_matches_single_device(run_on_ranks, ac_mode):
     _check(run_on_ranks(4, _parity, {"tp": 2}, ac_mode=ac_mode))

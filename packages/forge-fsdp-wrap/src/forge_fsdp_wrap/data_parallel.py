@@ -116,6 +116,12 @@ def apply_fsdp2(
             "set parallelism.dp_shard (or dp_replicate) > 1, or data='none'"
         )
     dp_mesh = get_dp_mesh(device_mesh)
+    if dp_mesh.mesh_dim_names == ("dp_replicate",):
+        raise ForgeConfigError(
+            "apply_fsdp2 got a mesh whose only data-parallel axis is dp_replicate: FSDP2 would shard over "
+            "it. Add a dp_shard axis (size 1 to replicate only; forge_mesh.build_device_mesh does this) "
+            "or use apply_ddp"
+        )
     _check_reshard(reshard_after_forward, dp_mesh.size(dp_mesh.ndim - 1))
     with stage(model, "fsdp2"):
         offload = (

@@ -47,7 +47,10 @@ def mesh_layout(
 ) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """Axis names and sizes the mesh will have for ``world_size`` ranks (pure; no process group)."""
     cfg = ParallelismConfig.from_any(parallelism).resolve(world_size)
-    named = [(n, getattr(cfg, n)) for n in AXES if getattr(cfg, n) > 1]
+    # NOTE: fsdp2 with dp_replicate > 1 keeps dp_shard even at size 1: FSDP2 then gets the 2-D
+    # (replicate, shard) mesh and replicates; a lone dp_replicate axis would make it shard instead.
+    keep = {"dp_shard"} if cfg.data == "fsdp2" and cfg.dp_replicate > 1 else set()
+    named = [(n, getattr(cfg, n)) for n in AXES if getattr(cfg, n) > 1 or n in keep]
     if not named:
         named = [("dp_shard", 1)]
     names, sizes = zip(*named, strict=True)

@@ -48,15 +48,25 @@ class AppliedPlan:
     styles: dict[str, str]
 
     def __str__(self) -> str:
-        grouped: dict[str, str] = {}
+        # Fold layer indices to "*" only where every layer has the entry with the same style.
+        groups: dict[str, set[str]] = {}
+        members: dict[str, list[str]] = {}
         for name, style in self.styles.items():
-            grouped.setdefault(re.sub(r"\.\d+(\.|$)", r".*\1", name), style)
-        width = max((len(k) for k in grouped), default=0)
+            pattern = re.sub(r"\.\d+(\.|$)", r".*\1", name)
+            groups.setdefault(pattern, set()).add(style)
+            members.setdefault(pattern, []).append(name)
+        n_layers = max((len(v) for v in members.values()), default=1)
+        rows: dict[str, str] = {}
+        for name, style in self.styles.items():
+            pattern = re.sub(r"\.\d+(\.|$)", r".*\1", name)
+            folded = len(groups[pattern]) == 1 and len(members[pattern]) == n_layers > 1
+            rows.setdefault(pattern if folded else name, style)
+        width = max((len(k) for k in rows), default=0)
         head = (
             f"{self.source} plan over {self.tp_size} ranks, sequence_parallel={self.sequence_parallel}, "
             f"loss_parallel={self.loss_parallel}"
         )
-        return "\n".join([head] + [f"  {k:<{width}}  {v}" for k, v in grouped.items()])
+        return "\n".join([head] + [f"  {k:<{width}}  {v}" for k, v in rows.items()])
 
 
 def applied_tp_plan(model: nn.Module) -> AppliedPlan | None:
@@ -167,23 +177,24 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
 
 
 def _default_sequence_parallel(
-    model: nn.Module, requested: bool | None, has_registered_plan: bool
+    model: nn.Module, requested: bool | None, plan_given: bool, has_registered_plan: bool
 ) -> bool:
+    """SP is on by default for registered plans, except with tied embeddings or on a pipeline stage.
+
+    Tied embeddings: the shared weight is vocab-sharded for the embedding as well as the head, so
+    the reference layout keeps basic TP there by default (it was validated that way first);
+    ``sequence_parallel=True`` still works and is tested.
+    """
     tied = isinstance(model, Transformer) and model.config.tie_embeddings
     stage_module = isinstance(model, Transformer) and (
         getattr(model, "tok_embeddings", None) is None or getattr(model, "output", None) is None
     )
     if requested is None:
         return has_registered_plan and not tied and not stage_module
-    if requested and not has_registered_plan:
+    if requested and not (plan_given or has_registered_plan):
         raise ForgeConfigError(
-            f"sequence_parallel=True needs a registered plan that implements it; {type(model).__name__} has none "
-            "(Hugging Face and opt-in plans are basic TP); give an explicit plan with SequenceParallel entries instead"
-        )
-    if requested and tied:
-        raise ForgeConfigError(
-            "sequence_parallel=True with tie_embeddings: the embedding and the head share one vocab-sharded weight, "
-            "and the sharded head cannot take sequence-sharded input; use sequence_parallel=False"
+            f"sequence_parallel=True: the {type(model).__name__} plan found (Hugging Face or opt-in) is basic "
+            "TP; give an explicit plan with SequenceParallel entries, or use sequence_parallel=False"
         )
     if requested and stage_module:
         raise ForgeConfigError(
@@ -234,7 +245,7 @@ def apply_tensor_parallel(
     tp = tp_mesh.size()
     with stage(model, "tp"):
         has_registered = plan is None and registered_plan_fn(model) is not None
-        sp = _default_sequence_parallel(model, sequence_parallel, has_registered)
+        sp = _default_sequence_parallel(model, sequence_parallel, plan is not None, has_registered)
         if loss_parallel and not has_registered and plan is None:
             raise ForgeConfigError(
                 "loss_parallel=True needs a plan whose output head keeps vocab-sharded logits: use a registered plan "

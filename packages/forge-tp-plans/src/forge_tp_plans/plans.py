@@ -18,6 +18,7 @@ Plans are chosen in this order (the first that applies wins):
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -168,10 +169,10 @@ def _import_plan(
     except (ImportError, AttributeError) as e:
         raise ForgeConfigError(f"plan={path!r} cannot be imported: {e}") from None
     if callable(obj) and not isinstance(obj, Mapping):
-        try:
-            obj = obj(model, ctx)
-        except TypeError:
-            obj = obj()
+        # A plan function takes (model, ctx) or nothing; decided by its signature so that a
+        # TypeError raised inside it is not mistaken for a signature mismatch.
+        takes_args = len(inspect.signature(obj).parameters) >= 2
+        obj = obj(model, ctx) if takes_args else obj()
     if not isinstance(obj, Mapping):
         raise ForgeConfigError(
             f"plan={path!r} gave a {type(obj).__name__}; it must be a dict of module pattern -> style"

@@ -58,7 +58,7 @@ _TRANSLATIONS = {
     "replicate": lambda: None,
 }
 _REFUSED = {
-    "gather": "all-reduces a parent's output; forge only accepts it over local_rowwise children",
+    "gather": "it all-reduces a parent's output; forge only accepts it over local_rowwise children",
     "local": "keeps expert weights unsharded inside MoE blocks: an MoE style, handled by forge-moe-ep",
     "isolated": "an MoE expert style, handled by forge-moe-ep",
     "ep_router": "an MoE router style, handled by forge-moe-ep",

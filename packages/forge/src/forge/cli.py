@@ -3,7 +3,7 @@
 ``forge build [CONFIG] [--nproc N] [--device cpu|cuda] [--set key=value ...]`` builds the mesh
 and the parallel model, trains a few steps on synthetic tokens, checks parity against the
 single-device model and prints a report. With no arguments it runs the embedded default: the
-``debug`` model with FSDP2 over 4 local CPU ranks. Outside torchrun/SLURM it starts the local
+``debug`` model on 4 local CPU ranks as dp_shard 2 x tp 2 (sequence parallel, FSDP2 on dp). Outside torchrun/SLURM it starts the local
 ranks itself through torch's elastic launcher; under torchrun/SLURM it uses their ranks.
 
 Exit status: 0 PASS, 1 FAIL (parity or a rank error), 2 bad config or arguments.
@@ -82,6 +82,11 @@ def _launch_local(cfg_dict: dict, device: str, nproc: int, start: float) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     if device == "cpu":
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Ranks are fresh interpreters: give them the working directory on the import path, as the
+    # parent has, so a tp.plan module next to the config imports there too.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])
+    )
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -118,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "config",
         nargs="?",
         default=None,
-        help="TOML config ([model], [parallelism], [training]); default: embedded debug config",
+        help="TOML config ([model], [parallelism], [tp], [training]); default: embedded debug config",
     )
     build.add_argument(
         "--nproc",

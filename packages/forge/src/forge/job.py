@@ -7,6 +7,7 @@ checked without a separate run. Rank 0 returns the report.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 from dataclasses import dataclass
@@ -37,14 +38,14 @@ def check_config(cfg: ForgeConfig, world_size: int) -> None:
     check_plan(par.data, sizes, ac_mode=cfg.training.ac_mode)
     t = cfg.training
     if cfg.tp.plan is not None:
-        check_plan_import(cfg.tp.plan, cfg.tp.allow_import)
-    if par.tp > 1 and cfg.tp.plan is None:
-        sp = cfg.tp.sequence_parallel_flag
-        sp = (not cfg.model.tie_embeddings) if sp is None else sp
-        if sp and cfg.model.tie_embeddings:
+        module_name = check_plan_import(cfg.tp.plan, cfg.tp.allow_import)
+        if importlib.util.find_spec(module_name.split(".")[0]) is None:
             raise ForgeConfigError(
-                "tp.sequence_parallel=true with model.tie_embeddings: set tp.sequence_parallel=false"
+                f"tp.plan={cfg.tp.plan!r}: module '{module_name}' is not importable from here"
             )
+    if par.tp > 1:
+        sp = cfg.tp.sequence_parallel_flag
+        sp = (cfg.tp.plan is None and not cfg.model.tie_embeddings) if sp is None else sp
         check_transformer_tp(cfg.model, par.tp, seq_len=t.seq_len, sequence_parallel=sp)
     if t.global_batch_size % (par.dp_degree * t.grad_accum):
         raise ForgeConfigError(
