@@ -56,7 +56,9 @@ def test_invalid_parallelism_fields_are_named(kwargs, pattern):
             r"dp_shard=2 = 4 ranks, but the world size is 8; set dp_shard=-1",
         ),
         ({"data": "none"}, 4, r"data='none' but 4 of the 4 ranks are left for data parallelism"),
-        ({"ep": 3}, 4, r"parallelism\.ep=3 must divide dp_shard x cp x tp = 4"),
+        ({"ep": 3}, 4, r"parallelism\.ep=3 must divide dp_shard=4.*choose ep in \[1, 2, 4\]"),
+        ({"ep": 4, "tp": 2}, 4, r"parallelism\.ep=4 must divide dp_shard=2"),
+        ({"ep": 2, "dp_replicate": 2, "data": "ddp"}, 2, r"ep=2 needs data='fsdp2'"),
     ],
 )
 def test_layouts_that_do_not_fit_the_world_size_are_refused(kwargs, world, pattern):

@@ -218,6 +218,30 @@ def test_combine_matches_loop_weighted_sum_and_never_reads_padding_rows(backend)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropped_slots_read_as_zero_and_get_no_gradient(backend):
+    # A capacity-limited layout: slots whose row is >= the number of rows are dropped.
+    t, k, d = 6, 2, 5
+    layout = routing_layout(make_ids(t, k, 3, "random", torch.int64), 3, 1, backend=backend)
+    cap = 7  # keep only the first 7 rows of the expert-major order
+    scatter = layout.scatter_idx.clone()
+    scatter[scatter >= cap] = cap
+    gather = layout.gather_idx[:cap].clone()
+    capped = RoutingLayout(layout.counts, layout.offs.clamp(max=cap), gather, scatter)
+    y = torch.randn(cap, d, device=DEVICE, requires_grad=True)
+    w = torch.rand(t, k, device=DEVICE, requires_grad=True)
+    out = combine(y, capped, w, backend=backend)
+    kept = (scatter < cap).view(t, k)
+    y_pad = torch.cat([y, torch.zeros(1, d, device=DEVICE)])
+    expected = (y_pad[scatter].view(t, k, d) * w.unsqueeze(-1)).sum(1)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    out.square().sum().backward()
+    assert torch.all(w.grad[~kept] == 0) and torch.all(w.grad[kept] != 0)
+    slots = unpermute(y.detach(), capped, backend=backend)
+    assert torch.all(slots[scatter == cap] == 0)
+    torch.testing.assert_close(slots[scatter < cap], y.detach()[scatter[scatter < cap]])
+
+
 def test_combine_triton_matches_torch_in_bf16_with_fp32_weights():
     t, k, e, d = 10, 2, 3, 16
     layout = routing_layout(make_ids(t, k, e, "random", torch.int64), e, 8)

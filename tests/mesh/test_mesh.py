@@ -162,3 +162,45 @@ def test_gloo_groups_reduce_over_the_right_ranks(run_on_ranks):
         {"dp_replicate": 0 + 2, "dp_shard": 2 + 3, "dp": 6},
         {"dp_replicate": 1 + 3, "dp_shard": 2 + 3, "dp": 6},
     ]
+
+
+def test_ep_is_carved_out_of_dp_shard_with_neighbouring_peers():
+    # 8 ranks: dp_replicate 2 x dp_shard 4 (= dp_shard_mod_ep 2 x ep 2); the world size is not
+    # multiplied by ep, and ep peers are adjacent ranks.
+    layout = {"dp_replicate": 2, "ep": 2}
+    got = _groups(layout, 8, ["ep", "dp_shard_mod_ep", "dp_shard", "expert_dp"])
+    assert got[5] == {
+        "ep": [4, 5],
+        "dp_shard_mod_ep": [5, 7],
+        "dp_shard": [4, 5, 6, 7],
+        "expert_dp": [1, 3, 5, 7],
+    }
+    assert got == _expected(
+        {"dp_replicate": 2, "dp_shard_mod_ep": 2, "ep": 2},
+        {
+            "ep": ("ep",),
+            "dp_shard_mod_ep": ("dp_shard_mod_ep",),
+            "dp_shard": ("dp_shard_mod_ep", "ep"),
+            "expert_dp": ("dp_replicate", "dp_shard_mod_ep"),
+        },
+    )
+
+
+def test_ep_with_tp_keeps_tp_innermost():
+    got = _groups({"ep": 2, "tp": 2}, 8, ["ep", "tp", "expert_dp"])
+    # rank 6 = (dp_shard_mod_ep 1, ep 1, tp 0)
+    assert got[6] == {"ep": [4, 6], "tp": [6, 7], "expert_dp": [2, 6]}
+
+
+def test_ep_mesh_helpers():
+    from forge_core.mesh_dims import get_dp_group_mesh, get_ep_mesh, get_expert_dp_mesh
+
+    with fake_world(1, 4):
+        mesh = build_device_mesh({"ep": 4}, "cpu")
+        assert mesh.mesh_dim_names == ("dp_shard",)  # the root stays the dense layout
+        assert get_ep_mesh(mesh).size() == 4 and get_expert_dp_mesh(mesh).size() == 1
+        assert get_dp_group_mesh(mesh).size() == 4
+    with fake_world(1, 4):
+        dense = build_device_mesh({}, "cpu")
+        assert get_ep_mesh(dense) is None
+        assert get_expert_dp_mesh(dense).mesh_dim_names == ("dp_shard",)

@@ -28,8 +28,10 @@ Notable choices:
   :func:`backend_used` resolves the choice; it is a pure function of device and request.
 - ``combine`` gathers each token's K rows and sums them in k order in fp32 (fp64 for fp64
   rows): deterministic, no atomics; padding rows are never read (NaN there is harmless). Its output has ``y_perm``'s dtype; the weight gradient has ``weights``' dtype.
-- Ids outside ``[0, E)`` give an undefined layout (checking would need a sync); the Triton
-  kernels mask them so they never write out of bounds.
+- Ids outside ``[0, E)`` are dropped by :func:`routing_layout` (``scatter_idx == capacity``). A
+  slot whose ``scatter_idx`` is ``>= y_perm.shape[0]`` (dropped; e.g. over an expert's capacity)
+  reads as a zero row in :func:`unpermute` and contributes nothing to :func:`combine` (zero
+  weight gradient) on both backends.
 - Under ``torch.compile`` the Triton path is an opaque ``autograd.Function`` (a graph break);
   the torch path compiles with ``fullgraph=True`` (checked on CPU, torch 2.15).
 """
@@ -238,6 +240,18 @@ def permute(
     return x_padded[layout.gather_idx // top_k]
 
 
+def _rows_or_zero(y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``y[rows]`` with zero rows where ``rows >= len(y)`` (dropped slots); no host sync."""
+    valid = rows < y.shape[0]
+    picked = (
+        y[rows.clamp(max=max(y.shape[0] - 1, 0))]
+        if y.shape[0]
+        else y.new_zeros(rows.numel(), y.shape[1])
+    )
+    # NOTE: where, not a multiply: the clamped row may hold NaN (uninitialized grouped_mm rows).
+    return torch.where(valid.unsqueeze(-1), picked, picked.new_zeros(()))
+
+
 def unpermute(
     y_perm: torch.Tensor, layout: RoutingLayout, *, backend: str | None = None
 ) -> torch.Tensor:
@@ -248,7 +262,7 @@ def unpermute(
     _check_capacity_rows("y_perm", y_perm, layout)
     if backend_used(y_perm, backend) == "triton":
         return _UnpermuteFn.apply(y_perm, layout.gather_idx, layout.scatter_idx)
-    return y_perm[layout.scatter_idx]
+    return _rows_or_zero(y_perm, layout.scatter_idx)
 
 
 def combine(
@@ -283,7 +297,7 @@ def combine(
         return _CombineFn.apply(y_perm, layout.gather_idx, layout.scatter_idx, weights)
     t, k = weights.shape
     acc = torch.float64 if y_perm.dtype == torch.float64 else torch.float32
-    y_slots = y_perm[layout.scatter_idx].view(t, k, y_perm.shape[1])
+    y_slots = _rows_or_zero(y_perm, layout.scatter_idx).view(t, k, y_perm.shape[1])
     out = (y_slots.to(acc) * weights.to(acc).unsqueeze(-1)).sum(1)
     return out.to(y_perm.dtype)
 

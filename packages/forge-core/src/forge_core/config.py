@@ -54,8 +54,11 @@ class ParallelismConfig:
 
     Axes (outermost first in the mesh): ``pp, dp_replicate, dp_shard, cp, domain, tp``; world size
     = their product. ``ep`` is not a factor of the world size: expert parallelism is carved out of
-    the data-parallel ranks (``dp_shard x cp x tp``), so EP peers work on different tokens and no
-    dense compute is duplicated. ``dp_shard=-1`` infers the degree from the world size.
+    the ``dp_shard`` ranks (``dp_shard = dp_shard_mod_ep x ep``), so EP peers work on different
+    tokens and no dense compute is duplicated; it needs ``data='fsdp2'``. Tensor-parallel peers
+    run the MoE layers replicated (same tokens), each in its own EP group.
+    ``dp_shard=-1`` infers the degree from the world size; ``ep=-1`` picks the largest degree
+    that divides both ``dp_shard`` and the model's ``num_experts`` (1 for a dense model).
 
     ``data`` picks the data-parallel mode: ``fsdp2`` shards over ``dp_shard`` (and replicates over
     ``dp_replicate``: HSDP), ``ddp`` replicates over ``dp_replicate`` (``dp_shard`` must be 1; -1
@@ -73,7 +76,7 @@ class ParallelismConfig:
 
     def __post_init__(self) -> None:
         for name in _AXIS_FIELDS:
-            _check_positive_int(name, getattr(self, name), allow_infer=name == "dp_shard")
+            _check_positive_int(name, getattr(self, name), allow_infer=name in ("dp_shard", "ep"))
         if self.data not in DATA_MODES:
             raise ForgeConfigError(
                 f"parallelism.data={self.data!r} is invalid: choose one of {list(DATA_MODES)}"
@@ -126,8 +129,9 @@ class ParallelismConfig:
         """Number of data-parallel ranks (replicate x shard) of a resolved config."""
         return self.dp_replicate * self.dp_shard
 
-    def resolve(self, world_size: int) -> ParallelismConfig:
-        """Infer ``dp_shard`` and check every product against ``world_size``."""
+    def resolve(self, world_size: int, num_experts: int = 0) -> ParallelismConfig:
+        """Infer ``dp_shard`` (and ``ep=-1`` from ``num_experts``, 0 = dense model) and check
+        every product against ``world_size``."""
         if not isinstance(world_size, int) or world_size < 1:
             raise ForgeConfigError(f"world_size={world_size!r} must be a positive integer")
         fixed = self.dp_replicate * self.cp * self.tp * self.pp * self.domain
@@ -155,11 +159,19 @@ class ParallelismConfig:
                 f"data='none' but {resolved.dp_degree} of the {world_size} ranks are left for data "
                 "parallelism; set data='fsdp2' or 'ddp', or raise tp/cp/domain to use them"
             )
-        ep_pool = resolved.dp_shard * resolved.cp * resolved.tp
-        if resolved.ep > 1 and ep_pool % resolved.ep:
+        if resolved.ep == -1:
+            auto = math.gcd(resolved.dp_shard, num_experts) if resolved.data == "fsdp2" else 1
+            resolved = replace(resolved, ep=max(auto, 1))
+        if resolved.ep > 1 and resolved.data != "fsdp2":
             raise ForgeConfigError(
-                f"parallelism.ep={resolved.ep} must divide dp_shard x cp x tp = {ep_pool}: expert "
-                "parallelism is carved out of those ranks"
+                f"parallelism.ep={resolved.ep} needs data='fsdp2' (EP is carved out of the dp_shard "
+                f"ranks); got data={resolved.data!r}"
+            )
+        if resolved.ep > 1 and resolved.dp_shard % resolved.ep:
+            raise ForgeConfigError(
+                f"parallelism.ep={resolved.ep} must divide dp_shard={resolved.dp_shard}: expert "
+                "parallelism is carved out of the dp_shard ranks; choose ep in "
+                f"{[d for d in range(1, resolved.dp_shard + 1) if resolved.dp_shard % d == 0]}"
             )
         return resolved
 
@@ -245,6 +257,11 @@ class ForgeConfig:
     tp: TPConfig = field(default_factory=TPConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
 
+    def resolved_parallelism(self, world_size: int) -> ParallelismConfig:
+        """``parallelism`` resolved for ``world_size`` and this model (``ep=-1`` needs it)."""
+        experts = self.model.num_experts if self.model.moe_layers else 0
+        return self.parallelism.resolve(world_size, num_experts=experts)
+
 
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
@@ -255,10 +272,11 @@ _SECTIONS: dict[str, type] = {
 
 
 #: What ``load_config(None)`` (``forge build`` with no config file) starts from: the debug model,
-#: tp=2 with sequence parallelism and FSDP2 over the remaining ranks (dp_shard 2 x tp 2 on 4).
+#: tp=2 with sequence parallelism and FSDP2 over the remaining ranks (dp_shard 2 x tp 2 on 4);
+#: for an MoE preset, expert parallelism over as many of the dp_shard ranks as divide the experts.
 EMBEDDED_DEFAULT: dict[str, dict[str, Any]] = {
     "model": {"preset": "debug"},
-    "parallelism": {"tp": 2},
+    "parallelism": {"tp": 2, "ep": -1},
 }
 
 

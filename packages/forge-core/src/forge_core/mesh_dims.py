@@ -5,6 +5,11 @@ ranks are neighbours: one node, the fastest links). A forge mesh holds only the 
 (a world of one rank gets a 1-D ``dp_shard`` of size 1), plus flattened views built by
 forge_mesh: ``dp`` (dp_replicate x dp_shard), ``dp_shard_cp`` (dp_shard x cp, the FSDP shard group
 with context parallelism).
+
+Expert parallelism is carved out of ``dp_shard``: forge_mesh unflattens it into
+``dp_shard_mod_ep x ep`` (EP peers are neighbouring ranks) and keeps the views ``ep`` and
+``expert_dp`` (``dp_replicate x dp_shard_mod_ep``: the ranks holding the same experts, over which
+FSDP2 shards them). EP peers are data-parallel ranks: they see different tokens.
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ __all__ = [
     "DP_AXES",
     "axis_size",
     "dp_rank_and_size",
+    "get_dp_group_mesh",
     "get_dp_mesh",
+    "get_ep_mesh",
+    "get_expert_dp_mesh",
     "get_tp_mesh",
     "has_axis",
     "has_dp_mesh",
@@ -81,6 +89,31 @@ def get_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
             "(dp_replicate / dp_shard); use has_dp_mesh() first"
         )
     return sub_mesh(mesh, *axes)
+
+
+def get_dp_group_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """A 1-D mesh over all data-parallel ranks (for reducing statistics such as token counts).
+
+    None when there is no data-parallel axis of size > 1.
+    """
+    for name in ("dp", "dp_shard", "dp_replicate"):
+        if has_axis(mesh, name) and sub_mesh(mesh, name).size() > 1:  # type: ignore[arg-type]
+            return sub_mesh(mesh, name)  # type: ignore[arg-type]
+    return None
+
+
+def get_ep_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The 1-D expert-parallel mesh, or None when the mesh has no ``ep`` axis."""
+    return sub_mesh(mesh, "ep") if has_axis(mesh, "ep") else None  # type: ignore[arg-type]
+
+
+def get_expert_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards expert-parallel parameters over.
+
+    ``dp_shard_mod_ep`` (1-D) or ``(dp_replicate, dp_shard_mod_ep)`` (HSDP) when the mesh has an
+    ``ep`` axis; otherwise the dense data-parallel mesh (:func:`get_dp_mesh`).
+    """
+    return sub_mesh(mesh, "expert_dp") if has_axis(mesh, "expert_dp") else get_dp_mesh(mesh)
 
 
 def get_tp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:

@@ -10,10 +10,16 @@ Module names are stable; TP plans, FSDP wrapping and AC refer to them:
 ``layers.<i>.ffn_norm``                RMSNorm before the FFN slot
 ``layers.<i>.feed_forward``            the FFN slot: SwiGLU ``{w1, w2, w3}`` by default;
                                        any module mapping ``[B, S, dim] -> [B, S, dim]``
+                                       (an MoE layer in the blocks ``is_moe_layer`` names)
 ``norm``                               final RMSNorm
 ``output``                             head ``[vocab_size, dim]`` (tied to the embedding
                                        when ``tie_embeddings``)
 =====================================  ==============================================
+
+MoE fields in :class:`ModelConfig` describe MoE blocks, but forge_core holds no MoE code (the
+dependency rule): ``Transformer(config, ffn_factory=...)`` builds the FFN slot of those blocks
+with a factory, e.g. ``forge_moe_ep.MoE.for_block``. A config with MoE blocks and no factory is
+refused with that advice.
 
 ``layers`` is a ModuleDict (not a ModuleList) so that removing blocks (pipeline stages) keeps the
 remaining names. Attention takes its local head count from the projection's output width, so a
@@ -26,6 +32,7 @@ sharded or not; see :mod:`forge_core.init`). Build it on the meta device, parall
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -36,7 +43,23 @@ import torch.nn.functional as F
 from .errors import ForgeConfigError, did_you_mean
 from .init import canonical_name, fill_param_
 
-__all__ = ["PRESETS", "Attention", "FeedForward", "ModelConfig", "Transformer", "TransformerBlock"]
+__all__ = [
+    "MOE_DISPATCH_MODES",
+    "MOE_ROUTERS",
+    "PRESETS",
+    "Attention",
+    "FeedForward",
+    "FFNFactory",
+    "ModelConfig",
+    "Transformer",
+    "TransformerBlock",
+]
+
+MOE_ROUTERS = ("softmax", "sigmoid")
+#: ``dropless``: exact, every routed token is computed (EP exchanges split sizes: one host wait
+#: per MoE layer per forward). ``capacity``: each sequence sends at most a fixed number of tokens
+#: to each expert (``capacity_factor``), the rest are dropped and counted; no host sync at all.
+MOE_DISPATCH_MODES = ("dropless", "capacity")
 
 
 @dataclass(frozen=True)
@@ -45,6 +68,15 @@ class ModelConfig:
 
     ``n_kv_heads`` defaults to ``n_heads`` (plain multi-head attention); ``ffn_dim`` defaults to
     the Llama rule (8/3 x dim rounded up to a multiple of 64).
+
+    Mixture of experts (``moe_every > 0``): block ``i`` is an MoE block when
+    ``(i + 1) % moe_every == 0`` (1: every block). Each has ``num_experts`` SwiGLU experts of
+    hidden size ``moe_ffn_dim`` (default ``ffn_dim``), a top-``top_k`` token-choice ``router``
+    (``softmax`` or ``sigmoid`` scores, computed in float32), ``num_shared_experts`` always-on
+    experts (one SwiGLU of hidden ``num_shared_experts * moe_ffn_dim``), and ``moe_dispatch``
+    (see ``MOE_DISPATCH_MODES``) with ``capacity_factor`` for the capacity mode. Load balancing:
+    ``moe_bias_update_rate`` (aux-loss-free expert bias, 0 disables it) and ``moe_aux_loss_coef``
+    (auxiliary load-balancing loss, 0 disables it).
     """
 
     vocab_size: int
@@ -57,6 +89,16 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
+    moe_every: int = 0
+    num_experts: int = 0
+    top_k: int = 2
+    moe_ffn_dim: int | None = None
+    num_shared_experts: int = 0
+    router: str = "softmax"
+    moe_dispatch: str = "dropless"
+    capacity_factor: float = 1.25
+    moe_bias_update_rate: float = 1e-3
+    moe_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
@@ -84,6 +126,57 @@ class ModelConfig:
             raise ForgeConfigError(
                 f"head dim dim/n_heads={self.head_dim} must be even for rotary embeddings"
             )
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        def non_negative_int(name: str) -> int:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ForgeConfigError(f"model.{name}={v!r} must be a non-negative integer")
+            return v
+
+        for name in ("moe_every", "num_experts", "num_shared_experts", "top_k"):
+            non_negative_int(name)
+        if self.moe_ffn_dim is None:
+            object.__setattr__(self, "moe_ffn_dim", self.ffn_dim)
+        if not self.moe_every:
+            return
+        if self.num_experts < 1:
+            raise ForgeConfigError(
+                f"model.moe_every={self.moe_every} asks for MoE blocks but model.num_experts="
+                f"{self.num_experts}; set num_experts >= 1 (or moe_every=0 for a dense model)"
+            )
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ForgeConfigError(
+                f"model.top_k={self.top_k} must be in [1, num_experts={self.num_experts}]"
+            )
+        if not isinstance(self.moe_ffn_dim, int) or self.moe_ffn_dim < 1:
+            raise ForgeConfigError(f"model.moe_ffn_dim={self.moe_ffn_dim!r} must be >= 1")
+        for name, allowed in (("router", MOE_ROUTERS), ("moe_dispatch", MOE_DISPATCH_MODES)):
+            v = getattr(self, name)
+            if v not in allowed:
+                raise ForgeConfigError(
+                    f"model.{name}={v!r} is invalid: choose one of {list(allowed)}"
+                    + did_you_mean(str(v), allowed)
+                )
+        for name in ("capacity_factor", "moe_bias_update_rate", "moe_aux_loss_coef"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+                raise ForgeConfigError(f"model.{name}={v!r} must be a non-negative number")
+        if self.capacity_factor <= 0:
+            raise ForgeConfigError(
+                f"model.capacity_factor={self.capacity_factor} must be > 0 (1.0 = each expert "
+                "takes its even share of a sequence's tokens)"
+            )
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether block ``layer_id`` holds an MoE layer in its FFN slot."""
+        return self.moe_every > 0 and (layer_id + 1) % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the MoE blocks."""
+        return tuple(i for i in range(self.n_layers) if self.is_moe_layer(i))
 
     @property
     def head_dim(self) -> int:
@@ -108,9 +201,14 @@ class ModelConfig:
     def num_params(self) -> int:
         """Parameter count of the model this config builds (tied weights counted once)."""
         d, f, kv = self.dim, self.ffn_dim, self.n_kv_heads * self.head_dim
-        per_block = d * d * 2 + d * kv * 2 + 3 * d * f + 2 * d
+        attention_and_norms = d * d * 2 + d * kv * 2 + 2 * d
+        n_moe = len(self.moe_layers)
+        moe_ffn = d * self.num_experts + 3 * d * self.moe_ffn_dim * (
+            self.num_experts + self.num_shared_experts
+        )
+        blocks = self.n_layers * attention_and_norms + (self.n_layers - n_moe) * 3 * d * f
         head = 0 if self.tie_embeddings else self.vocab_size * d
-        return self.vocab_size * d + self.n_layers * per_block + d + head
+        return self.vocab_size * d + blocks + n_moe * moe_ffn + d + head
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -127,6 +225,21 @@ PRESETS: dict[str, ModelConfig] = {
         ffn_dim=128,
         max_seq_len=128,
         tie_embeddings=True,
+    ),
+    # debug with an MoE in every block: 8 experts, top-2, one shared expert.
+    "debug_moe": ModelConfig(
+        vocab_size=256,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=128,
+        max_seq_len=128,
+        moe_every=1,
+        num_experts=8,
+        top_k=2,
+        moe_ffn_dim=64,
+        num_shared_experts=1,
     ),
     "small": ModelConfig(
         vocab_size=32000, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, max_seq_len=1024
@@ -195,6 +308,10 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+#: ``factory(config, layer_id) -> nn.Module``: builds the FFN slot of MoE block ``layer_id``.
+FFNFactory = Callable[[ModelConfig, int], nn.Module]
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))`` then ``h + ffn(norm(h))``.
 
@@ -218,12 +335,24 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """Llama-style decoder: ``forward(tokens [B, S]) -> logits [B, S, vocab_size]``."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ffn_factory: FFNFactory | None = None) -> None:
         super().__init__()
+        if config.moe_layers and ffn_factory is None:
+            raise ForgeConfigError(
+                f"model config has MoE blocks {list(config.moe_layers)} (moe_every="
+                f"{config.moe_every}) but no ffn_factory builds them: install forge-moe-ep and "
+                "use forge_moe_ep.moe_transformer(config), or Transformer(config, "
+                "ffn_factory=forge_moe_ep.MoE.for_block)"
+            )
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(config) for i in range(config.n_layers)}
+            {
+                str(i): TransformerBlock(
+                    config, ffn_factory(config, i) if config.is_moe_layer(i) else None
+                )
+                for i in range(config.n_layers)
+            }
         )
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)

@@ -20,9 +20,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
+from .contracts import attach_optimizer_hooks, pop_aux_losses
 from .errors import ForgeConfigError
 from .mesh_dims import DP_AXES, dp_rank_and_size, has_axis, sub_mesh
 
@@ -163,6 +164,7 @@ def train_steps(
     into micro-batches and syncs gradients only on the last one.
     """
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    hooks = attach_optimizer_hooks(model, optimizer)  # e.g. MoE expert-bias updates
     records = []
     for batch in tokens:
         local = local_batch(batch, mesh).to(device)
@@ -179,10 +181,15 @@ def train_steps(
             # without ever gathering the logits; forward and backward both need the context.
             context = loss_parallel() if isinstance(logits, DTensor) else nullcontext()
             with context:
-                loss = (
-                    F.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten())
-                    / grad_accum
-                )
+                loss = F.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten())
+                aux = pop_aux_losses(model)  # e.g. MoE load-balancing losses
+                if aux is not None and isinstance(loss, DTensor):  # loss parallel: replicated
+                    aux = DTensor.from_local(
+                        aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim
+                    )
+                if aux is not None:
+                    loss = loss + aux
+                loss = loss / grad_accum
                 loss.backward()
             loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
             total += loss.detach()
@@ -191,6 +198,7 @@ def train_steps(
         optimizer.zero_grad(set_to_none=True)
         total = _average_over_dp(total.float(), mesh)
         records.append(StepRecord(loss=float(total), grad_norm=float(grad_norm)))
+    hooks.remove()
     return records
 
 

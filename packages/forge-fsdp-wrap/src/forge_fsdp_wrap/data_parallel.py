@@ -2,7 +2,14 @@
 
 FSDP2 shards each block as its own unit, then the root for what is left (embedding, final norm,
 head). A 1-D data-parallel mesh shards; a 2-D ``(dp_replicate, dp_shard)`` mesh gives HSDP
-(shard within a group, replicate across groups). Parameters become DTensors; ``to_empty`` +
+(shard within a group, replicate across groups).
+
+Expert-parallel blocks (a module marked by ``forge_core.contracts.mark_expert_parallel``, e.g.
+forge_moe_ep's experts) are wrapped per sub-module instead: the experts on the experts'
+data-parallel mesh with their gradients divided by the full data-parallel degree, then each
+other child (attention, the MoE's router and shared expert), then the block for its norms. So
+a block's reduce-scatter never runs between the all-to-alls of its MoE backward (which could
+deadlock when ranks issue collectives on two groups in different orders). Parameters become DTensors; ``to_empty`` +
 ``init_weights`` materialize them afterwards (see ``forge.build_parallel_model``).
 """
 
@@ -12,10 +19,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from forge_core.blocks import find_blocks
+from forge_core.contracts import expert_parallel_modules
 from forge_core.errors import ForgeConfigError
-from forge_core.mesh_dims import get_dp_mesh, has_dp_mesh
+from forge_core.mesh_dims import get_dp_mesh, get_expert_dp_mesh, has_dp_mesh
 from forge_core.stages import stage
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -139,11 +148,49 @@ def apply_fsdp2(
             # NOTE: backward starts with the last block, so resharding it after forward would only
             # make FSDP all-gather the same parameters again immediately.
             last = i == len(blocks) - 1
-            fully_shard(
-                block, reshard_after_forward=False if last else reshard_after_forward, **kwargs
-            )
+            reshard = False if last else reshard_after_forward
+            experts = expert_parallel_modules(block)
+            if experts:
+                _shard_expert_parallel_block(block, experts, device_mesh, reshard, kwargs)
+            else:
+                fully_shard(block, reshard_after_forward=reshard, **kwargs)
         fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
     return model
+
+
+def _shard_expert_parallel_block(
+    block: nn.Module,
+    experts: list[nn.Module],
+    device_mesh: DeviceMesh,
+    reshard: bool | int,
+    kwargs: dict,
+) -> None:
+    """Per-sub-module FSDP2 units for a block holding expert-parallel modules."""
+    dense_mesh = kwargs["mesh"]
+    expert_kwargs = {**kwargs, "mesh": get_expert_dp_mesh(device_mesh)}
+    for module in experts:
+        # An int reshard size refers to the dense shard group; experts reshard fully instead.
+        fully_shard(
+            module,
+            reshard_after_forward=reshard if isinstance(reshard, bool) else True,
+            **expert_kwargs,
+        )
+        # NOTE: the expert gradient arrives summed over its ep peers' tokens; dividing by the
+        # full data-parallel degree (not the smaller expert mesh) gives the dense average.
+        module.set_gradient_divide_factor(float(dense_mesh.size()))
+        expert_mesh = expert_kwargs["mesh"]
+        shard_group = expert_mesh.get_group(expert_mesh.ndim - 1)
+        if dist.get_backend(shard_group) == "gloo" and shard_group.size() > 1:
+            # gloo has no PREMUL_SUM: reduce with SUM and divide afterwards. NOTE: not with a
+            # shard group of one, where FSDP2 (torch 2.15) would then divide twice.
+            module.set_force_sum_reduction_for_comms(True)
+    # Composite children (attention; the MoE with its router and shared expert) get their own
+    # units; leaf children (norms) stay with the block's unit.
+    for child in block.children():
+        composite = any(True for _ in child.children())
+        if composite and not isinstance(child, FSDPModule):
+            fully_shard(child, reshard_after_forward=reshard, **kwargs)
+    fully_shard(block, reshard_after_forward=reshard, **kwargs)
 
 
 def apply_ddp(model: nn.Module, device_mesh: DeviceMesh) -> DistributedDataParallel:

@@ -8,6 +8,12 @@ axes of size > 1, and adds flattened views for the data-parallel groups:
 - ``dp_shard_cp``  = dp_shard x cp            (the FSDP2 shard group when cp > 1)
 - ``dp_cp``        = dp_replicate x dp_shard x cp
 
+With ``ep > 1`` the ``dp_shard`` axis is also unflattened into ``dp_shard_mod_ep x ep`` (EP peers
+are neighbouring ranks), giving the views ``ep`` (the all-to-all group of the MoE layers),
+``dp_shard_mod_ep`` and ``expert_dp`` (``dp_replicate x dp_shard_mod_ep``: FSDP2's mesh for the
+expert weights). These share the root mesh, so expert weights sharded ``Shard(0)`` over ``ep``
+compose with FSDP2 over ``expert_dp``.
+
 Works with ``cpu`` (gloo), ``cuda`` (nccl) and the ``fake`` backend, on which a plan for
 thousands of ranks runs in one process on meta tensors (see ``tools/bench_build.py``).
 The config is validated against the world size before any process-group work.
@@ -21,7 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from forge_core import ParallelismConfig
+from forge_core import ForgeConfigError, ParallelismConfig
 from forge_core.mesh_dims import AXES, VIEWS_ATTR, get_dp_mesh, get_tp_mesh, has_dp_mesh
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -43,10 +49,13 @@ _FLATTENED = {
 
 
 def mesh_layout(
-    parallelism: ParallelismConfig | Mapping[str, Any], world_size: int
+    parallelism: ParallelismConfig | Mapping[str, Any], world_size: int, num_experts: int = 0
 ) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """Axis names and sizes the mesh will have for ``world_size`` ranks (pure; no process group)."""
-    cfg = ParallelismConfig.from_any(parallelism).resolve(world_size)
+    """Axis names and sizes of the root mesh for ``world_size`` ranks (pure; no process group).
+
+    ``ep`` is carved out of ``dp_shard`` and not a root axis (see :func:`build_device_mesh`).
+    """
+    cfg = ParallelismConfig.from_any(parallelism).resolve(world_size, num_experts)
     # NOTE: fsdp2 with dp_replicate > 1 keeps dp_shard even at size 1: FSDP2 then gets the 2-D
     # (replicate, shard) mesh and replicates; a lone dp_replicate axis would make it shard instead.
     keep = {"dp_shard"} if cfg.data == "fsdp2" and cfg.dp_replicate > 1 else set()
@@ -67,8 +76,30 @@ def init_distributed(device_type: str = "cuda") -> None:
     dist.init_process_group(backend)
 
 
+def _expert_views(mesh: DeviceMesh, ep: int) -> dict[str, DeviceMesh]:
+    if not hasattr(mesh, "_unflatten"):
+        raise ForgeConfigError(
+            f"parallelism.ep={ep} needs DeviceMesh._unflatten (torch >= 2.10); this torch is "
+            f"{torch.__version__}"
+        )
+    shard = mesh["dp_shard"].size()
+    sparse = mesh._unflatten("dp_shard", (shard // ep, ep), ("dp_shard_mod_ep", "ep"))
+    names = sparse.mesh_dim_names or ()
+    expert_dp = (
+        ("dp_replicate", "dp_shard_mod_ep") if "dp_replicate" in names else ("dp_shard_mod_ep",)
+    )
+    return {
+        "ep": sparse["ep"],
+        "dp_shard_mod_ep": sparse["dp_shard_mod_ep"],
+        "expert_dp": sparse[expert_dp],
+    }
+
+
 def build_device_mesh(
-    parallelism: ParallelismConfig | Mapping[str, Any], device_type: str = "cuda"
+    parallelism: ParallelismConfig | Mapping[str, Any],
+    device_type: str = "cuda",
+    *,
+    num_experts: int = 0,
 ) -> DeviceMesh:
     """Build the named DeviceMesh for ``parallelism`` over the current world.
 
@@ -76,13 +107,15 @@ def build_device_mesh(
     ``{data, tensor, domain}`` dict. The default process group is initialized from the environment
     when it is not already (torchrun/SLURM); for the fake backend initialize it yourself with
     ``dist.init_process_group("fake", rank=r, world_size=n)``. Raises ``ForgeConfigError`` (before
-    any collective) when the degrees do not fit the world size.
+    any collective) when the degrees do not fit the world size. ``num_experts`` (the model's;
+    0 for a dense model) resolves ``ep=-1``.
     """
     cfg = ParallelismConfig.from_any(parallelism)
     world_size = (
         dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     )
-    names, sizes = mesh_layout(cfg, world_size)  # validates before any process-group work
+    names, sizes = mesh_layout(cfg, world_size, num_experts)  # validates before any PG work
+    cfg = cfg.resolve(world_size, num_experts)
     if not dist.is_initialized():
         init_distributed(device_type)
     mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
@@ -92,5 +125,7 @@ def build_device_mesh(
     for flat, parts in _FLATTENED.items():
         if all(p in names for p in parts):
             views[flat] = mesh[parts]._flatten(flat)
+    if cfg.ep > 1:
+        views.update(_expert_views(mesh, cfg.ep))
     setattr(mesh, VIEWS_ATTR, views)
     return mesh

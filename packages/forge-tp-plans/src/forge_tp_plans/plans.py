@@ -25,12 +25,14 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 from forge_core import Transformer
+from forge_core.model import FeedForward
 from forge_core.errors import ForgeConfigError
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -80,8 +82,17 @@ def reference_plan(model: nn.Module, ctx: PlanContext) -> dict[str, Style]:
 
     With sequence parallelism the residual stream between blocks is sharded on the sequence
     (dim 1); attention and the FFN all-gather it on entry and reduce-scatter on exit.
+
+    An FFN slot holding anything but the SwiGLU ``FeedForward`` (an MoE layer) is not sharded:
+    it runs replicated on the tp ranks with plain tensors (the full sequence: gathered on entry
+    and re-split on exit under SP). Its experts are split by expert parallelism instead.
     """
     sp, tied = ctx.sequence_parallel, model.config.tie_embeddings
+    slots = {name: block.feed_forward for name, block in model.layers.items()}
+    dense = [name for name, ffn in slots.items() if type(ffn) is FeedForward]
+    other = [name for name in slots if name not in dense]
+    # Wildcards when every block is dense (a compact plan); per-block names otherwise.
+    ffn_prefixes = ["layers.*"] if not other else [f"layers.{name}" for name in dense]
     plan: dict[str, Style] = {}
     if tied:
         # The shared weight gets one layout: vocab-sharded for both the embedding and the head.
@@ -99,18 +110,29 @@ def reference_plan(model: nn.Module, ctx: PlanContext) -> dict[str, Style]:
             input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
         )
         plan["layers.*.ffn_norm"] = SequenceParallel()
-        plan["layers.*.feed_forward"] = PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-        )
+        for prefix in ffn_prefixes:
+            plan[f"{prefix}.feed_forward"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+        for name in other:
+            plan[f"layers.{name}.feed_forward"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(Shard(1),),
+                use_local_output=True,
+            )
         plan["norm"] = SequenceParallel()
     for proj in ("wq", "wk", "wv"):
         plan[f"layers.*.attention.{proj}"] = ColwiseParallel()  # heads split across ranks
     plan["layers.*.attention.wo"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
-    plan["layers.*.feed_forward.w1"] = ColwiseParallel()  # hidden dim split
-    plan["layers.*.feed_forward.w3"] = ColwiseParallel()
-    plan["layers.*.feed_forward.w2"] = RowwiseParallel(
-        output_layouts=Shard(1) if sp else Replicate()
-    )
+    for prefix in ffn_prefixes:
+        plan[f"{prefix}.feed_forward.w1"] = ColwiseParallel()  # hidden dim split
+        plan[f"{prefix}.feed_forward.w3"] = ColwiseParallel()
+        plan[f"{prefix}.feed_forward.w2"] = RowwiseParallel(
+            output_layouts=Shard(1) if sp else Replicate()
+        )
     if getattr(model, "output", None) is not None:
         # Vocab-sharded head: gathered for a plain loss, or kept sharded for loss_parallel.
         plan["output"] = ColwiseParallel(

@@ -3,8 +3,10 @@
     mesh -> model on meta -> TP -> EP -> Float8 -> AC -> compile -> FSDP2 -> materialize
                                                             (DDP: materialize -> DDP)
 
-EP and Float8 arrive with their layers (forge-moe-ep, forge-float8); until then a config asking
-for them is refused with the reason, never silently ignored.
+Float8 arrives with its layer (forge-float8); until then a config asking for it is refused with
+the reason, never silently ignored. EP runs whenever the model has MoE layers and a mesh: with
+an ``ep`` axis it shards the experts, without one it only tells the MoE layers their
+data-parallel group (token counts for load balancing are summed over it).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from forge_core import ForgeConfigError, ModelConfig, Transformer
+from forge_core import ForgeConfigError, ModelConfig
 from forge_core.mesh_dims import axis_size, has_dp_mesh
 from forge_fsdp_wrap import (
     AC_MODES,
@@ -25,6 +27,7 @@ from forge_fsdp_wrap import (
     default_mp_policy,
     enable_autocast,
 )
+from forge_moe_ep import MoE, apply_expert_parallel, moe_transformer
 from forge_tp_plans import apply_tensor_parallel
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -36,7 +39,6 @@ NOT_YET = {
     "cp": "context parallelism",
     "pp": "pipeline parallelism",
     "domain": "forge-domain",
-    "ep": "forge-moe-ep",
 }
 
 
@@ -122,7 +124,14 @@ class ParallelPlan:
                 loss_parallel=self.loss_parallel,
                 allow_import=self.allow_plan_import,
             )
-        # EP -> Float8: arrive with their layers (refused in __post_init__ until then).
+        if self.device_mesh is not None and any(isinstance(m, MoE) for m in model.modules()):
+            apply_expert_parallel(model, self.device_mesh)
+        elif axis_size(self.device_mesh, "ep") > 1:
+            raise ForgeConfigError(
+                "the mesh has an ep axis but the model has no forge_moe_ep.MoE layer; set "
+                "parallelism.ep=1 or use an MoE model (model.moe_every > 0)"
+            )
+        # Float8 arrives with its layer (refused in __post_init__ until then).
         if self.ac_mode != "none":
             apply_ac(model, self.ac_mode)
         if self.compile_model:
@@ -218,5 +227,5 @@ def build_parallel_model(
         allow_plan_import=allow_plan_import,
     )
     with torch.device("meta"):
-        model = Transformer(model_config)
+        model = moe_transformer(model_config)
     return plan.parallelize(model, device=device, seed=seed)

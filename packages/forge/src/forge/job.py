@@ -18,6 +18,7 @@ import torch.distributed as dist
 from forge_core import ORDER_TEXT, ForgeConfig, ForgeConfigError, applied_stages, load_config
 from forge_core.training import compare_runs, synthetic_tokens, train_steps
 from forge_mesh import build_device_mesh, init_distributed, mesh_layout
+from forge_moe_ep import check_expert_parallel, moe_metrics
 from forge_tp_plans import check_plan_import, check_transformer_tp, describe_tp_plan
 
 from .build import NOT_YET, build_parallel_model, check_plan
@@ -33,9 +34,16 @@ class BuildReport:
 
 def check_config(cfg: ForgeConfig, world_size: int) -> None:
     """Every check that needs no process group: raises ForgeConfigError before any launch."""
-    par = cfg.parallelism.resolve(world_size)
+    par = cfg.resolved_parallelism(world_size)
     sizes = {name: getattr(par, name) for name in (*NOT_YET, "tp")}
     check_plan(par.data, sizes, ac_mode=cfg.training.ac_mode)
+    if par.ep > 1:
+        if not cfg.model.moe_layers:
+            raise ForgeConfigError(
+                f"parallelism.ep={par.ep} but model has no MoE blocks (model.moe_every=0); set "
+                "ep=1 or an MoE model (e.g. model.preset=debug_moe)"
+            )
+        check_expert_parallel(cfg.model.num_experts, par.ep)
     t = cfg.training
     if cfg.tp.plan is not None:
         module_name = check_plan_import(cfg.tp.plan, cfg.tp.allow_import)
@@ -85,7 +93,7 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         if device_type == "cuda"
         else torch.device("cpu")
     )
-    par = cfg.parallelism.resolve(world_size)
+    par = cfg.resolved_parallelism(world_size)
     mesh = build_device_mesh(par, device_type)
     t = cfg.training
     dtype = getattr(torch, t.param_dtype)

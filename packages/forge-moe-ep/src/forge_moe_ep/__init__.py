@@ -1,0 +1,30 @@
+"""forge_moe_ep: a mixture-of-experts layer and expert parallelism with a sync-free dispatch.
+
+- :class:`MoE` plugs into the reference Transformer's FFN slot (:func:`moe_transformer`);
+  ``ModelConfig``'s MoE fields configure it (``moe_every``, ``num_experts``, ``top_k``, ...).
+- :func:`apply_expert_parallel` shards the experts over the ``ep`` mesh axis, which is carved
+  out of the data-parallel ranks.
+- Dispatch modes: ``dropless`` (exact; with EP one deferred host wait per layer per forward) and
+  ``capacity`` (fixed per-sequence capacity, dropped tokens counted, no host sync at all); see
+  :mod:`forge_moe_ep.dispatch`.
+- :func:`moe_metrics` reads tokens dropped and host syncs.
+
+Depends on forge_core, forge_kernels and torch.
+"""
+
+from .dispatch import capacity_per_sequence
+from .moe import GroupedExperts, MoE, Router, moe_metrics, moe_transformer
+from .parallel import apply_expert_parallel, check_expert_parallel
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GroupedExperts",
+    "MoE",
+    "Router",
+    "apply_expert_parallel",
+    "capacity_per_sequence",
+    "check_expert_parallel",
+    "moe_metrics",
+    "moe_transformer",
+]

@@ -1,0 +1,263 @@
+"""The MoE layer for the reference Transformer's FFN slot.
+
+Provides :class:`MoE` (router + grouped SwiGLU experts + optional shared expert),
+:class:`Router`, :class:`GroupedExperts`, :func:`moe_transformer` and :func:`moe_metrics`.
+
+Module names (stable; plans and wrappers refer to them)::
+
+    feed_forward                 MoE
+    feed_forward.router.gate     nn.Linear(dim -> num_experts), no bias
+    feed_forward.experts         GroupedExperts: w1, w3 [E, dim, hidden], w2 [E, hidden, dim]
+    feed_forward.shared_expert   forge_core FeedForward (w1, w2, w3) or absent
+
+Notable choices:
+
+- The router runs in float32 (autocast off, weights upcast): top-k on bf16 scores flips
+  choices between runs that differ only in rounding.
+- Aux-loss-free balancing: ``router.expert_bias`` (a buffer, never trained) is added to the
+  scores only to choose experts; the combine weights are the unbiased scores. Token counts
+  accumulate over every training forward (all micro-batches) and, after each optimizer step
+  (:meth:`MoE.forge_after_optimizer_step`, installed by
+  ``forge_core.contracts.attach_optimizer_hooks``), are summed over the data-parallel ranks and
+  turned into a mean-centred update ``rate * sign(mean - count)``: identical on every rank.
+- Counting and the auxiliary loss skip forwards that run inside a backward pass (activation
+  checkpointing recomputes the forward there), so AC does not double-count.
+- Experts are stacked ``[E, ...]`` and run through ``forge_kernels.grouped_gemm``; an expert
+  without tokens gets a zero gradient (not None), so optimizer state never diverges.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from forge_core.init import fill_param_
+from forge_core.model import FeedForward, ModelConfig, Transformer
+from forge_kernels.grouped_gemm import grouped_gemm
+from forge_kernels.native import StagedSplits
+from torch.distributed.tensor import DTensor
+
+from .dispatch import capacity_dispatch, capacity_per_sequence, dropless
+
+__all__ = ["GroupedExperts", "MoE", "Router", "moe_metrics", "moe_transformer"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs (e.g. an activation-checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Router(nn.Module):
+    """Top-k token-choice router, float32, with an expert bias used only for choosing."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, score: str) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.score = num_experts, top_k, score
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False
+        )
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [T, D] -> (weights [T, K] fp32, expert ids [T, K] int64, scores [T, E] fp32)``."""
+        with torch.autocast(x_TD.device.type, enabled=False):
+            logits = F.linear(x_TD.float(), self.gate.weight.float())
+        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        ids = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
+        weights = scores.gather(-1, ids)
+        if self.score == "sigmoid" and self.top_k > 1:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, ids, scores
+
+
+class GroupedExperts(nn.Module):
+    """``E`` SwiGLU experts as stacked weights; ``forward(rows, offs)`` runs grouped GEMMs.
+
+    Under expert parallelism the weights are DTensors sharded ``Shard(0)`` over ``ep`` and each
+    rank computes with its local ``E / ep`` experts.
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if torch.is_autocast_enabled(x.device.type):
+            # grouped_gemm is outside autocast's op lists: cast by hand to the autocast dtype.
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+        elif x.dtype != w1.dtype:
+            x = x.to(w1.dtype)
+        h = F.silu(grouped_gemm(x, w1, offs)) * grouped_gemm(x, w3, offs)
+        return grouped_gemm(h, w2, offs)
+
+
+class MoE(nn.Module):
+    """Mixture-of-experts FFN: ``[B, S, dim] -> [B, S, dim]`` (see the module docstring)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int = 0) -> None:
+        super().__init__()
+        c = config
+        self.config, self.layer_id = c, layer_id
+        self.num_experts, self.top_k = c.num_experts, c.top_k
+        self.router = Router(c.dim, c.num_experts, c.top_k, c.router)
+        self.experts = GroupedExperts(c.num_experts, c.dim, c.moe_ffn_dim)  # type: ignore[arg-type]
+        self.shared_expert = (
+            FeedForward(c.dim, c.num_shared_experts * c.moe_ffn_dim)  # type: ignore[operator]
+            if c.num_shared_experts
+            else None
+        )
+        self.register_buffer("tokens_dropped", torch.zeros((), dtype=torch.int64), persistent=False)
+        # Set by apply_expert_parallel: the EP group and the group token counts are summed over.
+        self.ep_group: dist.ProcessGroup | None = None
+        self.count_group: dist.ProcessGroup | None = None
+        self.host_syncs = 0
+        self._staged: StagedSplits | None = None
+        self._aux_loss: torch.Tensor | None = None
+
+    @classmethod
+    def for_block(cls, config: ModelConfig, layer_id: int) -> MoE:
+        """``Transformer``'s ``ffn_factory``: the MoE of block ``layer_id``."""
+        return cls(config, layer_id)
+
+    @property
+    def ep_size(self) -> int:
+        return 1 if self.ep_group is None else dist.get_world_size(self.ep_group)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, dim = x_BSD.shape
+        x_TD = x_BSD.reshape(-1, dim)
+        weights, ids, scores = self.router(x_TD)
+        record = self.training and not _in_backward()
+        if record:
+            ones = torch.ones_like(ids, dtype=torch.float32).view(-1)
+            self.router.tokens_per_expert.index_add_(0, ids.view(-1), ones)
+            if self.config.moe_aux_loss_coef > 0:
+                self._aux_loss = self._load_balancing_loss(ids, scores)
+
+        shared = self.shared_expert
+
+        def run_shared() -> torch.Tensor | None:
+            return shared(x_TD) if shared is not None else None
+
+        if self.config.moe_dispatch == "capacity":
+            capacity = capacity_per_sequence(
+                seq_len, self.top_k, self.num_experts, self.config.capacity_factor
+            )
+            shared_out = run_shared()
+            routed, dropped = capacity_dispatch(
+                x_TD,
+                ids,
+                weights,
+                self.experts,
+                self.num_experts,
+                batch=batch,
+                capacity=capacity,
+                group=self.ep_group,
+            )
+            if record:
+                self.tokens_dropped += dropped
+        else:
+            staged = None
+            if self.ep_group is not None:
+                staged = self._staged_splits(x_TD.device)
+                self.host_syncs += 1
+            routed, shared_out = dropless(
+                x_TD,
+                ids,
+                weights,
+                self.experts,
+                self.num_experts,
+                group=self.ep_group,
+                staged=staged,
+                overlap=run_shared,
+            )
+        out = routed if shared_out is None else routed + shared_out
+        return out.view(batch, seq_len, dim)
+
+    def _staged_splits(self, device: torch.device) -> StagedSplits:
+        if self._staged is None or self._staged.device != device:
+            self._staged = StagedSplits(2 * self.ep_size, device=device)
+        return self._staged
+
+    def _load_balancing_loss(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """``coef * E * sum_e f_e * p_e``: f = routed fraction (no grad), p = mean score."""
+        counts = torch.zeros(self.num_experts, device=ids.device, dtype=torch.float32)
+        counts.index_add_(0, ids.view(-1), torch.ones(ids.numel(), device=ids.device))
+        fraction = counts / ids.numel()
+        probs = scores if self.router.score == "softmax" else scores / scores.sum(-1, keepdim=True)
+        return self.config.moe_aux_loss_coef * self.num_experts * (fraction * probs.mean(0)).sum()
+
+    # ------------------------------------------------------------------ forge contracts
+    def forge_pop_aux_loss(self) -> torch.Tensor | None:
+        """The auxiliary loss of the last training forward (then forgotten), or None."""
+        loss, self._aux_loss = self._aux_loss, None
+        return loss
+
+    @torch.no_grad()
+    def forge_after_optimizer_step(self) -> None:
+        """Aux-loss-free balancing: move the expert bias toward under-used experts, then reset.
+
+        Counts are summed over ``count_group`` (all data-parallel ranks), so every rank applies
+        the same update; ``rate * sign(mean - count)``, mean-centred so the biases stay centred.
+        """
+        rate = self.config.moe_bias_update_rate
+        counts = self.router.tokens_per_expert
+        if rate > 0:
+            if self.count_group is not None:
+                dist.all_reduce(counts, group=self.count_group)
+            delta = rate * torch.sign(counts.mean() - counts)
+            self.router.expert_bias += delta - delta.mean()
+        counts.zero_()
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Deterministic init, same values sharded or not (names prefixed by the block)."""
+        prefix = f"layers.{self.layer_id}.feed_forward."
+        std = 0.02
+        depth_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, param in self.named_parameters():
+            s = depth_std if name.endswith("w2") or name.endswith("w2.weight") else std
+            fill_param_(
+                param,
+                prefix + name,
+                seed,
+                lambda t, g, s=s: nn.init.trunc_normal_(t, 0.0, s, -3 * s, 3 * s, generator=g),
+            )
+        self.router.expert_bias.zero_()
+        self.router.tokens_per_expert.zero_()
+        self.tokens_dropped.zero_()
+        self._aux_loss = None
+
+
+def moe_transformer(config: ModelConfig) -> Transformer:
+    """The reference Transformer with :class:`MoE` in the blocks ``config.moe_layers`` names."""
+    return Transformer(config, ffn_factory=MoE.for_block)
+
+
+def moe_metrics(model: nn.Module) -> dict[str, int]:
+    """Counters summed over the MoE layers of ``model`` (reading them syncs the host once).
+
+    ``tokens_dropped``: routed (token, expert) slots dropped by the capacity mode since the
+    model was initialized; ``host_syncs``: host waits for split sizes (dropless EP forwards).
+    """
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    dropped = sum((m.tokens_dropped for m in layers), torch.zeros((), dtype=torch.int64))
+    return {
+        "moe_layers": len(layers),
+        "tokens_dropped": int(dropped),
+        "host_syncs": sum(m.host_syncs for m in layers),
+    }
