@@ -24,7 +24,11 @@ FORGE_IMPORTS = {d.replace("-", "_") for d in LAYERS} | {"forge"}
 def _allowed(dist: str) -> set[str]:
     """Import names a distribution may load: itself, plus forge_core for the layers."""
     own = _import_name(dist)
-    return {own} if dist == "forge-kernels" else {own, "forge_core"}
+    if dist == "forge-kernels":
+        return {own}
+    # forge-moe-ep runs its experts and dispatch on forge-kernels (ARCHITECTURE: triton via
+    # forge_kernels for moe-ep).
+    return {own, "forge_core", "forge_kernels"} if dist == "forge-moe-ep" else {own, "forge_core"}
 
 
 def _import_name(dist: str) -> str:
@@ -44,6 +48,7 @@ def test_there_are_layers_to_check():
         "forge-fsdp-wrap",
         "forge-tp-plans",
         "forge-kernels",
+        "forge-moe-ep",
     } <= set(LAYERS)
 
 
@@ -92,9 +97,8 @@ def test_layer_installs_alone_and_loads_no_other_layer(dist, tmp_path):
     ).stdout
     installed = {line.split("==")[0].split(" @ ")[0].lower() for line in listed.splitlines()}
     forge_dists = {d for d in installed if d.startswith("forge")}
-    assert (
-        forge_dists <= {dist, "forge-core"} if dist != "forge-kernels" else forge_dists == {dist}
-    ), forge_dists
+    allowed_dists = {d.replace("_", "-") for d in _allowed(dist)}
+    assert forge_dists <= allowed_dists, forge_dists
     assert dist in forge_dists
     code = (
         "import sys, warnings; warnings.filterwarnings('ignore'); "

@@ -182,3 +182,10 @@ def test_load_config_file_errors(tmp_path):
     bad.write_text("[model\n")
     with pytest.raises(ForgeConfigError, match=r"is not valid TOML"):
         load_config(bad)
+
+
+def test_ep_minus_one_picks_the_largest_degree_dividing_dp_shard_and_the_experts():
+    assert ParallelismConfig(ep=-1).resolve(4, num_experts=8).ep == 4
+    assert ParallelismConfig(ep=-1, tp=2).resolve(8, num_experts=6).ep == 2
+    assert ParallelismConfig(ep=-1).resolve(4, num_experts=0).ep == 1  # dense model
+    assert ParallelismConfig(ep=-1, data="ddp").resolve(4, num_experts=8).ep == 1

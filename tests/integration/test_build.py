@@ -69,6 +69,30 @@ def test_build_job_reports_pass_for_other_layouts(run_on_ranks, overrides):
     assert "PASS: parallel run matches the single-device model" in report.text
 
 
+@pytest.mark.parametrize(
+    ("overrides", "moe_line"),
+    [
+        (
+            ["model.preset=debug_moe"],
+            "ep=2 (4 experts per rank), dispatch dropless; tokens dropped 0 of 2560 routed in 5 "
+            "steps; host syncs counted in one forward+backward: 2 (Tensor.tolist x2)",
+        ),
+        (
+            ["model.preset=debug_moe", "parallelism.tp=1", "model.moe_dispatch=capacity"]
+            + ["model.capacity_factor=1.0"],
+            "ep=4 (2 experts per rank), dispatch capacity; tokens dropped",
+        ),
+    ],
+)
+def test_build_job_runs_fsdp2_with_expert_parallelism(run_on_ranks, overrides, moe_line):
+    report = run_on_ranks(4, _job, overrides)[0]
+    assert report.passed, report.text
+    assert "stages: " in report.text and "ep -> fsdp2" in report.text
+    assert moe_line in report.text
+    if "capacity" in moe_line:
+        assert "forward+backward: 0 (rank 0)" in report.text
+
+
 @pytest.mark.parametrize("data", ["fsdp2", "ddp"])
 def test_bf16_compute_is_checked_with_low_precision_tolerances(run_on_ranks, data):
     overrides = ["training.param_dtype=bfloat16", "training.steps=3", f"parallelism.data={data}"]
@@ -95,7 +119,12 @@ def test_bf16_compute_is_checked_with_low_precision_tolerances(run_on_ranks, dat
             ["build", "--set", "training.stepz=3"],
             "unknown key 'training.stepz' (did you mean 'steps'?)",
         ),
-        (["build", "--set", "parallelism.ep=2"], "parallelism.ep=2 needs forge-moe-ep"),
+        (["build", "--set", "parallelism.ep=2"], "parallelism.ep=2 but model has no MoE blocks"),
+        (
+            ["build", "--set", "model.preset=debug_moe", "--set", "parallelism.tp=1"]
+            + ["--set", "parallelism.ep=4", "--set", "model.num_experts=6"],
+            "parallelism.ep=4 does not divide model.num_experts=6",
+        ),
         (["build", "--nproc", "3"], "world size 3 is not divisible by"),
         (
             ["build", "--nproc", "6"],

@@ -445,3 +445,15 @@ def test_staged_splits_on_cuda_only_blocks_in_wait(forge_ops):
     assert staged.wait() == list(range(16))
     with pytest.raises(ValueError, match="pinned"):
         native.stage_to_host(counts, torch.zeros(16, dtype=torch.int32))
+
+
+@cuda_only
+def test_staged_splits_wait_is_reported_to_sync_debug_mode(forge_ops):
+    # An event wait is a real host sync that torch's debug mode would not see by itself.
+    staged = native.StagedSplits(4, device="cuda").start(torch.ones(4, device="cuda"))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="StagedSplits.wait synchronizes"):
+            staged.wait()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -207,6 +207,8 @@ class _TorchGroupedMM(torch.autograd.Function):
         n = w.shape[2]
         kp, np_ = _align(k, x.dtype), _align(n, x.dtype)
         ctx.save_for_backward(x, w, offs)
+        if x.shape[0] == 0:  # torch._grouped_mm refuses zero rows (its backward strides)
+            return x.new_zeros(0, n)
         out = torch._grouped_mm(_aligned(x, {1: kp}), _aligned(w, {1: kp, 2: np_}), offs=offs)
         return _zero_rows_past_offs(out, offs, n)
 
@@ -216,6 +218,8 @@ class _TorchGroupedMM(torch.autograd.Function):
         k = x.shape[1]
         n = w.shape[2]
         kp, np_ = _align(k, x.dtype), _align(n, x.dtype)
+        if x.shape[0] == 0:
+            return torch.zeros_like(x), torch.zeros_like(w), None
         g = _aligned(grad_out.contiguous().to(x.dtype), {1: np_})
         dx = dw = None
         if ctx.needs_input_grad[0]:

@@ -205,6 +205,15 @@ def stage_to_host(src: torch.Tensor, pinned_dst: torch.Tensor) -> None:
     pinned_dst.view(-1).copy_(src.reshape(-1), non_blocking=True)
 
 
+def _report_sync_to_debug_mode(what: str) -> None:
+    mode = torch.cuda.get_sync_debug_mode()
+    message = f"{what} synchronizes the host with the device"
+    if mode == 2:
+        raise RuntimeError(f"called a synchronizing CUDA operation: {message}")
+    if mode == 1:
+        warnings.warn(f"called a synchronizing CUDA operation: {message}", stacklevel=3)
+
+
 class StagedSplits:
     """Device-to-host staging of split sizes (e.g. tokens per expert) for an all-to-all.
 
@@ -270,6 +279,9 @@ class StagedSplits:
             raise RuntimeError("StagedSplits.wait: nothing staged; call start() first")
         if self._event is not None:
             # NOTE: the one host sync of the staging path, deferred to when the host needs it.
+            # An event wait is invisible to torch.cuda.set_sync_debug_mode, so report it the way
+            # a stream synchronize would be reported.
+            _report_sync_to_debug_mode("StagedSplits.wait")
             self._event.synchronize()
         self._pending = False
         return self.host.tolist()

@@ -242,12 +242,12 @@ def permute(
 
 def _rows_or_zero(y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``y[rows]`` with zero rows where ``rows >= len(y)`` (dropped slots); no host sync."""
+    if y.shape[0] == 0:
+        # Every slot dropped: zeros that stay attached to y, so gradients upstream are zeros
+        # (not None) and optimizer state keeps its shape.
+        return y.sum(0, keepdim=True).expand(rows.numel(), -1)
     valid = rows < y.shape[0]
-    picked = (
-        y[rows.clamp(max=max(y.shape[0] - 1, 0))]
-        if y.shape[0]
-        else y.new_zeros(rows.numel(), y.shape[1])
-    )
+    picked = y[rows.clamp(max=y.shape[0] - 1)]
     # NOTE: where, not a multiply: the clamped row may hold NaN (uninitialized grouped_mm rows).
     return torch.where(valid.unsqueeze(-1), picked, picked.new_zeros(()))
 

@@ -160,7 +160,8 @@ class ParallelismConfig:
                 "parallelism; set data='fsdp2' or 'ddp', or raise tp/cp/domain to use them"
             )
         if resolved.ep == -1:
-            auto = math.gcd(resolved.dp_shard, num_experts) if resolved.data == "fsdp2" else 1
+            experts_split = resolved.data == "fsdp2" and num_experts > 0
+            auto = math.gcd(resolved.dp_shard, num_experts) if experts_split else 1
             resolved = replace(resolved, ep=max(auto, 1))
         if resolved.ep > 1 and resolved.data != "fsdp2":
             raise ForgeConfigError(

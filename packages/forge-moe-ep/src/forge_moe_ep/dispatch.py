@@ -83,10 +83,6 @@ def all_to_all(
     return _AllToAll.apply(x, out_rows, out_splits, in_splits, group)
 
 
-def _rows_with_zero(x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([x, x.new_zeros(1, x.shape[1])])
-
-
 # --------------------------------------------------------------------------- dropless
 def dropless(
     x_TD: torch.Tensor,
@@ -127,9 +123,12 @@ def dropless(
     received = sum(out_splits)
     x_recv = all_to_all(x_perm, group, out_splits, in_splits)
     # Rows arrive grouped by source rank, then local expert; the grouped GEMM wants expert-major.
+    # The buffer holds exactly the received rows, so the reorder is a permutation (no sentinel).
     index, offs = rank_major_to_expert_major(recv_counts_RE, received)
-    y_e = experts(_rows_with_zero(x_recv)[index], offs)
-    y_recv = y_e.new_zeros(received + 1, y_e.shape[1]).index_copy(0, index, y_e)[:received]
+    inverse = torch.empty_like(index).scatter_(
+        0, index, torch.arange(received, device=index.device)
+    )
+    y_recv = experts(x_recv[index], offs)[inverse]
     y_back = all_to_all(y_recv, group, in_splits, out_splits)
     return combine(y_back, layout, weights_TK), extra
 
@@ -152,10 +151,10 @@ def capacity_layout(
     the row count for dropped slots) and the number of dropped slots (a device scalar).
     """
     t, k = ids_TK.shape
-    seq_len = t // batch
+    seq_len = t // batch if batch else 0
     groups = num_experts * batch
     # Group id (expert, sequence): expert-major so the buffer is ordered by owning rank.
-    seq_T = torch.arange(t, device=ids_TK.device) // seq_len
+    seq_T = torch.arange(t, device=ids_TK.device) // max(seq_len, 1)
     group_S = (ids_TK.long() * batch + seq_T.unsqueeze(1)).reshape(-1)
     inner = routing_layout(group_S.view(t, k), groups)
     counts_G = inner.counts.long()
@@ -165,8 +164,9 @@ def capacity_layout(
     scatter_idx = torch.where(rank_S < capacity, group_S * capacity + rank_S, rows)
     arrival = torch.arange(capacity, device=ids_TK.device)
     in_use_GC = arrival.unsqueeze(0) < counts_G.unsqueeze(1)
-    position_GC = (start_G.unsqueeze(1) + arrival.unsqueeze(0)).clamp(max=max(t * k - 1, 0))
-    gather_idx = torch.where(in_use_GC, inner.gather_idx[position_GC], t * k).reshape(-1)
+    position_GC = (start_G.unsqueeze(1) + arrival.unsqueeze(0)).clamp(max=t * k)
+    slots = torch.cat([inner.gather_idx, inner.gather_idx.new_full((1,), t * k)])
+    gather_idx = torch.where(in_use_GC, slots[position_GC], t * k).reshape(-1)
     kept_E = counts_G.clamp(max=capacity).view(num_experts, batch).sum(1)
     offs = torch.arange(1, num_experts + 1, device=ids_TK.device) * (batch * capacity)
     dropped = (counts_G - capacity).clamp(min=0).sum()
@@ -188,8 +188,15 @@ def capacity_dispatch(
     """Capacity-limited dispatch with no host sync. Returns ``(out [T, D], dropped slots)``.
 
     With ``group`` (R ranks) every rank sends ``E/R * batch * capacity`` rows to every rank:
-    equal splits, so all ranks of the group must run the same ``[batch, seq_len]`` shape.
+    equal splits, so all ranks of the group must run the same ``[batch, seq_len]`` shape (as
+    data-parallel training does).
     """
+    if batch == 0:
+        # No sequences (every rank of the group alike, as equal splits require): no exchange;
+        # the experts run on zero rows so their gradients are zeros, not None.
+        local = num_experts // (1 if group is None else dist.get_world_size(group))
+        empty = experts(x_TD[:0], torch.zeros(local, dtype=torch.int32, device=x_TD.device))
+        return empty.sum(0, keepdim=True).expand(0, -1), torch.zeros((), dtype=torch.int64)
     layout, dropped = capacity_layout(ids_TK, num_experts, batch, capacity)
     x_send = permute(x_TD, layout, ids_TK.shape[1])  # [E * batch * capacity, D]
     if group is None:

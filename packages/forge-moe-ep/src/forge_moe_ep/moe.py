@@ -71,7 +71,7 @@ class Router(nn.Module):
         with torch.autocast(x_TD.device.type, enabled=False):
             logits = F.linear(x_TD.float(), self.gate.weight.float())
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
-        ids = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
+        ids = torch.topk(scores.detach() + self.expert_bias.float(), self.top_k, dim=-1).indices
         weights = scores.gather(-1, ids)
         if self.score == "sigmoid" and self.top_k > 1:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -118,6 +118,8 @@ class MoE(nn.Module):
             if c.num_shared_experts
             else None
         )
+        # Training-forward counters of routed and dropped (token, expert) slots (see moe_metrics).
+        self.register_buffer("tokens_routed", torch.zeros((), dtype=torch.int64), persistent=False)
         self.register_buffer("tokens_dropped", torch.zeros((), dtype=torch.int64), persistent=False)
         # Set by apply_expert_parallel: the EP group and the group token counts are summed over.
         self.ep_group: dist.ProcessGroup | None = None
@@ -142,8 +144,9 @@ class MoE(nn.Module):
         weights, ids, scores = self.router(x_TD)
         record = self.training and not _in_backward()
         if record:
-            ones = torch.ones_like(ids, dtype=torch.float32).view(-1)
-            self.router.tokens_per_expert.index_add_(0, ids.view(-1), ones)
+            counts = self.router.tokens_per_expert  # dtype follows module.to(dtype)
+            counts.index_add_(0, ids.view(-1), torch.ones_like(ids, dtype=counts.dtype).view(-1))
+            self.tokens_routed += ids.numel()
             if self.config.moe_aux_loss_coef > 0:
                 self._aux_loss = self._load_balancing_loss(ids, scores)
 
@@ -239,6 +242,7 @@ class MoE(nn.Module):
             )
         self.router.expert_bias.zero_()
         self.router.tokens_per_expert.zero_()
+        self.tokens_routed.zero_()
         self.tokens_dropped.zero_()
         self._aux_loss = None
 
@@ -251,13 +255,20 @@ def moe_transformer(config: ModelConfig) -> Transformer:
 def moe_metrics(model: nn.Module) -> dict[str, int]:
     """Counters summed over the MoE layers of ``model`` (reading them syncs the host once).
 
-    ``tokens_dropped``: routed (token, expert) slots dropped by the capacity mode since the
-    model was initialized; ``host_syncs``: host waits for split sizes (dropless EP forwards).
+    ``tokens_routed`` / ``tokens_dropped``: (token, expert) slots routed, and dropped by the
+    capacity mode, in training forwards on this rank since ``init_weights``; ``host_syncs``:
+    host waits for split sizes (dropless EP forwards).
     """
     layers = [m for m in model.modules() if isinstance(m, MoE)]
-    dropped = sum((m.tokens_dropped for m in layers), torch.zeros((), dtype=torch.int64))
+    counters = (
+        torch.stack([torch.stack([m.tokens_routed, m.tokens_dropped]).cpu() for m in layers]).sum(0)
+        if layers
+        else torch.zeros(2, dtype=torch.int64)
+    )
+    routed, dropped = counters.tolist()
     return {
         "moe_layers": len(layers),
-        "tokens_dropped": int(dropped),
+        "tokens_routed": routed,
+        "tokens_dropped": dropped,
         "host_syncs": sum(m.host_syncs for m in layers),
     }

@@ -10,16 +10,29 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from forge_core import ORDER_TEXT, ForgeConfig, ForgeConfigError, applied_stages, load_config
-from forge_core.training import compare_runs, synthetic_tokens, train_steps
+import torch.nn as nn
+import torch.nn.functional as F
+from forge_core import (
+    ORDER_TEXT,
+    ForgeConfig,
+    ForgeConfigError,
+    ParallelismConfig,
+    applied_stages,
+    count_host_syncs,
+    load_config,
+)
+from forge_core.training import compare_runs, local_batch, synthetic_tokens, train_steps
 from forge_mesh import build_device_mesh, init_distributed, mesh_layout
 from forge_moe_ep import check_expert_parallel, moe_metrics
 from forge_tp_plans import check_plan_import, check_transformer_tp, describe_tp_plan
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from .build import NOT_YET, build_parallel_model, check_plan
 
@@ -76,6 +89,40 @@ def _param_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def _count_step_syncs(model: nn.Module, batch: torch.Tensor, device: torch.device) -> str:
+    """Host syncs of one forward + backward (what a GPU would wait for), as a short text."""
+    with count_host_syncs(device) as counter:
+        logits = model(batch[:, :-1])
+        context = loss_parallel() if isinstance(logits, DTensor) else nullcontext()
+        with context:
+            F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).backward()
+    model.zero_grad(set_to_none=True)
+    ops = ", ".join(f"{op} x{n}" for op, n in sorted(counter.ops.items()))
+    return f"{counter.count}" + (f" ({ops})" if ops else "")
+
+
+def _moe_report(
+    cfg: ForgeConfig,
+    par: ParallelismConfig,
+    model: nn.Module,
+    batch: torch.Tensor,
+    device: torch.device,
+) -> str | None:
+    """The MoE line of the report (every rank takes part: the counted step runs collectives)."""
+    if not cfg.model.moe_layers:
+        return None
+    metrics = moe_metrics(model)  # read before the counted step adds to them
+    syncs = _count_step_syncs(model, batch, device)
+    m = cfg.model
+    return (
+        f"moe:    {metrics['moe_layers']} MoE layers x {m.num_experts} experts (top-{m.top_k}), "
+        f"ep={par.ep} ({m.num_experts // par.ep} experts per rank), dispatch {m.moe_dispatch}; "
+        f"tokens dropped {metrics['tokens_dropped']} of {metrics['tokens_routed']} routed in "
+        f"{cfg.training.steps} steps; host syncs "
+        f"counted in one forward+backward: {syncs} (rank 0)"
+    )
+
+
 def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport:
     """One rank's part of ``forge build``: every rank returns the verdict, rank 0 also the text."""
     start = time.perf_counter()
@@ -127,6 +174,7 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         model, tokens, mesh=mesh, lr=t.lr, grad_accum=t.grad_accum, device=device
     )
     result = compare_runs(ref_steps, par_steps, dtype)
+    moe = _moe_report(cfg, par, model, local_batch(tokens[0], mesh).to(device), device)
     elapsed = time.perf_counter() - start
     if rank != 0:
         return BuildReport("", result.passed)
@@ -137,13 +185,19 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         f"({cfg.model.num_params():,} parameters), param_dtype {t.param_dtype}",
         "mesh:   "
         + " x ".join(f"{n}={s}" for n, s in zip(names, sizes, strict=True))
-        + f"  (data={data})",
+        + f"  (data={data})"
+        + (
+            f"; ep={par.ep} carved from dp_shard: dp_shard_mod_ep={par.dp_shard // par.ep} x ep={par.ep}"
+            if par.ep > 1
+            else ""
+        ),
         "stages: "
         + (" -> ".join(applied_stages(model)) or "(none)")
         + f"   (forge's order: {ORDER_TEXT})",
         f"params: unsharded {full_bytes:,} B; per rank "
         + ", ".join(f"r{r} {b:,} B ({b / full_bytes:.0%})" for r, b in enumerate(all_bytes)),
         *(["tp:     " + describe_tp_plan(model)] if par.tp > 1 else []),
+        *([moe] if moe else []),
         f"train:  {t.steps} steps, global batch {t.global_batch_size} x seq {t.seq_len}, grad_accum {t.grad_accum}, AdamW lr {t.lr}",
         result.table(),
         f"{'PASS' if result.passed else 'FAIL'}: parallel run {'matches' if result.passed else 'does NOT match'} the single-device model "

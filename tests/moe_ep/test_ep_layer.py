@@ -1,0 +1,144 @@
+"""Expert parallelism mechanics on CPU ranks: host syncs, empty experts, FSDP2 units, refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from forge.build import build_parallel_model
+from forge_core import ForgeConfigError, ModelConfig, no_host_sync
+from forge_core.sync_guard import HostSyncError
+from forge_fsdp_wrap import apply_fsdp2
+from forge_mesh import build_device_mesh
+from forge_moe_ep import MoE, apply_expert_parallel, moe_transformer
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+D = 64
+
+
+def _moe_pair(dispatch: str, ep: int, **fields: object) -> tuple[MoE, MoE]:
+    """The same MoE layer whole (reference) and expert-parallel over ``ep`` ranks."""
+    fields = {"capacity_factor": 1.0, **fields}
+    cfg = ModelConfig.preset("debug_moe", moe_dispatch=dispatch, **fields)
+    world = dist.get_world_size()
+    mesh = build_device_mesh({"dp_shard": world, "ep": ep}, "cpu", num_experts=cfg.num_experts)
+    reference = moe_transformer(cfg)
+    reference.init_weights(0)
+    parallel = moe_transformer(cfg)
+    parallel.init_weights(0)
+    apply_expert_parallel(parallel, mesh)
+    return reference.layers["0"].feed_forward, parallel.layers["0"].feed_forward
+
+
+def _ep_layer_under_guard(dispatch: str) -> str:
+    _, moe = _moe_pair(dispatch, ep=2)
+    moe.train()
+    x = torch.randn(2, 8, D, generator=torch.Generator().manual_seed(dist.get_rank()))
+    x.requires_grad_(True)
+    try:
+        with no_host_sync("cpu"):
+            moe(x).square().sum().backward()
+    except HostSyncError as e:
+        # NOTE: the peers of a rank that raised mid-forward would block in the next all-to-all;
+        # in dropless mode every rank raises at the same point (before any row exchange).
+        return f"raised: {e}"
+    assert moe.experts.w1.grad is not None
+    return "clean"
+
+
+def test_ep_capacity_forward_and_backward_have_no_host_sync(run_on_ranks):
+    assert run_on_ranks(2, _ep_layer_under_guard, "capacity") == ["clean", "clean"]
+
+
+def test_ep_dropless_has_exactly_its_documented_host_wait(run_on_ranks):
+    # Dropless EP must learn the all-to-all split sizes on the host: the guard sees that read.
+    for text in run_on_ranks(2, _ep_layer_under_guard, "dropless"):
+        assert text.startswith("raised:") and "tolist" in text
+
+
+def _all_tokens_to_rank_0_experts(dispatch: str) -> list[float]:
+    reference, moe = _moe_pair(dispatch, ep=2, capacity_factor=8.0)
+    for m in (reference, moe):
+        with torch.no_grad():
+            m.router.expert_bias[:2] = 100.0  # experts 0, 1 live on ep rank 0
+    x = torch.randn(2, 8, D, generator=torch.Generator().manual_seed(dist.get_rank()))
+    out = moe(x)
+    out.square().sum().backward()
+    expected = reference(x)
+    errors = [float((out - expected).abs().max())]
+    w1 = moe.experts.w1
+    assert isinstance(w1, DTensor) and w1.grad is not None
+    local = w1.grad.to_local()
+    if dist.get_rank() == 1:  # experts 4..7: no token anywhere, zero gradients (not None)
+        assert torch.count_nonzero(local) == 0
+    else:
+        assert torch.count_nonzero(local[:2]) > 0
+    return errors
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_a_rank_whose_experts_get_no_tokens_works_and_gets_zero_gradients(run_on_ranks, dispatch):
+    for errors in run_on_ranks(2, _all_tokens_to_rank_0_experts, dispatch):
+        assert max(errors) < 1e-6
+
+
+def _fsdp_units() -> dict[str, object]:
+    cfg = ModelConfig.preset("debug_moe")
+    mesh = build_device_mesh({"dp_shard": 4, "ep": 2}, "cpu", num_experts=cfg.num_experts)
+    model = build_parallel_model(cfg, "cpu", mesh, param_dtype=torch.float32)
+    units = {n: m for n, m in model.named_modules() if isinstance(m, FSDPModule)}
+    experts = model.layers["0"].feed_forward.experts
+    w1 = experts.w1
+    return {
+        "units": sorted(n for n in units if n),
+        "expert_mesh": w1.device_mesh.mesh_dim_names,
+        "expert_local_shape": tuple(w1.to_local().shape),
+        "ep_group": sorted(dist.get_process_group_ranks(model.layers["0"].feed_forward.ep_group)),
+    }
+
+
+def test_fsdp2_wraps_moe_blocks_per_sub_module_and_shards_experts_on_their_own_axis(run_on_ranks):
+    got = run_on_ranks(4, _fsdp_units)
+    for rank, info in enumerate(got):
+        assert info["units"] == [
+            "layers.0",
+            "layers.0.attention",
+            "layers.0.feed_forward",
+            "layers.0.feed_forward.experts",
+            "layers.1",
+            "layers.1.attention",
+            "layers.1.feed_forward",
+            "layers.1.feed_forward.experts",
+        ]
+        # experts [8, 64, 64]: 4 per ep rank, then halved by FSDP2 over dp_shard_mod_ep
+        assert info["expert_mesh"] == ("dp_shard_mod_ep", "ep")
+        assert info["expert_local_shape"] == (2, 64, 64)
+        assert info["ep_group"] == ([0, 1] if rank < 2 else [2, 3])
+
+
+def _refusals() -> list[str]:
+    messages = []
+    cfg = ModelConfig.preset("debug_moe")
+    mesh = build_device_mesh({"dp_shard": 2, "ep": 2}, "cpu", num_experts=8)
+    with torch.device("meta"):
+        model = moe_transformer(cfg)
+    apply_fsdp2(model, mesh)
+    for fn in (
+        lambda: apply_expert_parallel(model, mesh),  # after FSDP2: wrong order
+        lambda: apply_expert_parallel(torch.nn.Linear(2, 2), mesh),  # no MoE
+        lambda: apply_expert_parallel(
+            moe_transformer(ModelConfig.preset("debug_moe", num_experts=3, top_k=1)), mesh
+        ),
+    ):
+        with pytest.raises(ForgeConfigError) as err:
+            fn()
+        messages.append(str(err.value))
+    return messages
+
+
+def test_apply_expert_parallel_refuses_wrong_order_no_moe_and_indivisible_experts(run_on_ranks):
+    order, no_moe, indivisible = run_on_ranks(2, _refusals)[0]
+    assert "cannot apply 'ep' after ['fsdp2']" in order
+    assert "found no forge_moe_ep.MoE layer" in no_moe
+    assert "ep=2 does not divide model.num_experts=3" in indivisible
