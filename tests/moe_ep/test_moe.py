@@ -297,3 +297,21 @@ def test_expert_parallel_degree_must_divide_the_experts():
     check_expert_parallel(8, 4)
     with pytest.raises(ForgeConfigError, match=r"ep=3 does not divide model\.num_experts=8.*\[1, 2, 4, 8\]"):
         check_expert_parallel(8, 3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_local_moe_on_cuda_bf16_has_no_host_sync_and_matches_fp32(dispatch):
+    moe = make_moe(moe_dispatch=dispatch, capacity_factor=4.0).cuda().train()
+    x = torch.randn(4, 64, D, device="cuda")
+    reference = moe(x)
+    for p in moe.parameters():  # bf16 weights; the router's buffers stay fp32
+        p.data = p.data.bfloat16()
+    xb = x.bfloat16().requires_grad_(True)
+    moe(xb).float().square().sum().backward()  # warm-up: Triton autotuning synchronizes
+    moe.zero_grad(set_to_none=True)
+    with no_host_sync("cuda"):
+        out = moe(xb)
+        out.float().square().sum().backward()
+    assert out.dtype == torch.bfloat16 and moe.experts.w1.grad is not None
+    torch.testing.assert_close(out.float(), reference, rtol=5e-2, atol=2e-2)
