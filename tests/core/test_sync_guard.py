@@ -312,3 +312,17 @@ def test_count_host_syncs_on_cuda_counts_warnings() -> None:
     assert quiet.count == 0
     assert counter.count >= 2  # each D2H read warns at least once
     assert torch.cuda.get_sync_debug_mode() == before
+
+
+def test_compiled_functions_run_eagerly_and_are_checked_inside_the_guard():
+    @torch.compile(backend="eager", fullgraph=True)
+    def leaky(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    x = torch.ones(3)
+    leaky(x)  # compiled outside the guard
+    with count_host_syncs("cpu") as counter:
+        leaky(x).sum().item()
+    assert counter.count == 1
+    with no_host_sync("cpu"):
+        assert leaky(x).shape == (3,)

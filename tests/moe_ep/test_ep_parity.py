@@ -63,7 +63,9 @@ def test_ep_dropless_matches_single_device_loss_and_grad_norm(run_on_ranks, ep):
 
 def test_ep_capacity_that_drops_nothing_equals_dropless(run_on_ranks):
     # capacity_factor = E / K gives every (sequence, expert) pair room for the whole sequence.
-    cap = run_on_ranks(4, _parity, {"dp_shard": 4, "ep": 2}, moe_dispatch="capacity", capacity_factor=4.0)
+    cap = run_on_ranks(
+        4, _parity, {"dp_shard": 4, "ep": 2}, moe_dispatch="capacity", capacity_factor=4.0
+    )
     drop = run_on_ranks(4, _parity, {"dp_shard": 4, "ep": 2})
     _assert_all_ranks_pass(cap)
     for (c, c_metrics, *_), (d, *_) in zip(cap, drop, strict=True):
@@ -98,9 +100,7 @@ def test_ep_with_tp_on_the_dense_parts_matches_single_device(run_on_ranks):
 
 
 def test_aux_loss_free_biases_identical_on_all_ranks_and_equal_single_device(run_on_ranks):
-    results = run_on_ranks(
-        4, _parity, {"dp_shard": 4, "ep": 2}, steps=3, moe_bias_update_rate=1e-2
-    )
+    results = run_on_ranks(4, _parity, {"dp_shard": 4, "ep": 2}, steps=3, moe_bias_update_rate=1e-2)
     _assert_all_ranks_pass(results)
     per_rank = [par for _, _, par, _ in results]
     assert all(b == per_rank[0] for b in per_rank)
@@ -117,7 +117,9 @@ def _router_grads(layout: dict, dispatch: str) -> list[float]:
         logits = model(batch[:, :-1])
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
     out = []
-    for (name, p), (_, q) in zip(parallel.named_parameters(), reference.named_parameters(), strict=True):
+    for (name, p), (_, q) in zip(
+        parallel.named_parameters(), reference.named_parameters(), strict=True
+    ):
         if "router.gate" in name:
             assert p.grad is not None, name
             out.append(float((p.grad.full_tensor() - q.grad).abs().max() / q.grad.abs().max()))
@@ -128,3 +130,31 @@ def _router_grads(layout: dict, dispatch: str) -> list[float]:
 def test_router_stays_in_the_autograd_graph_under_ep(run_on_ranks, dispatch):
     for errors in run_on_ranks(4, _router_grads, {"dp_shard": 4, "ep": 4}, dispatch):
         assert errors and max(errors) < 1e-5
+
+
+def _compiled_ep_parity(layout: dict, ac_mode: str) -> ParityResult:
+    from forge.build import ParallelPlan
+    from forge_moe_ep import moe_transformer
+
+    cfg = ModelConfig.preset("debug_moe")
+    mesh = build_device_mesh(layout, "cpu", num_experts=cfg.num_experts)
+    with torch.device("meta"):
+        model = moe_transformer(cfg)
+    plan = ParallelPlan(
+        mesh,
+        ac_mode=ac_mode,
+        compile_model=True,
+        compile_backend="aot_eager",
+        param_dtype=torch.float32,
+    )
+    parallel = plan.parallelize(model, device="cpu", seed=0)
+    reference = build_parallel_model(cfg, "cpu", None, param_dtype=torch.float32)
+    return run_parity(reference, parallel, mesh=mesh, steps=4, batch_size=8, seq_len=16)
+
+
+@pytest.mark.parametrize("ac_mode", ["full", "op"])
+def test_ep_with_tp_ac_and_compile_matches_single_device(run_on_ranks, ac_mode):
+    # Per-block compile leaves the MoE eager (forge_no_compile) and compiles attention alone,
+    # so FSDP2's per-sub-module units of EP blocks stay outside compiled regions.
+    for result in run_on_ranks(4, _compiled_ep_parity, {"tp": 2, "ep": 2}, ac_mode):
+        result.assert_ok()

@@ -290,12 +290,16 @@ def test_init_on_meta_then_materialize_equals_direct_init():
     for (name, a), b in zip(meta.state_dict().items(), direct.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     # Different blocks get different experts (the init is seeded by the full name).
-    assert not torch.equal(direct.layers["0"].feed_forward.experts.w1, direct.layers["1"].feed_forward.experts.w1)
+    assert not torch.equal(
+        direct.layers["0"].feed_forward.experts.w1, direct.layers["1"].feed_forward.experts.w1
+    )
 
 
 def test_expert_parallel_degree_must_divide_the_experts():
     check_expert_parallel(8, 4)
-    with pytest.raises(ForgeConfigError, match=r"ep=3 does not divide model\.num_experts=8.*\[1, 2, 4, 8\]"):
+    with pytest.raises(
+        ForgeConfigError, match=r"ep=3 does not divide model\.num_experts=8.*\[1, 2, 4, 8\]"
+    ):
         check_expert_parallel(8, 3)
 
 

@@ -172,11 +172,10 @@ def _zero_rows_past_offs(t: torch.Tensor, offs: torch.Tensor, cols: int) -> torc
     """``t[:, :cols]`` (a fresh output of torch._grouped_mm) with rows >= offs[-1] zeroed.
 
     The mask is built on the device (no sync). NOTE: a fill, not a multiply: those rows are
-    uninitialized memory and may hold NaN (0 * NaN = NaN).
+    uninitialized memory and may hold NaN (0 * NaN = NaN). Out of place: selective activation
+    checkpointing may have cached ``t`` (the ``_grouped_mm`` output) and refuses its mutation.
     """
     tail = (torch.arange(t.shape[0], device=t.device) >= offs[-1]).unsqueeze(1)
-    if cols == t.shape[1]:
-        return t.masked_fill_(tail, 0)  # t is ours alone: fill in place
     return t[:, :cols].masked_fill(tail, 0)
 
 

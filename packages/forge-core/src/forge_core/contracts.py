@@ -17,6 +17,9 @@ mark. No registry, no global state: everything lives on the modules.
   instead of the dense one, (2) divide its gradients by the full data-parallel degree (its own
   mesh is ``ep`` times smaller), and (3) wrap the block holding it per sub-module, so no
   reduce-scatter of the block runs between the expert-parallel all-to-alls of its backward.
+- **Left out of torch.compile.** A module class with ``forge_no_compile = True`` cannot be traced
+  as one graph (e.g. it reads split sizes on the host). Per-block compilation then compiles the
+  block's other composite children and runs this module eagerly.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __all__ = [
     "expert_parallel_modules",
     "expert_parallel_size",
     "mark_expert_parallel",
+    "opts_out_of_compile",
     "pop_aux_losses",
 ]
 
@@ -69,6 +73,11 @@ def pop_aux_losses(model: nn.Module) -> torch.Tensor | None:
     if not losses:
         return None
     return torch.stack([loss.float() for loss in losses]).sum()
+
+
+def opts_out_of_compile(module: nn.Module) -> bool:
+    """Whether ``module`` or a module inside it declares ``forge_no_compile = True``."""
+    return any(getattr(m, "forge_no_compile", False) is True for m in module.modules())
 
 
 def mark_expert_parallel(module: nn.Module, ep_size: int) -> None:

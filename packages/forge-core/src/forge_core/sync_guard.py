@@ -13,9 +13,9 @@ the GPU drains its queue, which serialises compute with communication. These gua
   ``torch.Tensor.numpy`` are replaced by reporting wrappers: a process-global patch, restored on
   exit (also on error). Wrappers report only on the thread that entered the guard, nest, and
   unlink correctly even if guards on two threads exit out of order.
-- Eager mode only. Under an active dispatch mode ``torch.compile`` skips the frame and runs it
-  eagerly (so the guard checks the eager ops, which may differ from the compiled graph), and
-  ``torch.compile(fullgraph=True)`` raises ``RuntimeError``.
+- Eager mode only. torch.compile cannot run under a dispatch mode, so the CPU guard also sets
+  ``torch.compiler.set_stance("force_eager")``: compiled modules run their eager code inside the
+  block, and the guard checks those ops (a compiled graph may fuse some of them away).
 
 Not seen on CPU: host copies via ``.cpu()`` / ``.to("cpu")`` (a no-op on CPU tensors), syncs hidden
 inside an op's kernel (e.g. ``torch.tensor([t0, t1])`` from 0-d tensors, linalg error checks).
@@ -238,6 +238,9 @@ class _HostCopyPatch:
 def _detect(report: Callable[[SyncOp], None]) -> Iterator[None]:
     """Call ``report`` for every would-be sync in the block (dispatch mode + tolist/numpy patch)."""
     with contextlib.ExitStack() as stack:
+        set_stance = getattr(torch.compiler, "set_stance", None)
+        if set_stance is not None:
+            stack.enter_context(set_stance("force_eager"))
         for name in ("tolist", "numpy"):
             stack.callback(_HostCopyPatch(name, report).remove)
         stack.enter_context(_SyncDetector(report))

@@ -4,12 +4,20 @@ Each block is compiled on its own (``module.compile()``), not the whole model: a
 one graph (compiled once, reused), graph breaks at FSDP2's hooks between blocks are avoided, and
 parameter names do not change (no ``_orig_mod.`` prefix, so checkpoints and plans still match).
 Runs after AC (the checkpoint boundaries are part of the compiled block) and before FSDP2.
+
+A block holding a module that opts out (``forge_no_compile = True``, see
+``forge_core.contracts``; e.g. an MoE layer whose expert-parallel dispatch reads split sizes on
+the host) is not compiled whole: its other composite children (attention) are compiled one by
+one and the opted-out module runs eagerly. This also keeps FSDP2 units nested inside a block
+(expert-parallel blocks are wrapped per sub-module) out of a compiled region, where their hooks
+could not be traced.
 """
 
 from __future__ import annotations
 
 import torch.nn as nn
 from forge_core.blocks import find_blocks
+from forge_core.contracts import opts_out_of_compile
 from forge_core.stages import stage
 
 __all__ = ["apply_compile"]
@@ -21,5 +29,11 @@ def apply_compile(
     """Compile every block of ``model`` in place; returns ``model``."""
     with stage(model, "compile"):
         for _, _, block in find_blocks(model):
-            block.compile(backend=backend, fullgraph=fullgraph)
+            if not opts_out_of_compile(block):
+                block.compile(backend=backend, fullgraph=fullgraph)
+                continue
+            for child in block.children():
+                composite = any(True for _ in child.children())
+                if composite and not opts_out_of_compile(child):
+                    child.compile(backend=backend, fullgraph=fullgraph)
     return model

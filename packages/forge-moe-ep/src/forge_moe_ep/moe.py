@@ -106,6 +106,10 @@ class GroupedExperts(nn.Module):
 class MoE(nn.Module):
     """Mixture-of-experts FFN: ``[B, S, dim] -> [B, S, dim]`` (see the module docstring)."""
 
+    #: Runs eagerly under forge's per-block compile (forge_core.contracts): dropless EP reads
+    #: split sizes on the host and the Triton kernels are opaque autograd Functions.
+    forge_no_compile = True
+
     def __init__(self, config: ModelConfig, layer_id: int = 0) -> None:
         super().__init__()
         c = config

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 from forge_core import Transformer
-from forge_core.model import FeedForward
 from forge_core.errors import ForgeConfigError
+from forge_core.model import FeedForward
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,

@@ -135,6 +135,13 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         )
     init_distributed(device_type)
     rank = dist.get_rank()
+    if cfg.training.compile and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        # NOTE: inductor's on-disk cache is keyed without the process-group names that compiled
+        # collectives bake in (they differ between ranks), so ranks sharing one cache can load
+        # each other's code and fail (pytorch #189330 family). One cache per rank avoids it.
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default_cache_dir(), f"rank{rank}")
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if device_type == "cuda"
