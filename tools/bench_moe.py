@@ -34,11 +34,8 @@ import copy
 import datetime
 import os
 import platform
-import statistics
 import sys
-import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +45,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
+from benchlib import sync, time_interleaved  # noqa: E402 - tools/ sibling module
 from forge_core import ModelConfig
 from forge_core.sync_guard import count_host_syncs
 from forge_mesh import build_device_mesh
@@ -276,41 +274,6 @@ def build_variants(
 
 
 # --------------------------------------------------------------------------- timing
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _once_ms(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def time_interleaved(
-    fns: dict[str, Callable[[], object]], device: torch.device, reps: int, warmup: int
-) -> dict[str, tuple[float, float]]:
-    """{name: (median ms, min ms)}; the functions run round-robin, ``reps`` rounds.
-
-    NOTE: round-robin so that load from other processes on a shared machine hits every variant
-    alike instead of whichever happened to run during a burst.
-    """
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    _sync(device)
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            times[name].append(_once_ms(fn, device))
-    return {name: (statistics.median(v), min(v)) for name, v in times.items()}
 
 
 class Step:
@@ -348,7 +311,7 @@ def bench_shape(
         rows[name] = dict(shape=shape.label(), variant=name, error=None)
         try:
             out = step()
-            _sync(device)
+            sync(device)
             assert step.input.grad is not None
             outputs[name] = (out.detach().float(), step.input.grad.detach().float())
         except Exception as exc:  # noqa: BLE001 -- report the failing variant, keep the others
@@ -370,7 +333,7 @@ def bench_shape(
         moes = _moe_layers(layers[name])
         waits0 = sum(m.host_syncs for m in moes)
         dropped0 = moe_metrics(layers[name])["tokens_dropped"] if moes else 0
-        _sync(device)
+        sync(device)
         with count_host_syncs(device) as counter:
             step()  # NOTE: no synchronize inside: on CUDA that would count as a sync itself
         rows[name]["syncs"] = counter.count
@@ -558,12 +521,11 @@ def reading(rows: list[dict[str, Any]], on_cuda: bool, info: dict[str, str]) -> 
     if not on_cuda:
         lines += [
             "- Where forge's CPU time goes beyond the reference (torch.profiler at the "
-            "Qwen3-like reduced shape, while this page was first written): the expert GEMMs are "
-            "the same `torch._grouped_mm` calls in both; forge adds the grouped-GEMM wrapper's "
-            "tail masks (a `masked_fill_` over every GEMM output and dX, 6 per step, although "
-            "dropless layouts have no tail rows), the `torch.where`-based rank-major reorder, and "
-            "in the EP path a zero-row concatenation (a full copy of the received rows) before "
-            "the expert gather plus a zero-filled `index_copy` after it.",
+            "Qwen3-like reduced shape): the expert GEMMs are the same `torch._grouped_mm` calls "
+            "in both; forge adds the grouped-GEMM wrapper's tail masks (a `masked_fill` over "
+            "every GEMM output and dX, 6 per step, although dropless layouts have no tail rows: "
+            "they keep the contract that rows past `offs[-1]` are zeros), the rank-major reorder "
+            "and its inverse gather, and in the EP path the counts all-to-all and the staging.",
             "- **GPU numbers are missing**: this session had no GPU. CPU timings are only "
             "indicative: the grouped GEMM on CPU is `torch._grouped_mm`'s per-group loop, the "
             "all-to-alls are gloo copies within one process, and a host sync costs nothing "

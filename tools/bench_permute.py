@@ -24,9 +24,7 @@ import datetime
 import functools
 import os
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +38,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from benchlib import time_interleaved  # noqa: E402 - tools/ sibling module
 from forge_kernels.permute import (  # noqa: E402
     RoutingLayout,
     combine,
@@ -54,35 +53,6 @@ SHAPES_CUDA = [(8192, 8, 128, 2048, 16), (8192, 2, 8, 4096, 16), (16384, 8, 64, 
 
 
 # --------------------------------------------------------------------------- timing
-def _once_ms(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def time_interleaved(
-    fns: dict[str, Callable[[], object]], device: torch.device, reps: int, warmup: int = 2
-) -> dict[str, tuple[float, float]]:
-    """{name: (median ms, min ms)}; the functions run round-robin, ``reps`` rounds.
-
-    NOTE: round-robin so that load from other processes on a shared machine hits every variant
-    alike instead of whichever happened to run during a burst.
-    """
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            times[name].append(_once_ms(fn, device))
-    return {name: (statistics.median(v), min(v)) for name, v in times.items()}
 
 
 # --------------------------------------------------------------------------- combine variants

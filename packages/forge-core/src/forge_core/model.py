@@ -211,35 +211,17 @@ class ModelConfig:
         return self.vocab_size * d + blocks + n_moe * moe_ffn + d + head
 
 
+_DEBUG = ModelConfig(
+    vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128
+)
+
 PRESETS: dict[str, ModelConfig] = {
     # Tiny and CPU-fast: every test and `forge build` use it.
-    "debug": ModelConfig(
-        vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128
-    ),
-    "debug_tied": ModelConfig(
-        vocab_size=256,
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_dim=128,
-        max_seq_len=128,
-        tie_embeddings=True,
-    ),
+    "debug": _DEBUG,
+    "debug_tied": replace(_DEBUG, tie_embeddings=True),
     # debug with an MoE in every block: 8 experts, top-2, one shared expert.
-    "debug_moe": ModelConfig(
-        vocab_size=256,
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_dim=128,
-        max_seq_len=128,
-        moe_every=1,
-        num_experts=8,
-        top_k=2,
-        moe_ffn_dim=64,
-        num_shared_experts=1,
+    "debug_moe": replace(
+        _DEBUG, moe_every=1, num_experts=8, top_k=2, moe_ffn_dim=64, num_shared_experts=1
     ),
     "small": ModelConfig(
         vocab_size=32000, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, max_seq_len=1024
