@@ -49,6 +49,7 @@ def test_there_are_layers_to_check():
         "forge-tp-plans",
         "forge-kernels",
         "forge-moe-ep",
+        "forge-float8",
     } <= set(LAYERS)
 
 

@@ -33,8 +33,6 @@ def test_pipeline_applies_ac_compile_fsdp2_in_order(run_on_ranks):
 
 
 def test_layers_that_do_not_exist_yet_are_refused_not_ignored():
-    with pytest.raises(ForgeConfigError, match="fp8=True needs forge-float8"):
-        build_parallel_model(CFG, "cpu", None, fp8=True, param_dtype=torch.float32)
     with pytest.raises(ForgeConfigError, match="vision-language models need forge-vlm"):
         build_parallel_model(CFG, "cpu", None, vlm_config=object())
 
@@ -93,6 +91,15 @@ def test_build_job_runs_fsdp2_with_expert_parallelism(run_on_ranks, overrides, m
         assert "forward+backward: 0 (rank 0)" in report.text
 
 
+def test_build_job_runs_float8_with_fsdp2_and_tp(run_on_ranks):
+    overrides = ["float8.enabled=true", "training.param_dtype=bfloat16", "training.steps=3"]
+    report = run_on_ranks(4, _job, overrides)[0]
+    assert report.passed, report.text
+    assert "stages: tp -> float8 -> fsdp2" in report.text
+    assert "float8 tensorwise: 14 Linear(s) converted, 1 skipped, fsdp fp8 all-gather off" in report.text
+    assert "tp styles carried over: ColwiseParallel x10, RowwiseParallel x4" in report.text
+
+
 @pytest.mark.parametrize("data", ["fsdp2", "ddp"])
 def test_bf16_compute_is_checked_with_low_precision_tolerances(run_on_ranks, data):
     overrides = ["training.param_dtype=bfloat16", "training.steps=3", f"parallelism.data={data}"]
@@ -120,6 +127,11 @@ def test_bf16_compute_is_checked_with_low_precision_tolerances(run_on_ranks, dat
             "unknown key 'training.stepz' (did you mean 'steps'?)",
         ),
         (["build", "--set", "parallelism.ep=2"], "parallelism.ep=2 but model has no MoE blocks"),
+        (
+            ["build", "--set", "float8.enabled=true", "--set", "float8.fsdp_float8_all_gather=true"],
+            "float8.fsdp_float8_all_gather=true with tp > 1",
+        ),
+        (["build", "--set", "float8.recipe=rowwize"], "did you mean 'rowwise'"),
         (
             ["build", "--set", "model.preset=debug_moe", "--set", "parallelism.tp=1"]
             + ["--set", "parallelism.ep=4", "--set", "model.num_experts=6"],

@@ -22,6 +22,7 @@ from .model import ModelConfig
 
 __all__ = [
     "DATA_MODES",
+    "Float8Config",
     "ForgeConfig",
     "ParallelismConfig",
     "TPConfig",
@@ -249,6 +250,46 @@ class TPConfig:
         return None if self.sequence_parallel == "auto" else bool(self.sequence_parallel)
 
 
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+@dataclass(frozen=True)
+class Float8Config:
+    """Float8 training (forge-float8, torchao): ``[float8]`` section.
+
+    ``fsdp_float8_all_gather``: ``"auto"`` (on for tensorwise FSDP2 without TP on NCCL), true or
+    false. ``filter_fqns``: module-name substrings to keep in high precision.
+    """
+
+    enabled: bool = False
+    recipe: str = "tensorwise"
+    fsdp_float8_all_gather: bool | str = "auto"
+    filter_fqns: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.recipe not in FLOAT8_RECIPES:
+            raise ForgeConfigError(
+                f"float8.recipe={self.recipe!r} is invalid: choose one of {list(FLOAT8_RECIPES)}"
+                + did_you_mean(str(self.recipe), FLOAT8_RECIPES)
+            )
+        if self.fsdp_float8_all_gather not in (True, False, "auto"):
+            raise ForgeConfigError(
+                f'float8.fsdp_float8_all_gather={self.fsdp_float8_all_gather!r}: use true, false or "auto"'
+            )
+        if not isinstance(self.filter_fqns, tuple | list) or not all(
+            isinstance(f, str) for f in self.filter_fqns
+        ):
+            raise ForgeConfigError(
+                f"float8.filter_fqns={self.filter_fqns!r} must be a list of strings"
+            )
+        object.__setattr__(self, "filter_fqns", tuple(self.filter_fqns))
+
+    @property
+    def fsdp_all_gather_flag(self) -> bool | None:
+        """None for ``"auto"``, else the bool."""
+        return None if self.fsdp_float8_all_gather == "auto" else bool(self.fsdp_float8_all_gather)
+
+
 @dataclass(frozen=True)
 class ForgeConfig:
     """Everything ``forge build`` needs: the model, the layout, TP options and the training job."""
@@ -257,6 +298,7 @@ class ForgeConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     tp: TPConfig = field(default_factory=TPConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    float8: Float8Config = field(default_factory=Float8Config)
 
     def resolved_parallelism(self, world_size: int) -> ParallelismConfig:
         """``parallelism`` resolved for ``world_size`` and this model (``ep=-1`` needs it)."""
@@ -269,6 +311,7 @@ _SECTIONS: dict[str, type] = {
     "parallelism": ParallelismConfig,
     "tp": TPConfig,
     "training": TrainingConfig,
+    "float8": Float8Config,
 }
 
 

@@ -17,6 +17,12 @@ mark. No registry, no global state: everything lives on the modules.
   instead of the dense one, (2) divide its gradients by the full data-parallel degree (its own
   mesh is ``ep`` times smaller), and (3) wrap the block holding it per sub-module, so no
   reduce-scatter of the block runs between the expert-parallel all-to-alls of its backward.
+- **Tensor-parallel record.** :func:`apply_tp_styles` applies ``{fqn: ParallelStyle}`` one module
+  at a time and records, on the root model, the style and the hooks each one registered
+  (:class:`TPRecord`). :func:`restyle_tp` swaps a module's style later (Float8 replaces a Linear
+  by a Float8Linear, which loses the hooks, and moves the TP all-gathers to fp8).
+- **Float8 opt-out.** A module class with a string ``forge_float8_skip`` keeps every Linear inside
+  it in high precision; the string is the reason that gets reported.
 - **Left out of torch.compile.** A module class with ``forge_no_compile = True`` cannot be traced
   as one graph (e.g. it reads split sizes on the host). Per-block compilation then compiles the
   block's other composite children and runs this module eagerly.
@@ -24,14 +30,23 @@ mark. No registry, no global state: everything lives on the modules.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils.hooks import RemovableHandle
 
 __all__ = [
+    "TPRecord",
     "AFTER_STEP_METHOD",
+    "apply_tp_styles",
+    "register_after_optimizer_step",
+    "restyle_tp",
+    "tp_record",
     "AUX_LOSS_METHOD",
     "attach_optimizer_hooks",
     "expert_parallel_modules",
@@ -50,18 +65,31 @@ def _with_method(model: nn.Module, method: str) -> list[nn.Module]:
     return [m for m in model.modules() if callable(getattr(m, method, None))]
 
 
+_AFTER_STEP_FNS = "_forge_after_step_fns"
+
+
+def register_after_optimizer_step(model: nn.Module, fn: Callable[[], None]) -> None:
+    """Have :func:`attach_optimizer_hooks` also call ``fn()`` after each step (e.g. Float8's
+    scale precompute for FSDP2, which needs the whole model)."""
+    model.__dict__.setdefault(_AFTER_STEP_FNS, []).append(fn)
+
+
 def attach_optimizer_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -> RemovableHandle:
-    """Call every ``forge_after_optimizer_step()`` of ``model`` after each ``optimizer.step()``.
+    """Call every ``forge_after_optimizer_step()`` of ``model`` (and every function registered
+    with :func:`register_after_optimizer_step`) after each ``optimizer.step()``.
 
     Returns the hook handle (``.remove()`` detaches it). With gradient accumulation the hook
     runs once per optimizer step, not per micro-batch, which is what per-step state (token
     counts, scales) needs.
     """
     modules = _with_method(model, AFTER_STEP_METHOD)
+    fns = [fn for m in model.modules() for fn in m.__dict__.get(_AFTER_STEP_FNS, ())]
 
     def after_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         for module in modules:
             getattr(module, AFTER_STEP_METHOD)()
+        for fn in fns:
+            fn()
 
     return optimizer.register_step_post_hook(after_step)
 
@@ -93,3 +121,72 @@ def expert_parallel_size(module: nn.Module) -> int:
 def expert_parallel_modules(model: nn.Module) -> list[nn.Module]:
     """Modules of ``model`` marked by :func:`mark_expert_parallel` with an ep degree > 1."""
     return [m for m in model.modules() if expert_parallel_size(m) > 1]
+
+
+# --------------------------------------------------------------------------- TP record
+_TP_ATTR = "_forge_tp_record"
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+)
+_HOOK_SIDE_DICTS = (
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+@dataclass
+class TPRecord:
+    """The tensor-parallel styles applied to a model and the forward hooks each registered."""
+
+    mesh: DeviceMesh
+    styles: dict[str, ParallelStyle] = field(default_factory=dict)
+    # fqn -> (module the hooks live on, {hook dict name: [hook ids]})
+    hooks: dict[str, tuple[nn.Module, dict[str, list[int]]]] = field(default_factory=dict)
+
+
+def tp_record(model: nn.Module) -> TPRecord | None:
+    """What :func:`apply_tp_styles` recorded on ``model`` (None without TP)."""
+    return model.__dict__.get(_TP_ATTR)
+
+
+def _apply_one(module: nn.Module, mesh: DeviceMesh, style: ParallelStyle) -> dict[str, list[int]]:
+    before = {name: set(getattr(module, name)) for name in _HOOK_DICTS}
+    parallelize_module(module, mesh, style)
+    return {
+        name: [k for k in getattr(module, name) if k not in before[name]] for name in _HOOK_DICTS
+    }
+
+
+def apply_tp_styles(
+    model: nn.Module, mesh: DeviceMesh, styles: Mapping[str, ParallelStyle]
+) -> TPRecord:
+    """Apply ``{fqn: style}`` to ``model``'s submodules (in order) and record them on ``model``."""
+    record = model.__dict__.setdefault(_TP_ATTR, TPRecord(mesh))
+    for fqn, style in styles.items():
+        module = model.get_submodule(fqn)
+        record.styles[fqn] = style
+        record.hooks[fqn] = (module, _apply_one(module, mesh, style))
+    return record
+
+
+def restyle_tp(model: nn.Module, fqn: str, style: ParallelStyle) -> None:
+    """Replace the TP style of submodule ``fqn``: drop the hooks the old style registered on it
+    (if it is still the same module object) and apply ``style`` to the module there now.
+
+    Parameters already distributed with the same placements are left as they are.
+    """
+    record = tp_record(model)
+    if record is None or fqn not in record.styles:
+        raise KeyError(f"no tensor-parallel style was recorded for {fqn!r}")
+    module = model.get_submodule(fqn)
+    old_module, ids = record.hooks[fqn]
+    if old_module is module:
+        for name, keys in ids.items():
+            for key in keys:
+                getattr(module, name).pop(key, None)
+                for side in _HOOK_SIDE_DICTS:
+                    getattr(module, side).pop(key, None)
+    record.styles[fqn] = style
+    record.hooks[fqn] = (module, _apply_one(module, record.mesh, style))

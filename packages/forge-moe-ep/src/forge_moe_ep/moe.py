@@ -109,6 +109,11 @@ class MoE(nn.Module):
     #: Runs eagerly under forge's per-block compile (forge_core.contracts): dropless EP reads
     #: split sizes on the host and the Triton kernels are opaque autograd Functions.
     forge_no_compile = True
+    #: Kept out of Float8 (forge_core.contracts): the experts run grouped GEMMs that never call
+    #: Float8Linear.forward, the shared expert runs beside them, the router needs fp32.
+    forge_float8_skip = (
+        "MoE experts run grouped GEMMs (not Float8Linear); router and shared expert stay with them"
+    )
 
     def __init__(self, config: ModelConfig, layer_id: int = 0) -> None:
         super().__init__()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from forge_core import ModelConfig, Transformer
+from forge_core.contracts import apply_tp_styles
 from forge_core.errors import ForgeConfigError
 from forge_core.mesh_dims import get_tp_mesh
 from forge_core.stages import stage
@@ -19,7 +20,6 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     RowwiseParallel,
-    parallelize_module,
 )
 
 from .plans import PlanContext, Style, expand_plan, registered_plan_fn, resolve_plan
@@ -258,7 +258,9 @@ def apply_tensor_parallel(
         concrete = expand_plan(model, raw)
         _validate(model, concrete, tp)
         tied = _shared_parameters(model)
-        parallelize_module(model, tp_mesh, {n: s for n, s in concrete.items() if s is not None})
+        # Applied one module at a time and recorded (forge_core.contracts), so a later stage
+        # (Float8) can swap a module's style.
+        apply_tp_styles(model, tp_mesh, {n: s for n, s in concrete.items() if s is not None})
         _retie(tied)
         if sp:
             model.register_forward_pre_hook(_check_sequence_length(tp))

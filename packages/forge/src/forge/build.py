@@ -3,8 +3,7 @@
     mesh -> model on meta -> TP -> EP -> Float8 -> AC -> compile -> FSDP2 -> materialize
                                                             (DDP: materialize -> DDP)
 
-Float8 arrives with its layer (forge-float8); until then a config asking for it is refused with
-the reason, never silently ignored. EP runs whenever the model has MoE layers and a mesh: with
+EP runs whenever the model has MoE layers and a mesh: with
 an ``ep`` axis it shards the experts, without one it only tells the MoE layers their
 data-parallel group (token counts for load balancing are summed over it).
 """
@@ -15,9 +14,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from forge_core import ForgeConfigError, ModelConfig
-from forge_core.mesh_dims import axis_size, has_dp_mesh
+from forge_core.mesh_dims import axis_size, get_dp_mesh, has_dp_mesh
+from forge_float8 import apply_float8
 from forge_fsdp_wrap import (
     AC_MODES,
     apply_ac,
@@ -46,7 +47,6 @@ def check_plan(
     data: str,
     axis_sizes: dict[str, int],
     *,
-    fp8: bool = False,
     ac_mode: str = "none",
 ) -> None:
     """Refuse what this forge cannot do, before any process group exists (pure checks)."""
@@ -57,8 +57,6 @@ def check_plan(
             raise ForgeConfigError(
                 f"parallelism.{axis}={axis_sizes[axis]} needs {layer}, which this forge does not have yet; set {axis}=1"
             )
-    if fp8:
-        raise ForgeConfigError("fp8=True needs forge-float8, which this forge does not have yet")
     if data == "ddp" and axis_sizes.get("tp", 1) > 1:
         raise ForgeConfigError(
             f"data='ddp' with tp={axis_sizes['tp']}: DDP does not handle tensor-parallel (DTensor) "
@@ -88,6 +86,9 @@ class ParallelPlan:
     reshard_after_forward: bool | int = True
     cpu_offload: bool = False
     fp8: bool = False
+    fp8_recipe: str = "tensorwise"
+    fp8_fsdp_all_gather: bool | None = None
+    fp8_filter_fqns: Sequence[str] = ()
     tp_plan: Mapping[str, object] | str | None = None
     sequence_parallel: bool | None = None
     loss_parallel: bool = False
@@ -100,11 +101,26 @@ class ParallelPlan:
         check_plan(
             self.data,
             sizes,
-            fp8=self.fp8,
             ac_mode=self.ac_mode,
         )
         if self.data == "fsdp2" and not has_dp_mesh(self.device_mesh):
             raise ForgeConfigError("data='fsdp2' needs a mesh with a data-parallel axis")
+
+    @property
+    def fp8_all_gather(self) -> bool:
+        """FSDP2's fp8 all-gather: as asked, or (None) on for tensorwise FSDP2 without TP on NCCL.
+
+        NOTE: off by default on gloo: an FSDP2 unit holding only fp8 weights all-gathers in a
+        float8 dtype, which gloo cannot move (units with mixed dtypes all-gather bytes and work).
+        """
+        if self.fp8_fsdp_all_gather is not None:
+            return self.fp8_fsdp_all_gather
+        if self.data != "fsdp2" or self.fp8_recipe != "tensorwise":
+            return False
+        if axis_size(self.device_mesh, "tp") > 1:
+            return False
+        group = get_dp_mesh(self.device_mesh).get_group(0)  # type: ignore[arg-type]
+        return dist.get_backend(group) != "gloo"
 
     def parallelize(
         self, model: nn.Module, *, device: torch.device | str | None = None, seed: int | None = None
@@ -131,7 +147,13 @@ class ParallelPlan:
                 "the mesh has an ep axis but the model has no forge_moe_ep.MoE layer; set "
                 "parallelism.ep=1 or use an MoE model (model.moe_every > 0)"
             )
-        # Float8 arrives with its layer (refused in __post_init__ until then).
+        if self.fp8:
+            apply_float8(
+                model,
+                recipe=self.fp8_recipe,
+                enable_fsdp_float8_all_gather=self.fp8_all_gather,
+                filter_fqns=tuple(self.fp8_filter_fqns),
+            )
         if self.ac_mode != "none":
             apply_ac(model, self.ac_mode)
         if self.compile_model:
@@ -192,6 +214,9 @@ def build_parallel_model(
     param_dtype: torch.dtype = torch.bfloat16,
     compile_model: bool = False,
     fp8: bool = False,
+    fp8_recipe: str = "tensorwise",
+    fp8_fsdp_all_gather: bool | None = None,
+    fp8_filter_fqns: Sequence[str] = (),
     data: str | None = None,
     seed: int = 0,
     reshard_after_forward: bool | int = True,
@@ -221,6 +246,9 @@ def build_parallel_model(
         reshard_after_forward=reshard_after_forward,
         cpu_offload=cpu_offload,
         fp8=fp8,
+        fp8_recipe=fp8_recipe,
+        fp8_fsdp_all_gather=fp8_fsdp_all_gather,
+        fp8_filter_fqns=fp8_filter_fqns,
         tp_plan=tp_plan,
         sequence_parallel=sequence_parallel,
         loss_parallel=loss_parallel,

@@ -28,6 +28,7 @@ from forge_core import (
     load_config,
 )
 from forge_core.training import compare_runs, local_batch, synthetic_tokens, train_steps
+from forge_float8 import float8_report
 from forge_mesh import build_device_mesh, init_distributed, mesh_layout
 from forge_moe_ep import check_expert_parallel, moe_metrics
 from forge_tp_plans import check_plan_import, check_transformer_tp, describe_tp_plan
@@ -50,6 +51,16 @@ def check_config(cfg: ForgeConfig, world_size: int) -> None:
     par = cfg.resolved_parallelism(world_size)
     sizes = {name: getattr(par, name) for name in (*NOT_YET, "tp")}
     check_plan(par.data, sizes, ac_mode=cfg.training.ac_mode)
+    f8 = cfg.float8
+    if f8.enabled and f8.fsdp_all_gather_flag and par.tp > 1:
+        raise ForgeConfigError(
+            "float8.fsdp_float8_all_gather=true with tp > 1: torchao's float8 weight wrapper does "
+            'not support TP (DTensor) weights; set it false or "auto"'
+        )
+    if f8.enabled and f8.fsdp_all_gather_flag and f8.recipe != "tensorwise":
+        raise ForgeConfigError(
+            f"float8.fsdp_float8_all_gather=true needs float8.recipe='tensorwise', got {f8.recipe!r}"
+        )
     if par.ep > 1:
         if not cfg.model.moe_layers:
             raise ForgeConfigError(
@@ -87,6 +98,18 @@ def _param_bytes(model: torch.nn.Module) -> int:
         local = p.to_local() if isinstance(p, DTensor) else p
         total += local.numel() * local.element_size()
     return total
+
+
+def _fp8_kwargs(cfg: ForgeConfig) -> dict[str, Any]:
+    f = cfg.float8
+    if not f.enabled:
+        return {}
+    return {
+        "fp8": True,
+        "fp8_recipe": f.recipe,
+        "fp8_fsdp_all_gather": f.fsdp_all_gather_flag,
+        "fp8_filter_fqns": f.filter_fqns,
+    }
 
 
 def _count_step_syncs(model: nn.Module, batch: torch.Tensor, device: torch.device) -> str:
@@ -168,9 +191,17 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         sequence_parallel=cfg.tp.sequence_parallel_flag,
         loss_parallel=cfg.tp.loss_parallel,
         allow_plan_import=cfg.tp.allow_import,
+        **_fp8_kwargs(cfg),
     )
+    # NOTE: with Float8 the reference is the same Float8 model on one device (bf16 compute when
+    # asked): parity then isolates the parallelism from fp8's own rounding.
     reference = build_parallel_model(
-        cfg.model, device, None, param_dtype=torch.float32, seed=t.seed
+        cfg.model,
+        device,
+        None,
+        param_dtype=dtype if cfg.float8.enabled else torch.float32,
+        seed=t.seed,
+        **({k: v for k, v in _fp8_kwargs(cfg).items() if k != "fp8_fsdp_all_gather"}),
     )
     local_bytes = _param_bytes(model)
     all_bytes: list[int] = [0] * world_size
@@ -180,7 +211,8 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
     par_steps = train_steps(
         model, tokens, mesh=mesh, lr=t.lr, grad_accum=t.grad_accum, device=device
     )
-    result = compare_runs(ref_steps, par_steps, dtype)
+    # Float8 rounds every GEMM input to 3 mantissa bits: low-precision tolerances.
+    result = compare_runs(ref_steps, par_steps, torch.bfloat16 if cfg.float8.enabled else dtype)
     moe = _moe_report(cfg, par, model, local_batch(tokens[0], mesh).to(device), device)
     elapsed = time.perf_counter() - start
     if rank != 0:
@@ -205,6 +237,7 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         + ", ".join(f"r{r} {b:,} B ({b / full_bytes:.0%})" for r, b in enumerate(all_bytes)),
         *(["tp:     " + describe_tp_plan(model)] if par.tp > 1 else []),
         *([moe] if moe else []),
+        *([str(float8_report(model))] if cfg.float8.enabled else []),
         f"train:  {t.steps} steps, global batch {t.global_batch_size} x seq {t.seq_len}, grad_accum {t.grad_accum}, AdamW lr {t.lr}",
         result.table(),
         f"{'PASS' if result.passed else 'FAIL'}: parallel run {'matches' if result.passed else 'does NOT match'} the single-device model "
