@@ -96,7 +96,10 @@ def test_build_job_runs_float8_with_fsdp2_and_tp(run_on_ranks):
     report = run_on_ranks(4, _job, overrides)[0]
     assert report.passed, report.text
     assert "stages: tp -> float8 -> fsdp2" in report.text
-    assert "float8 tensorwise: 14 Linear(s) converted, 1 skipped, fsdp fp8 all-gather off" in report.text
+    assert (
+        "float8 tensorwise: 14 Linear(s) converted, 1 skipped, fsdp fp8 all-gather off"
+        in report.text
+    )
     assert "tp styles carried over: ColwiseParallel x10, RowwiseParallel x4" in report.text
 
 
@@ -128,7 +131,13 @@ def test_bf16_compute_is_checked_with_low_precision_tolerances(run_on_ranks, dat
         ),
         (["build", "--set", "parallelism.ep=2"], "parallelism.ep=2 but model has no MoE blocks"),
         (
-            ["build", "--set", "float8.enabled=true", "--set", "float8.fsdp_float8_all_gather=true"],
+            [
+                "build",
+                "--set",
+                "float8.enabled=true",
+                "--set",
+                "float8.fsdp_float8_all_gather=true",
+            ],
             "float8.fsdp_float8_all_gather=true with tp > 1",
         ),
         (["build", "--set", "float8.recipe=rowwize"], "did you mean 'rowwise'"),
