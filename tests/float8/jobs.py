@@ -12,7 +12,11 @@ STEPS, BATCH, SEQ = 10, 8, 32
 
 
 def train(
-    layout: dict | None, preset: str = "debug", fp8: bool = False, **plan: object
+    layout: dict | None,
+    preset: str = "debug",
+    fp8: bool = False,
+    report: list | None = None,
+    **plan: object,
 ) -> list[StepRecord]:
     """10 bf16-compute steps of ``preset`` under ``layout`` (None: single device)."""
     cfg = ModelConfig.preset(preset, dim=128, ffn_dim=256, n_heads=8, n_kv_heads=4)
@@ -22,15 +26,22 @@ def train(
         else build_device_mesh(layout, "cpu", num_experts=cfg.num_experts if cfg.moe_layers else 0)
     )
     model = build_parallel_model(cfg, "cpu", mesh, param_dtype=torch.bfloat16, fp8=fp8, **plan)
+    if report is not None:
+        from forge_float8 import float8_report
+
+        report.append(str(float8_report(model)))
     tokens = synthetic_tokens(0, STEPS, BATCH, SEQ, cfg.vocab_size)
     return train_steps(model, tokens, mesh=mesh, lr=1e-3, device="cpu")
 
 
 def fp8_and_bf16(layout: dict, preset: str = "debug", **plan: object) -> dict[str, list[float]]:
     """Loss curves of the same layout in bf16 and Float8, and Float8 on one device."""
+    report: list[str] = []
+    sp = {k: v for k, v in plan.items() if k == "sequence_parallel"}
     return {
-        "bf16": [r.loss for r in train(layout, preset)],
-        "fp8": [r.loss for r in train(layout, preset, fp8=True, **plan)],
+        "bf16": [r.loss for r in train(layout, preset, **sp)],
+        "fp8": [r.loss for r in train(layout, preset, fp8=True, report=report, **plan)],
+        "report": report[0],
         "fp8_single": [
             r.loss
             for r in train(

@@ -36,16 +36,27 @@ def _check(results: list[dict[str, list[float]]]) -> None:
     ("layout", "preset", "plan"),
     [
         ({"dp_shard": 4}, "debug", {"fp8_fsdp_all_gather": True}),
-        ({"tp": 2}, "debug", {"fp8_fsdp_all_gather": False}),  # tensorwise
+        ({"tp": 2}, "debug", {"fp8_fsdp_all_gather": False}),  # tensorwise, SP: plain styles
+        # tensorwise without SP: torchao's Float8ColwiseParallel / Float8RowwiseParallel
+        ({"tp": 2}, "debug", {"fp8_fsdp_all_gather": False, "sequence_parallel": False}),
         ({"tp": 2}, "debug", {"fp8_recipe": "rowwise"}),
         ({"dp_shard": 4, "ep": 2}, "debug_moe", {}),  # experts stay bf16
     ],
-    ids=["fsdp2", "fsdp2xtp-tensorwise", "fsdp2xtp-rowwise", "ep"],
+    ids=[
+        "fsdp2",
+        "fsdp2xtp-tensorwise-sp",
+        "fsdp2xtp-tensorwise-fp8-styles",
+        "fsdp2xtp-rowwise",
+        "ep",
+    ],
 )
 def test_float8_trains_within_two_percent_of_bf16_with_rank_identical_losses(
     run_on_ranks, layout, preset, plan
 ):
-    _check(run_on_ranks(4, fp8_and_bf16, layout, preset, **plan))
+    results = run_on_ranks(4, fp8_and_bf16, layout, preset, **plan)
+    _check(results)
+    if plan.get("sequence_parallel") is False:
+        assert "Float8ColwiseParallel x10, Float8RowwiseParallel x4" in results[0]["report"]
 
 
 def test_fsdp_fp8_all_gather_matches_bf16_all_gather_and_the_precompute_hook_runs(run_on_ranks):

@@ -21,8 +21,9 @@ a swapped Linear loses the TP hooks of the old module, so its style is applied a
 ``tensorwise`` gets torchao's Float8 styles (``Float8ColwiseParallel``, ``Float8RowwiseParallel``,
 and ``PrepareFloat8ModuleInput`` on the parents that all-gather their input), so TP's
 all-gathers move fp8; the rowwise recipes get their plain styles back. gloo (CPU) cannot move
-float8 tensors, so on a gloo TP group the tensorwise recipe keeps plain TP styles too (bf16
-all-gathers; ``tp_float8_all_gather=True`` there is refused). FSDP2's fp8 all-gather
+float8 tensors: on a gloo TP group whose plan all-gathers inputs (sequence parallelism) the
+tensorwise recipe keeps plain styles (bf16 all-gathers; forcing ``tp_float8_all_gather=True``
+there is refused); without SP the Float8 styles move nothing in fp8 and run on gloo too. FSDP2's fp8 all-gather
 (``enable_fsdp_float8_all_gather``) is refused with TP: torchao's float8 weight wrapper calls
 ``aten.is_pinned`` on DTensor weights, which DTensor does not support.
 
@@ -177,13 +178,14 @@ def apply_float8(
     if record is not None and recipe == "tensorwise":
         import torch.distributed as dist
 
-        gloo = dist.get_backend(record.mesh.get_group()) == "gloo"
-        if tp_float8_all_gather and gloo:
+        blocked = dist.get_backend(record.mesh.get_group()) == "gloo" and _gathers_inputs(record)
+        if tp_float8_all_gather and blocked:
             raise ForgeConfigError(
-                "tp_float8_all_gather=True on a gloo tp group: gloo cannot all-gather float8 "
-                "tensors; leave it None (bf16 all-gathers on gloo) or run on NCCL"
+                "tp_float8_all_gather=True on a gloo tp group with sequence parallelism: gloo "
+                "cannot all-gather float8 tensors; leave it None (bf16 all-gathers on gloo), turn "
+                "sequence parallelism off, or run on NCCL"
             )
-        tp_fp8 = (not gloo) if tp_float8_all_gather is None else tp_float8_all_gather
+        tp_fp8 = (not blocked) if tp_float8_all_gather is None else tp_float8_all_gather
     if enable_fsdp_float8_all_gather and recipe != "tensorwise":
         raise ForgeConfigError(
             f"enable_fsdp_float8_all_gather=True needs recipe='tensorwise' (torchao casts FSDP "
@@ -228,6 +230,17 @@ def apply_float8(
         model.__dict__[_REPORT_ATTR] = report
         log.info("%s", report)
     return model
+
+
+def _gathers_inputs(record: object) -> bool:
+    """Whether the TP plan all-gathers activations (sequence parallelism) before a Linear."""
+    from torch.distributed.tensor import Replicate
+
+    return any(
+        type(style) is PrepareModuleInput
+        or (isinstance(style, ColwiseParallel) and style.input_layouts[0] != Replicate())
+        for style in record.styles.values()  # type: ignore[attr-defined]
+    )
 
 
 def _restyle_tensor_parallel(
