@@ -31,6 +31,11 @@ With FSDP2 and fp8 all-gather, the weight scales must be precomputed after every
 (``precompute_float8_dynamic_scale_for_fsdp``); forge registers that on the model
 (``forge_core.contracts.register_after_optimizer_step``), and
 ``forge_core.attach_optimizer_hooks(model, optimizer)`` runs it; forge's training loops do.
+
+Known limit (torchao 0.18): ``Float8Linear`` casts its input to the autocast dtype only under
+CUDA autocast, so under CPU autocast (forge's DDP / single-device bf16 on CPU) it computes from
+fp32 inputs and ``rowwise_with_gw_hp`` fails on a dtype mismatch; FSDP2's bf16 ``param_dtype``
+(or bf16 parameters) avoids both.
 """
 
 from __future__ import annotations
