@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -208,12 +209,17 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
     dist.all_gather_object(all_bytes, local_bytes)
     tokens = synthetic_tokens(t.seed, t.steps, t.global_batch_size, t.seq_len, cfg.model.vocab_size)
     ref_steps = train_steps(reference, tokens, lr=t.lr, device=device)
-    par_steps = train_steps(
-        model, tokens, mesh=mesh, lr=t.lr, grad_accum=t.grad_accum, device=device
-    )
+    with warnings.catch_warnings():
+        # NOTE: torch 2.15's FSDP2 warns whenever a unit returns a view, because an in-place op
+        # on it would skip the pre-backward hook. forge's blocks only use out-of-place residual
+        # adds, and the parity check below would catch a wrong gradient; the warning is noise.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
+        par_steps = train_steps(
+            model, tokens, mesh=mesh, lr=t.lr, grad_accum=t.grad_accum, device=device
+        )
+        moe = _moe_report(cfg, par, model, local_batch(tokens[0], mesh).to(device), device)
     # Float8 rounds every GEMM input to 3 mantissa bits: low-precision tolerances.
     result = compare_runs(ref_steps, par_steps, torch.bfloat16 if cfg.float8.enabled else dtype)
-    moe = _moe_report(cfg, par, model, local_batch(tokens[0], mesh).to(device), device)
     elapsed = time.perf_counter() - start
     if rank != 0:
         return BuildReport("", result.passed)
