@@ -22,6 +22,7 @@ from .model import ModelConfig
 
 __all__ = [
     "DATA_MODES",
+    "FLOAT8_RECIPES",
     "Float8Config",
     "ForgeConfig",
     "ParallelismConfig",
@@ -211,6 +212,24 @@ class TrainingConfig:
             raise ForgeConfigError(f"training.lr={self.lr!r} must be a positive number")
 
 
+def _check_auto_flag(key: str, value: Any) -> None:
+    if value not in (True, False, "auto"):
+        raise ForgeConfigError(f'{key}={value!r}: use true, false or "auto"')
+
+
+def _auto_flag(value: bool | str) -> bool | None:
+    """None for ``"auto"``, else the bool."""
+    return None if value == "auto" else bool(value)
+
+
+def _freeze_strings(obj: object, name: str, key: str, what: str) -> None:
+    """Check that field ``name`` is a list of strings and store it as a tuple."""
+    value = getattr(obj, name)
+    if not isinstance(value, tuple | list) or not all(isinstance(v, str) for v in value):
+        raise ForgeConfigError(f"{key}={value!r} must be a list of {what}")
+    object.__setattr__(obj, name, tuple(value))
+
+
 @dataclass(frozen=True)
 class TPConfig:
     """Tensor-parallel options (used when ``parallelism.tp > 1``).
@@ -228,17 +247,8 @@ class TPConfig:
     loss_parallel: bool = False
 
     def __post_init__(self) -> None:
-        if self.sequence_parallel not in (True, False, "auto"):
-            raise ForgeConfigError(
-                f'tp.sequence_parallel={self.sequence_parallel!r}: use true, false or "auto"'
-            )
-        if not isinstance(self.allow_import, tuple | list) or not all(
-            isinstance(p, str) for p in self.allow_import
-        ):
-            raise ForgeConfigError(
-                f"tp.allow_import={self.allow_import!r} must be a list of module prefixes"
-            )
-        object.__setattr__(self, "allow_import", tuple(self.allow_import))
+        _check_auto_flag("tp.sequence_parallel", self.sequence_parallel)
+        _freeze_strings(self, "allow_import", "tp.allow_import", "module prefixes")
         if self.plan is not None and not isinstance(self.plan, str):
             raise ForgeConfigError(
                 f"tp.plan={self.plan!r} must be an import path 'package.module:NAME'"
@@ -247,7 +257,7 @@ class TPConfig:
     @property
     def sequence_parallel_flag(self) -> bool | None:
         """None for ``"auto"``, else the bool."""
-        return None if self.sequence_parallel == "auto" else bool(self.sequence_parallel)
+        return _auto_flag(self.sequence_parallel)
 
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -272,22 +282,13 @@ class Float8Config:
                 f"float8.recipe={self.recipe!r} is invalid: choose one of {list(FLOAT8_RECIPES)}"
                 + did_you_mean(str(self.recipe), FLOAT8_RECIPES)
             )
-        if self.fsdp_float8_all_gather not in (True, False, "auto"):
-            raise ForgeConfigError(
-                f'float8.fsdp_float8_all_gather={self.fsdp_float8_all_gather!r}: use true, false or "auto"'
-            )
-        if not isinstance(self.filter_fqns, tuple | list) or not all(
-            isinstance(f, str) for f in self.filter_fqns
-        ):
-            raise ForgeConfigError(
-                f"float8.filter_fqns={self.filter_fqns!r} must be a list of strings"
-            )
-        object.__setattr__(self, "filter_fqns", tuple(self.filter_fqns))
+        _check_auto_flag("float8.fsdp_float8_all_gather", self.fsdp_float8_all_gather)
+        _freeze_strings(self, "filter_fqns", "float8.filter_fqns", "strings")
 
     @property
     def fsdp_all_gather_flag(self) -> bool | None:
         """None for ``"auto"``, else the bool."""
-        return None if self.fsdp_float8_all_gather == "auto" else bool(self.fsdp_float8_all_gather)
+        return _auto_flag(self.fsdp_float8_all_gather)
 
 
 @dataclass(frozen=True)

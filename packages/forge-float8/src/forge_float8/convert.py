@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from forge_core.config import FLOAT8_RECIPES
 from forge_core.contracts import register_after_optimizer_step, restyle_tp, tp_record
 from forge_core.errors import ForgeConfigError, did_you_mean
 from forge_core.stages import stage
@@ -64,7 +65,8 @@ __all__ = ["RECIPES", "Float8Report", "apply_float8", "float8_report"]
 
 log = logging.getLogger(__name__)
 
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+#: The recipes, as torchao names them (one list, shared with the config checks in forge_core).
+RECIPES = FLOAT8_RECIPES
 _REPORT_ATTR = "_forge_float8"
 
 
