@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from .errors import ForgeConfigError
+from .contracts import model_components
+from .errors import ForgeConfigError, did_you_mean
 
-__all__ = ["find_block_container", "find_blocks"]
+__all__ = ["Block", "component_blocks", "find_block_container", "find_blocks"]
+
+#: ``(container, key, block)``: ``container[key]`` is the block.
+Block = tuple[nn.Module, str, nn.Module]
 
 _KNOWN_PATHS = (
     "layers",
@@ -55,9 +59,40 @@ def find_block_container(model: nn.Module) -> nn.ModuleList | nn.ModuleDict:
     return best
 
 
-def find_blocks(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+def find_blocks(model: nn.Module) -> list[Block]:
     """``(container, key, block)`` for every block, in order; ``container[key]`` is the block."""
     container = find_block_container(model)
     if isinstance(container, nn.ModuleDict):
         return [(container, key, block) for key, block in container.items()]
     return [(container, str(i), block) for i, block in enumerate(container)]
+
+
+def component_blocks(
+    model: nn.Module, names: tuple[str, ...] | list[str] | None = None
+) -> list[tuple[str, nn.Module, list[Block]]]:
+    """``(component name, module, its blocks)`` per component of ``model`` (forward order).
+
+    A model without components (``forge_core.contracts.model_components``) is one part named
+    ``""`` whose blocks must exist. A component without a block container (an adapter) has no
+    blocks. ``names`` keeps only those components (an unknown name is an error).
+    """
+    components = model_components(model)
+    if not components:
+        return [("", model, find_blocks(model))]
+    known = [name for name, _ in components]
+    for name in names or ():
+        if name not in known:
+            raise ForgeConfigError(
+                f"{type(model).__name__} has no component '{name}'{did_you_mean(name, known)}; "
+                f"components: {known}"
+            )
+    parts = []
+    for name, module in components:
+        if names is not None and name not in names:
+            continue
+        try:
+            blocks = find_blocks(module)
+        except ForgeConfigError:
+            blocks = []
+        parts.append((name, module, blocks))
+    return parts

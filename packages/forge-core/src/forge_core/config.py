@@ -1,7 +1,8 @@
 """Configuration: the parallelism layout, the training job, and loading them from TOML.
 
 ``ParallelismConfig`` describes how ranks are laid out (mesh axes and the data-parallel mode).
-``load_config`` reads a TOML file (sections ``[model]``, ``[parallelism]``, ``[training]``) or a
+``load_config`` reads a TOML file (sections ``[model]``, ``[parallelism]``, ``[training]``,
+``[tp]``, ``[float8]``, and for a vision-language model ``[vision]``, ``[adapter]``, ``[vlm]``) or a
 dict, applies ``key=value`` overrides (``parallelism.tp=2``) and rejects unknown keys with a
 did-you-mean. Every check here is pure Python on integers: it runs before any process group
 exists, so a bad config fails fast with a message that names the field, the value and the fix.
@@ -17,8 +18,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import ForgeConfigError, did_you_mean
+from .errors import ForgeConfigError, auto_flag, check_auto_flag, did_you_mean
 from .model import ModelConfig
+from .vlm_config import VLM_PRESETS, AdapterConfig, VisionEncoderConfig, VLMConfig
 
 __all__ = [
     "DATA_MODES",
@@ -212,16 +214,6 @@ class TrainingConfig:
             raise ForgeConfigError(f"training.lr={self.lr!r} must be a positive number")
 
 
-def _check_auto_flag(key: str, value: Any) -> None:
-    if value not in (True, False, "auto"):
-        raise ForgeConfigError(f'{key}={value!r}: use true, false or "auto"')
-
-
-def _auto_flag(value: bool | str) -> bool | None:
-    """None for ``"auto"``, else the bool."""
-    return None if value == "auto" else bool(value)
-
-
 def _freeze_strings(obj: object, name: str, key: str, what: str) -> None:
     """Check that field ``name`` is a list of strings and store it as a tuple."""
     value = getattr(obj, name)
@@ -247,7 +239,7 @@ class TPConfig:
     loss_parallel: bool = False
 
     def __post_init__(self) -> None:
-        _check_auto_flag("tp.sequence_parallel", self.sequence_parallel)
+        check_auto_flag("tp.sequence_parallel", self.sequence_parallel)
         _freeze_strings(self, "allow_import", "tp.allow_import", "module prefixes")
         if self.plan is not None and not isinstance(self.plan, str):
             raise ForgeConfigError(
@@ -257,7 +249,7 @@ class TPConfig:
     @property
     def sequence_parallel_flag(self) -> bool | None:
         """None for ``"auto"``, else the bool."""
-        return _auto_flag(self.sequence_parallel)
+        return auto_flag(self.sequence_parallel)
 
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -282,13 +274,13 @@ class Float8Config:
                 f"float8.recipe={self.recipe!r} is invalid: choose one of {list(FLOAT8_RECIPES)}"
                 + did_you_mean(str(self.recipe), FLOAT8_RECIPES)
             )
-        _check_auto_flag("float8.fsdp_float8_all_gather", self.fsdp_float8_all_gather)
+        check_auto_flag("float8.fsdp_float8_all_gather", self.fsdp_float8_all_gather)
         _freeze_strings(self, "filter_fqns", "float8.filter_fqns", "strings")
 
     @property
     def fsdp_all_gather_flag(self) -> bool | None:
         """None for ``"auto"``, else the bool."""
-        return _auto_flag(self.fsdp_float8_all_gather)
+        return auto_flag(self.fsdp_float8_all_gather)
 
 
 @dataclass(frozen=True)
@@ -300,6 +292,22 @@ class ForgeConfig:
     tp: TPConfig = field(default_factory=TPConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     float8: Float8Config = field(default_factory=Float8Config)
+    #: A vision-language model when set (all three together): ``[vision]``, ``[adapter]`` and
+    #: ``[vlm]``, filled from the model preset (e.g. ``debug_vlm``) and overridden per key.
+    vision: VisionEncoderConfig | None = None
+    adapter: AdapterConfig | None = None
+    vlm: VLMConfig | None = None
+
+    def __post_init__(self) -> None:
+        parts = (self.vision, self.adapter, self.vlm)
+        if any(p is not None for p in parts) and any(p is None for p in parts):
+            raise ForgeConfigError(
+                "a vision-language model needs vision, adapter and vlm configs together"
+            )
+
+    @property
+    def is_vlm(self) -> bool:
+        return self.vlm is not None
 
     def resolved_parallelism(self, world_size: int) -> ParallelismConfig:
         """``parallelism`` resolved for ``world_size`` and this model (``ep=-1`` needs it)."""
@@ -313,7 +321,11 @@ _SECTIONS: dict[str, type] = {
     "tp": TPConfig,
     "training": TrainingConfig,
     "float8": Float8Config,
+    "vision": VisionEncoderConfig,
+    "adapter": AdapterConfig,
+    "vlm": VLMConfig,
 }
+_VLM_SECTIONS = ("vision", "adapter", "vlm")
 
 
 #: What ``load_config(None)`` (``forge build`` with no config file) starts from: the debug model,
@@ -348,18 +360,24 @@ def _set_override(raw: dict[str, dict[str, Any]], override: str) -> None:
     raw.setdefault(section, {})[name] = _parse_value(value.strip())
 
 
+def _check_keys(section: str, values: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Refuse keys that ``section``'s dataclass does not have; returns ``values``."""
+    cls = _SECTIONS[section]
+    names = {f.name for f in fields(cls)} | ({"preset"} if cls is ModelConfig else set())
+    for key in values:
+        if key not in names:
+            raise ForgeConfigError(
+                f"unknown key '{section}.{key}'{did_you_mean(key, names)}; "
+                f"valid keys: {sorted(names)}"
+            )
+    return values
+
+
 def _build_section(section: str, values: Mapping[str, Any]) -> Any:
     cls = _SECTIONS[section]
     if cls is ParallelismConfig:  # also accepts CREDIT's {data, tensor, domain}
         return ParallelismConfig.from_any(values)
-    names = {f.name for f in fields(cls)}
-    extra = {"preset"} if cls is ModelConfig else set()
-    for key in values:
-        if key not in names | extra:
-            raise ForgeConfigError(
-                f"unknown key '{section}.{key}'{did_you_mean(key, names | extra)}; "
-                f"valid keys: {sorted(names | extra)}"
-            )
+    _check_keys(section, values)
     if cls is ModelConfig:
         values = dict(values)
         return ModelConfig.preset(values.pop("preset", "debug"), **values)
@@ -397,7 +415,16 @@ def load_config(
             raise ForgeConfigError(f"config section '{section}' must be a table of key = value")
     for override in overrides:
         _set_override(raw, override)
-    built = {name: _build_section(name, raw.get(name, {})) for name in _SECTIONS}
+    preset = raw.get("model", {}).get("preset", "debug")
+    vlm_preset = VLM_PRESETS.get(preset)
+    is_vlm = vlm_preset is not None or any(name in raw for name in _VLM_SECTIONS)
+    built = {}
+    for name in _SECTIONS:
+        if name not in _VLM_SECTIONS:
+            built[name] = _build_section(name, raw.get(name, {}))
+        elif is_vlm:
+            base = vlm_preset[_VLM_SECTIONS.index(name)] if vlm_preset else _SECTIONS[name]()
+            built[name] = replace(base, **_check_keys(name, raw.get(name, {})))
     return ForgeConfig(**built)
 
 

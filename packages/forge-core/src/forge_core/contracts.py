@@ -23,6 +23,11 @@ mark. No registry, no global state: everything lives on the modules.
   by a Float8Linear, which loses the hooks, and moves the TP all-gathers to fp8).
 - **Float8 opt-out.** A module class with a string ``forge_float8_skip`` keeps every Linear inside
   it in high precision; the string is the reason that gets reported.
+- **Components.** A model class with ``forge_components = ("encoder", "adapter", "decoder")``
+  (names of child modules, in forward order) is made of sub-models that are parallelized one by
+  one (a vision-language model). :func:`model_components` lists them; FSDP2, AC and compile then
+  work per component (each component's own blocks), and the stage-order contract checks and
+  records every stage on the model and on each component.
 - **Left out of torch.compile.** A module class with ``forge_no_compile = True`` cannot be traced
   as one graph (e.g. it reads split sizes on the host). Per-block compilation then compiles the
   block's other composite children and runs this module eagerly.
@@ -52,6 +57,7 @@ __all__ = [
     "expert_parallel_modules",
     "expert_parallel_size",
     "mark_expert_parallel",
+    "model_components",
     "opts_out_of_compile",
     "pop_aux_losses",
 ]
@@ -101,6 +107,15 @@ def pop_aux_losses(model: nn.Module) -> torch.Tensor | None:
     if not losses:
         return None
     return torch.stack([loss.float() for loss in losses]).sum()
+
+
+COMPONENTS_ATTR = "forge_components"
+
+
+def model_components(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` for each component ``model``'s class declares (``[]`` if none)."""
+    names = getattr(type(model), COMPONENTS_ATTR, ())
+    return [(name, getattr(model, name)) for name in names]
 
 
 def opts_out_of_compile(module: nn.Module) -> bool:

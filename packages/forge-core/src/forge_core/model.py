@@ -53,6 +53,7 @@ __all__ = [
     "ModelConfig",
     "Transformer",
     "TransformerBlock",
+    "insert_embeddings",
 ]
 
 MOE_ROUTERS = ("softmax", "sigmoid")
@@ -223,6 +224,9 @@ PRESETS: dict[str, ModelConfig] = {
     "debug_moe": replace(
         _DEBUG, moe_every=1, num_experts=8, top_k=2, moe_ffn_dim=64, num_shared_experts=1
     ),
+    # The decoder of the debug vision-language model (forge_core.vlm_config.VLM_PRESETS has
+    # its vision encoder and adapter).
+    "debug_vlm": _DEBUG,
     "small": ModelConfig(
         vocab_size=32000, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, max_seq_len=1024
     ),
@@ -314,6 +318,36 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def insert_embeddings(
+    h_BSD: torch.Tensor, embeds_BND: torch.Tensor, mask_BS: torch.Tensor
+) -> torch.Tensor:
+    """``h`` with its ``mask`` positions replaced, in order, by the rows of ``embeds``.
+
+    Row ``i`` of sample ``b`` goes to the ``i``-th True position of ``mask[b]``. Every row of
+    ``mask`` must hold exactly ``N`` True positions; that is checked on the device
+    (``_assert_async``), so the check costs no host sync on a GPU. Gradients flow to both
+    ``h`` (unmasked positions) and ``embeds``. Gather + where, no data-dependent shapes: works
+    under torch.compile and leaves no host sync.
+    """
+    B, S, _ = h_BSD.shape
+    N = embeds_BND.shape[1]
+    if mask_BS.shape != (B, S) or embeds_BND.shape[0] != B:
+        raise ForgeConfigError(
+            f"insert_mask {tuple(mask_BS.shape)} must be [batch, seq] = {(B, S)} and "
+            f"insert_embeds {tuple(embeds_BND.shape)} [batch, N, dim] with batch {B}"
+        )
+    if N > S:
+        raise ForgeConfigError(f"{N} inserted embeddings per sample do not fit in {S} positions")
+    counts = mask_BS.sum(dim=1)
+    torch._assert_async(
+        (counts == N).all(),
+        f"insert_mask must mark exactly {N} positions per sample (one per inserted embedding)",
+    )
+    slot_BS = (mask_BS.cumsum(dim=1) - 1).clamp(0, max(N - 1, 0))
+    picked = torch.gather(embeds_BND, 1, slot_BS[..., None].expand(-1, -1, embeds_BND.shape[2]))
+    return torch.where(mask_BS[..., None], picked.to(h_BSD.dtype), h_BSD)
+
+
 class Transformer(nn.Module):
     """Llama-style decoder: ``forward(tokens [B, S]) -> logits [B, S, vocab_size]``."""
 
@@ -351,13 +385,30 @@ class Transformer(nn.Module):
         if self.config.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        insert_embeds: torch.Tensor | None = None,
+        insert_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits for ``tokens [B, S]``.
+
+        ``insert_embeds [B, N, dim]`` with ``insert_mask [B, S]`` (N True positions per row):
+        those positions take the given embeddings instead of their token's (see
+        :func:`insert_embeddings`); a vision-language model puts projected image embeddings at
+        its image placeholder tokens this way. Passed as forward arguments so that FSDP2's
+        ``cast_forward_inputs`` casts them to the decoder's compute dtype.
+        """
         S = tokens.shape[1]
         if self.config.max_seq_len < S:
             raise ForgeConfigError(
                 f"sequence length {S} exceeds model.max_seq_len={self.config.max_seq_len}"
             )
         h = self.tok_embeddings(tokens)
+        if (insert_embeds is None) != (insert_mask is None):
+            raise ForgeConfigError("insert_embeds and insert_mask go together: pass both or none")
+        if insert_embeds is not None:
+            h = insert_embeddings(h, insert_embeds, insert_mask)
         cos, sin = self.rope_cos[:S], self.rope_sin[:S]
         for block in self.layers.values():
             h = block(h, cos, sin)

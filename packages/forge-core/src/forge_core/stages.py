@@ -6,7 +6,10 @@ float8 weights). Applied in another order the model still runs but computes diff
 so every ``apply_*`` of every layer goes through :func:`stage` which refuses an out-of-order or
 repeated stage with a :class:`ForgeConfigError` naming the right order.
 
-Stages are recorded on the model itself (``model._forge_stages``), unwrapping ``torch.compile``
+A model made of components (``forge_core.contracts.model_components``, e.g. a vision-language
+model) has one order per component: a stage applied to the whole model is checked against and
+recorded on every component too, and a stage applied to one component (TP on the decoder) only
+there. Stages are recorded on the model itself (``model._forge_stages``), unwrapping ``torch.compile``
 and DDP wrappers, so the record travels with the model and no module-level state exists. Stages
 applied behind forge's back (``fully_shard`` or DDP called directly, a checkpoint wrapper) are
 detected by looking at the modules.
@@ -85,6 +88,8 @@ def check_stage(model: nn.Module, name: str) -> None:
     """Raise ``ForgeConfigError`` if stage ``name`` may not be applied to ``model`` now."""
     if name not in STAGES:
         raise ForgeConfigError(f"unknown stage '{name}'; stages are {sorted(STAGES)}")
+    for target in _with_components(model)[1:]:  # a component's own record counts too
+        check_stage(target, name)
     done = applied_stages(model)
     if name in done:
         raise ForgeConfigError(
@@ -101,9 +106,16 @@ def check_stage(model: nn.Module, name: str) -> None:
 
 
 def record_stage(model: nn.Module, name: str) -> None:
-    """Record that stage ``name`` has been applied to ``model``."""
+    """Record that stage ``name`` has been applied to ``model`` (and to each of its components)."""
+    for target in _with_components(model):
+        target.__dict__.setdefault(_ATTR, []).append(name)
+
+
+def _with_components(model: nn.Module) -> list[nn.Module]:
+    from .contracts import model_components
+
     inner = unwrap(model)
-    inner.__dict__.setdefault(_ATTR, []).append(name)
+    return [inner, *(unwrap(m) for _, m in model_components(inner))]
 
 
 @contextmanager

@@ -37,6 +37,7 @@ __all__ = [
     "run_parity",
     "set_gradient_sync",
     "synthetic_tokens",
+    "synthetic_vlm_batch",
     "tolerances_for",
     "train_steps",
 ]
@@ -84,6 +85,39 @@ def synthetic_tokens(
             use_noise[..., t], noise[..., t], next_token[tokens[..., t - 1]]
         )
     return tokens
+
+
+def synthetic_vlm_batch(
+    seed: int,
+    steps: int,
+    batch_size: int,
+    seq_len: int,
+    vocab_size: int,
+    *,
+    image_token_id: int,
+    image_tokens: int,
+    image_shape: tuple[int, int, int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Learnable token ids ``[steps, B, S+1]`` with an image block, and images ``[steps, B, C, H, W]``.
+
+    Text comes from :func:`synthetic_tokens` with ``image_token_id`` left out of the vocabulary.
+    Each sample holds exactly ``image_tokens`` placeholder tokens in one run at a random offset
+    in ``[1, S - image_tokens]``, so the input ``tokens[:, :-1]`` holds them all and every sample
+    has the same number of text targets (the placeholders are not predicted).
+    """
+    if not 0 < image_tokens < seq_len:
+        raise ForgeConfigError(
+            f"{image_tokens} image tokens do not fit in a sequence of {seq_len} with text around them"
+        )
+    tokens = synthetic_tokens(seed, steps, batch_size, seq_len, vocab_size - 1)
+    tokens = tokens + (tokens >= image_token_id).long()  # skip the placeholder id
+    g = torch.Generator().manual_seed(seed + 1)
+    start = torch.randint(1, seq_len - image_tokens + 1, (steps, batch_size), generator=g)
+    pos = torch.arange(seq_len + 1)
+    in_block = (pos >= start[..., None]) & (pos < start[..., None] + image_tokens)
+    tokens = tokens.masked_fill(in_block, image_token_id)
+    images = torch.randn(steps, batch_size, *image_shape, generator=g)
+    return tokens, images
 
 
 def local_batch(tokens_BS: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
@@ -157,31 +191,45 @@ def train_steps(
     lr: float = 1e-3,
     grad_accum: int = 1,
     device: torch.device | str = "cpu",
+    images: torch.Tensor | None = None,
+    ignore_token: int | None = None,
 ) -> list[StepRecord]:
     """Train on ``tokens [steps, B, S+1]`` (next-token cross entropy, AdamW) and record each step.
 
     With a mesh, each rank takes its DP slice of every batch; ``grad_accum`` splits the slice
-    into micro-batches and syncs gradients only on the last one.
+    into micro-batches and syncs gradients only on the last one. A vision-language model also
+    gets ``images [steps, B, ...]`` (``model(tokens, images)``); targets equal to
+    ``ignore_token`` (image placeholders) are left out of the loss. Frozen parameters
+    (``requires_grad=False``) get no optimizer state.
     """
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
     hooks = attach_optimizer_hooks(model, optimizer)  # e.g. MoE expert-bias updates
     records = []
-    for batch in tokens:
+    for step, batch in enumerate(tokens):
         local = local_batch(batch, mesh).to(device)
         if local.shape[0] % grad_accum:
             raise ForgeConfigError(
                 f"per-rank batch {local.shape[0]} is not divisible by grad_accum={grad_accum}"
             )
         micro_batches = local.chunk(grad_accum)
+        micro_images = (
+            local_batch(images[step], mesh).to(device).chunk(grad_accum)
+            if images is not None
+            else [None] * grad_accum
+        )
         total = torch.zeros((), device=device)
-        for i, micro in enumerate(micro_batches):
+        for i, (micro, pixels) in enumerate(zip(micro_batches, micro_images, strict=True)):
             set_gradient_sync(model, i == len(micro_batches) - 1)
-            logits = model(micro[:, :-1])
+            logits = model(micro[:, :-1]) if pixels is None else model(micro[:, :-1], pixels)
+            targets = micro[:, 1:]
+            if ignore_token is not None:
+                targets = targets.masked_fill(targets == ignore_token, -100)
             # Vocab-sharded logits (loss parallel): the cross entropy reduces across the tp ranks
             # without ever gathering the logits; forward and backward both need the context.
             context = loss_parallel() if isinstance(logits, DTensor) else nullcontext()
             with context:
-                loss = F.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten())
+                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
                 aux = pop_aux_losses(model)  # e.g. MoE load-balancing losses
                 if aux is not None and isinstance(loss, DTensor):  # loss parallel: replicated
                     aux = DTensor.from_local(
@@ -193,7 +241,7 @@ def train_steps(
                 loss.backward()
             loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
             total += loss.detach()
-        grad_norm = global_grad_norm(list(model.parameters()))
+        grad_norm = global_grad_norm(trainable)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         total = _average_over_dp(total.float(), mesh)

@@ -23,7 +23,7 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-from forge_core.blocks import find_blocks
+from forge_core.blocks import component_blocks
 from forge_core.errors import ForgeConfigError, did_you_mean
 from forge_core.stages import stage
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -90,8 +90,14 @@ def _attention_of(block: nn.Module) -> tuple[nn.Module, str]:
     )
 
 
-def apply_ac(model: nn.Module, mode: str) -> nn.Module:
-    """Apply activation checkpointing ``mode`` to ``model``'s blocks in place; returns ``model``."""
+def apply_ac(
+    model: nn.Module, mode: str, *, components: tuple[str, ...] | list[str] | None = None
+) -> nn.Module:
+    """Apply activation checkpointing ``mode`` to ``model``'s blocks in place; returns ``model``.
+
+    For a model made of components (a VLM), ``components`` names those whose blocks are
+    checkpointed (None: all that have blocks).
+    """
     if mode not in AC_MODES:
         raise ForgeConfigError(
             f"ac_mode={mode!r} is invalid: choose one of {list(AC_MODES)}"
@@ -101,7 +107,8 @@ def apply_ac(model: nn.Module, mode: str) -> nn.Module:
         return model
     with stage(model, "ac"):
         op_kwargs = _op_checkpoint_kwargs(_saved_ops()) if mode == "op" else {}
-        for container, key, block in find_blocks(model):
+        blocks = [b for _, _, part in component_blocks(model, components) for b in part]
+        for container, key, block in blocks:
             if mode == "full":
                 container.register_module(key, checkpoint_wrapper(block))
             elif mode == "selective":

@@ -3,7 +3,7 @@
 Each block is compiled on its own (``module.compile()``), not the whole model: all blocks share
 one graph (compiled once, reused), graph breaks at FSDP2's hooks between blocks are avoided, and
 parameter names do not change (no ``_orig_mod.`` prefix, so checkpoints and plans still match).
-Runs after AC (the checkpoint boundaries are part of the compiled block) and before FSDP2.
+A model made of components (a VLM) has each component's blocks compiled. Runs after AC (the checkpoint boundaries are part of the compiled block) and before FSDP2.
 
 A block holding a module that opts out (``forge_no_compile = True``, see
 ``forge_core.contracts``; e.g. an MoE layer whose expert-parallel dispatch reads split sizes on
@@ -16,7 +16,7 @@ could not be traced.
 from __future__ import annotations
 
 import torch.nn as nn
-from forge_core.blocks import find_blocks
+from forge_core.blocks import component_blocks
 from forge_core.contracts import opts_out_of_compile
 from forge_core.stages import stage
 
@@ -28,7 +28,8 @@ def apply_compile(
 ) -> nn.Module:
     """Compile every block of ``model`` in place; returns ``model``."""
     with stage(model, "compile"):
-        for _, _, block in find_blocks(model):
+        blocks = [b for _, _, part in component_blocks(model) for b in part]
+        for _, _, block in blocks:
             if not opts_out_of_compile(block):
                 block.compile(backend=backend, fullgraph=fullgraph)
                 continue

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from forge_core.blocks import find_blocks
+from forge_core.blocks import component_blocks
 from forge_core.contracts import expert_parallel_modules
 from forge_core.errors import ForgeConfigError
 from forge_core.mesh_dims import get_dp_mesh, get_expert_dp_mesh, has_dp_mesh
@@ -34,6 +34,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "apply_fsdp2",
     "default_mp_policy",
     "enable_autocast",
+    "frozen_bytes_rule",
     "unshard_fsdp2_model",
 ]
 
@@ -109,6 +111,8 @@ def apply_fsdp2(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool | int = True,
     cpu_offload: bool = False,
+    *,
+    shard_frozen: bool | None = None,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 over the data-parallel axes of ``device_mesh``; returns ``model``.
 
@@ -118,6 +122,14 @@ def apply_fsdp2(
     after forward, False keeps them until backward (more memory, no re-gather), an int reshards
     to that many ranks (must divide the shard group). ``cpu_offload`` keeps sharded parameters,
     gradients and optimizer steps on the CPU (``CPUOffloadPolicy``).
+
+    A model made of components (``forge_core.contracts.model_components``, e.g. a VLM) gets
+    units per component in forward order: the component's blocks, then the component, and the
+    root last. A component whose parameters are all frozen is kept replicated instead (left out
+    of FSDP2: no all-gather, no reduce-scatter) when ``shard_frozen`` is False, or for None when
+    that costs no more memory than the rank's shard of the trainable model: frozen weight bytes
+    <= 16 bytes x trainable parameters / DP degree (see :func:`frozen_bytes_rule`). It keeps its
+    weights' dtype and computes under autocast in the policy's ``param_dtype``.
     """
     if not has_dp_mesh(device_mesh):
         raise ForgeConfigError(
@@ -143,19 +155,65 @@ def apply_fsdp2(
             "mp_policy": mp_policy or default_mp_policy(),
             "offload_policy": offload,
         }
-        blocks = find_blocks(model)
-        for i, (_, _, block) in enumerate(blocks):
-            # NOTE: backward starts with the last block, so resharding it after forward would only
-            # make FSDP all-gather the same parameters again immediately.
-            last = i == len(blocks) - 1
-            reshard = False if last else reshard_after_forward
-            experts = expert_parallel_modules(block)
-            if experts:
-                _shard_expert_parallel_block(block, experts, device_mesh, reshard, kwargs)
-            else:
-                fully_shard(block, reshard_after_forward=reshard, **kwargs)
-        fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+        parts = component_blocks(model)
+        with_blocks = [blocks for _, _, blocks in parts if blocks]
+        replicated: list[nn.Parameter] = []
+        for name, part, blocks in parts:
+            if name and _keep_frozen_replicated(model, part, dp_mesh.size(), shard_frozen):
+                replicated.extend(part.parameters())
+                _compute_in(part, kwargs["mp_policy"].param_dtype)
+                continue
+            for i, (_, _, block) in enumerate(blocks):
+                # NOTE: backward starts with the last block of the forward, so resharding it after
+                # forward would only make FSDP all-gather the same parameters again immediately.
+                last = blocks is with_blocks[-1] and i == len(blocks) - 1
+                reshard = False if last else reshard_after_forward
+                experts = expert_parallel_modules(block)
+                if experts:
+                    _shard_expert_parallel_block(block, experts, device_mesh, reshard, kwargs)
+                else:
+                    fully_shard(block, reshard_after_forward=reshard, **kwargs)
+            if name:  # a component: its own unit for what its blocks leave (embeddings, norms)
+                fully_shard(part, reshard_after_forward=reshard_after_forward, **kwargs)
+        fully_shard(
+            model,
+            reshard_after_forward=reshard_after_forward,
+            ignored_params=set(replicated) or None,
+            **kwargs,
+        )
     return model
+
+
+def frozen_bytes_rule(model: nn.Module, part: nn.Module, dp_size: int) -> tuple[int, float]:
+    """``(bytes of part's weights on a rank, bytes of this rank's shard of the trainable
+    parameters with gradients and AdamW state)``: a frozen part is kept replicated when the
+    first is at most the second (``apply_fsdp2``'s ``shard_frozen=None``)."""
+
+    def local_numel(p: torch.Tensor) -> int:
+        return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+
+    frozen = sum(local_numel(p) * p.element_size() for p in part.parameters())
+    trainable = sum(local_numel(p) for p in model.parameters() if p.requires_grad)
+    # fp32 weight + fp32 gradient + AdamW exp_avg + exp_avg_sq = 16 bytes per parameter.
+    return frozen, 16 * trainable / dp_size
+
+
+def _keep_frozen_replicated(
+    model: nn.Module, part: nn.Module, dp_size: int, shard_frozen: bool | None
+) -> bool:
+    params = list(part.parameters())
+    if not params or any(p.requires_grad for p in params):
+        return False
+    if shard_frozen is not None:
+        return not shard_frozen
+    frozen, budget = frozen_bytes_rule(model, part, dp_size)
+    return frozen <= budget
+
+
+def _compute_in(part: nn.Module, dtype: torch.dtype | None) -> None:
+    """A replicated frozen part has no FSDP2 policy: run it under autocast in ``dtype``."""
+    if dtype is not None and dtype != torch.float32:
+        enable_autocast(part, dtype)
 
 
 def _shard_expert_parallel_block(

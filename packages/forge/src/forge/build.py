@@ -6,17 +6,26 @@
 EP runs whenever the model has MoE layers and a mesh: with
 an ``ep`` axis it shards the experts, without one it only tells the MoE layers their
 data-parallel group (token counts for load balancing are summed over it).
+
+A vision-language model (``forge_vlm.VLMWrapper``: components encoder, adapter, decoder) goes
+through the same order, per component: TP on the decoder (its plan, SP) and optionally on the
+encoder (its own plan, no SP) -> EP on the decoder -> AC on the components ``ac_scope`` names ->
+compile every component's blocks -> FSDP2 units encoder blocks, encoder, adapter, decoder
+blocks, decoder, root (a frozen encoder may stay replicated instead; see
+``forge_fsdp_wrap.apply_fsdp2``). The stage-order contract checks each component.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from forge_core import ForgeConfigError, ModelConfig
+from forge_core.contracts import model_components
 from forge_core.mesh_dims import axis_size, get_dp_mesh, has_dp_mesh
 from forge_float8 import apply_float8
 from forge_fsdp_wrap import (
@@ -30,8 +39,17 @@ from forge_fsdp_wrap import (
 )
 from forge_moe_ep import MoE, apply_expert_parallel, moe_transformer
 from forge_tp_plans import apply_tensor_parallel
+from forge_vlm import (
+    AdapterConfig,
+    VisionEncoderConfig,
+    VLMConfig,
+    ac_components,
+    build_vlm,
+    check_encoder_tp,
+    check_vlm,
+)
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 __all__ = ["ParallelPlan", "build_parallel_model", "check_plan", "materialize"]
 
@@ -93,6 +111,10 @@ class ParallelPlan:
     sequence_parallel: bool | None = None
     loss_parallel: bool = False
     allow_plan_import: bool | Sequence[str] = False
+    encoder_tp: bool = False
+    encoder_tp_plan: Mapping[str, object] | str | None = None
+    ac_components: Sequence[str] | None = None
+    shard_frozen: bool | None = None
 
     def __post_init__(self) -> None:
         sizes = {axis: axis_size(self.device_mesh, axis) for axis in (*NOT_YET, "tp")}
@@ -130,18 +152,42 @@ class ParallelPlan:
         A model on the meta device is materialized with ``to_empty(device)`` + ``init_weights(seed)``
         (after FSDP2, so each rank allocates only its shard; before DDP, which needs values).
         Returns the model (the DDP wrapper for ``data='ddp'``).
+
+        A model made of components (a VLM) gets TP on its ``decoder`` (and on its ``encoder``
+        with ``encoder_tp``), EP on the decoder, AC on ``ac_components`` (None: all).
         """
+        parts = dict(model_components(model))
+        decoder, encoder = parts.get("decoder", model), parts.get("encoder")
+        if self.encoder_tp and encoder is None:
+            raise ForgeConfigError(
+                f"encoder_tp=True but {type(model).__name__} has no encoder component"
+            )
+        if self.fp8 and parts:
+            raise ForgeConfigError(
+                "Float8 with a vision-language model is not supported yet: set fp8=False "
+                "(float8.enabled=false)"
+            )
         if axis_size(self.device_mesh, "tp") > 1:
             apply_tensor_parallel(
-                model,
+                decoder,
                 self.device_mesh,
                 plan=self.tp_plan,
                 sequence_parallel=self.sequence_parallel,
                 loss_parallel=self.loss_parallel,
                 allow_import=self.allow_plan_import,
             )
-        if self.device_mesh is not None and any(isinstance(m, MoE) for m in model.modules()):
-            apply_expert_parallel(model, self.device_mesh)
+            if self.encoder_tp:
+                if isinstance(getattr(encoder, "config", None), VisionEncoderConfig):
+                    check_encoder_tp(encoder.config, axis_size(self.device_mesh, "tp"))
+                apply_tensor_parallel(
+                    encoder,
+                    self.device_mesh,
+                    plan=self.encoder_tp_plan,
+                    sequence_parallel=False,
+                    allow_import=self.allow_plan_import,
+                )
+        if self.device_mesh is not None and any(isinstance(m, MoE) for m in decoder.modules()):
+            apply_expert_parallel(decoder, self.device_mesh)
         elif axis_size(self.device_mesh, "ep") > 1:
             raise ForgeConfigError(
                 "the mesh has an ep axis but the model has no forge_moe_ep.MoE layer; set "
@@ -155,17 +201,28 @@ class ParallelPlan:
                 filter_fqns=tuple(self.fp8_filter_fqns),
             )
         if self.ac_mode != "none":
-            apply_ac(model, self.ac_mode)
+            components = None if self.ac_components is None else tuple(self.ac_components)
+            apply_ac(model, self.ac_mode, components=components)
         if self.compile_model:
             apply_compile(model, backend=self.compile_backend)
         if self.data == "fsdp2":
             mp = self.mp_policy or default_mp_policy(self.param_dtype)
-            apply_fsdp2(model, self.device_mesh, mp, self.reshard_after_forward, self.cpu_offload)
+            apply_fsdp2(
+                model,
+                self.device_mesh,
+                mp,
+                self.reshard_after_forward,
+                self.cpu_offload,
+                shard_frozen=self.shard_frozen,
+            )
         if device is not None:
             # NOTE: with CPU offload the sharded parameters live on the CPU (FSDP2 copies them to
             # the device per unit); buffers are not managed by FSDP2 and must be on the device.
             param_device = "cpu" if self.cpu_offload and self.data == "fsdp2" else device
             materialize(model, device, seed or 0, param_device=param_device)
+            for part in parts.values():  # a component left out of FSDP2 computes on the device
+                if param_device != device and not isinstance(part, FSDPModule):
+                    part.to(device)
         if self.data in ("ddp", "none") and self.param_dtype != torch.float32:
             enable_autocast(model, self.param_dtype)
         if self.data == "ddp":
@@ -206,9 +263,9 @@ def build_parallel_model(
     device: torch.device | str,
     device_mesh: DeviceMesh | None,
     *,
-    vision_config: object | None = None,
-    adapter_config: object | None = None,
-    vlm_config: object | None = None,
+    vision_config: VisionEncoderConfig | None = None,
+    adapter_config: AdapterConfig | None = None,
+    vlm_config: VLMConfig | None = None,
     ac_mode: str = "none",
     mp_policy: MixedPrecisionPolicy | None = None,
     param_dtype: torch.dtype = torch.bfloat16,
@@ -226,16 +283,38 @@ def build_parallel_model(
     loss_parallel: bool = False,
     allow_plan_import: bool | Sequence[str] = False,
 ) -> nn.Module:
-    """Build the reference Transformer on the meta device, parallelize it, materialize it.
+    """Build the reference Transformer (or a VLM) on the meta device, parallelize, materialize.
 
     The pipeline, top to bottom: model on meta -> TP -> EP -> Float8 -> AC -> compile -> FSDP2
     -> materialize (``to_empty`` + ``init_weights(seed)``: identical values to a single-device
     model built with the same seed). ``device_mesh=None`` builds a plain single-device model.
+
+    With ``vlm_config`` (and ``vision_config``, ``adapter_config``) the model is a
+    ``forge_vlm.VLMWrapper`` whose decoder is ``model_config``; ``vlm_config`` says whether the
+    encoder is frozen, TP-split (its own plan) and which components AC covers (``ac_scope``).
     """
-    if vlm_config is not None or vision_config is not None or adapter_config is not None:
+    vlm_parts = (vision_config, adapter_config, vlm_config)
+    if any(p is not None for p in vlm_parts) and any(p is None for p in vlm_parts):
         raise ForgeConfigError(
-            "vision-language models need forge-vlm, which this forge does not have yet"
+            "a vision-language model needs vision_config, adapter_config and vlm_config together"
         )
+    vlm_options: dict[str, Any] = {}
+    if vlm_config is not None:
+        check_vlm(
+            model_config,
+            vision_config,
+            adapter_config,
+            vlm_config,
+            tp=axis_size(device_mesh, "tp"),
+        )
+        vlm_options = {
+            "encoder_tp": vlm_config.encoder_tp,
+            "encoder_tp_plan": vlm_config.encoder_tp_plan,
+            "ac_components": ac_components(vlm_config.ac_scope, vlm_config.freeze_encoder)
+            if ac_mode != "none"
+            else None,
+            "shard_frozen": vlm_config.shard_frozen_flag,
+        }
     plan = ParallelPlan(
         device_mesh,
         data=data,
@@ -253,7 +332,14 @@ def build_parallel_model(
         sequence_parallel=sequence_parallel,
         loss_parallel=loss_parallel,
         allow_plan_import=allow_plan_import,
+        **vlm_options,
     )
     with torch.device("meta"):
-        model = moe_transformer(model_config)
+        if vlm_config is None:
+            model = moe_transformer(model_config)
+        else:
+            factory = MoE.for_block if model_config.moe_layers else None
+            model = build_vlm(
+                model_config, vision_config, adapter_config, vlm_config, ffn_factory=factory
+            )
     return plan.parallelize(model, device=device, seed=seed)
