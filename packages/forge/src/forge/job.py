@@ -28,11 +28,20 @@ from forge_core import (
     count_host_syncs,
     load_config,
 )
-from forge_core.training import compare_runs, local_batch, synthetic_tokens, train_steps
+from forge_core.stages import unwrap
+from forge_core.training import (
+    compare_runs,
+    local_batch,
+    synthetic_tokens,
+    synthetic_vlm_batch,
+    train_steps,
+)
 from forge_float8 import float8_report
 from forge_mesh import build_device_mesh, init_distributed, mesh_layout
 from forge_moe_ep import check_expert_parallel, moe_metrics
 from forge_tp_plans import check_plan_import, check_transformer_tp, describe_tp_plan
+from forge_vlm import ac_components, check_vlm, num_image_tokens
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -71,11 +80,17 @@ def check_config(cfg: ForgeConfig, world_size: int) -> None:
         check_expert_parallel(cfg.model.num_experts, par.ep)
     t = cfg.training
     if cfg.tp.plan is not None:
-        module_name = check_plan_import(cfg.tp.plan, cfg.tp.allow_import)
-        if importlib.util.find_spec(module_name.split(".")[0]) is None:
+        _check_importable("tp.plan", cfg.tp.plan, cfg.tp.allow_import)
+    if cfg.is_vlm:
+        check_vlm(cfg.model, cfg.vision, cfg.adapter, cfg.vlm, seq_len=t.seq_len, tp=par.tp)
+        ac_components(cfg.vlm.ac_scope, cfg.vlm.freeze_encoder)
+        if cfg.float8.enabled:
             raise ForgeConfigError(
-                f"tp.plan={cfg.tp.plan!r}: module '{module_name}' is not importable from here"
+                "float8.enabled=true with a vision-language model is not supported yet; set "
+                "float8.enabled=false"
             )
+        if cfg.vlm.encoder_tp_plan is not None:
+            _check_importable("vlm.encoder_tp_plan", cfg.vlm.encoder_tp_plan, cfg.tp.allow_import)
     if par.tp > 1:
         sp = cfg.tp.sequence_parallel_flag
         sp = (cfg.tp.plan is None and not cfg.model.tie_embeddings) if sp is None else sp
@@ -91,9 +106,59 @@ def check_config(cfg: ForgeConfig, world_size: int) -> None:
         )
 
 
-def _param_bytes(model: torch.nn.Module) -> int:
-    from torch.distributed.tensor import DTensor
+def _check_importable(key: str, path: str, allow_import: tuple[str, ...]) -> None:
+    module_name = check_plan_import(path, allow_import)
+    if importlib.util.find_spec(module_name.split(".")[0]) is None:
+        raise ForgeConfigError(
+            f"{key}={path!r}: module '{module_name}' is not importable from here"
+        )
 
+
+def _vlm_kwargs(cfg: ForgeConfig) -> dict[str, Any]:
+    if not cfg.is_vlm:
+        return {}
+    return {"vision_config": cfg.vision, "adapter_config": cfg.adapter, "vlm_config": cfg.vlm}
+
+
+def _vlm_report(cfg: ForgeConfig, par: ParallelismConfig, model: nn.Module) -> list[str]:
+    """The VLM lines of the report: parts, image tokens, what is frozen, TP per component."""
+    if not cfg.is_vlm:
+        return []
+    v, a, vlm = cfg.vision, cfg.adapter, cfg.vlm
+    wrapper = unwrap(model)
+    encoder = wrapper.encoder
+    if not vlm.freeze_encoder:
+        state = "trainable, FSDP2 per block"
+    elif any(isinstance(m, FSDPModule) for m in encoder.modules()):
+        state = "frozen, FSDP2-sharded (no gradients, no optimizer state)"
+    else:
+        state = "frozen, replicated outside FSDP2 (no gradients, no optimizer state)"
+    ac_mode = cfg.training.ac_mode
+    ac = (
+        "no AC"
+        if ac_mode == "none"
+        else f"AC {ac_mode} (scope {vlm.ac_scope}) on "
+        + " and ".join(ac_components(vlm.ac_scope, vlm.freeze_encoder))
+    )
+    lines = [
+        f"vlm:    {vlm.design} decoder; {v.backend} encoder {v.n_layers} layers x dim {v.dim} on "
+        f"{v.image_size}px images ({v.grid}x{v.grid} patches of {v.patch_size}px) -> adapter "
+        f"(pool {a.pool}) -> {num_image_tokens(v, a)} image tokens at placeholder id "
+        f"{wrapper.image_token_id}; encoder {state}; {ac}",
+        "        per component: "
+        + "; ".join(
+            f"{name} {' -> '.join(applied_stages(part)) or '(none)'}"
+            for name, part in (("encoder", encoder), ("decoder", wrapper.decoder))
+        ),
+    ]
+    if par.tp > 1:
+        lines.append("tp:     decoder " + describe_tp_plan(wrapper.decoder))
+        if vlm.encoder_tp:
+            lines.append("tp:     encoder " + describe_tp_plan(encoder))
+    return lines
+
+
+def _param_bytes(model: torch.nn.Module) -> int:
     total = 0
     for p in model.parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
@@ -193,6 +258,7 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         loss_parallel=cfg.tp.loss_parallel,
         allow_plan_import=cfg.tp.allow_import,
         **_fp8_kwargs(cfg),
+        **_vlm_kwargs(cfg),
     )
     # NOTE: with Float8 the reference is the same Float8 model on one device (bf16 compute when
     # asked): parity then isolates the parallelism from fp8's own rounding.
@@ -203,21 +269,44 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         param_dtype=dtype if cfg.float8.enabled else torch.float32,
         seed=t.seed,
         **({k: v for k, v in _fp8_kwargs(cfg).items() if k != "fp8_fsdp_all_gather"}),
+        **_vlm_kwargs(cfg),
     )
     local_bytes = _param_bytes(model)
     all_bytes: list[int] = [0] * world_size
     dist.all_gather_object(all_bytes, local_bytes)
-    tokens = synthetic_tokens(t.seed, t.steps, t.global_batch_size, t.seq_len, cfg.model.vocab_size)
-    ref_steps = train_steps(reference, tokens, lr=t.lr, device=device)
+    vlm_batch: dict[str, Any] = {}
+    if cfg.is_vlm:
+        wrapper = unwrap(reference)
+        v = cfg.vision
+        tokens, images = synthetic_vlm_batch(
+            t.seed,
+            t.steps,
+            t.global_batch_size,
+            t.seq_len,
+            cfg.model.vocab_size,
+            image_token_id=wrapper.image_token_id,
+            image_tokens=wrapper.image_tokens,
+            image_shape=(v.in_channels, v.image_size, v.image_size),
+        )
+        vlm_batch = {"images": images, "ignore_token": wrapper.image_token_id}
+    else:
+        tokens = synthetic_tokens(
+            t.seed, t.steps, t.global_batch_size, t.seq_len, cfg.model.vocab_size
+        )
+    ref_steps = train_steps(reference, tokens, lr=t.lr, device=device, **vlm_batch)
     with warnings.catch_warnings():
         # NOTE: torch 2.15's FSDP2 warns whenever a unit returns a view, because an in-place op
         # on it would skip the pre-backward hook. forge's blocks only use out-of-place residual
         # adds, and the parity check below would catch a wrong gradient; the warning is noise.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
         par_steps = train_steps(
-            model, tokens, mesh=mesh, lr=t.lr, grad_accum=t.grad_accum, device=device
+            model, tokens, mesh=mesh, lr=t.lr, grad_accum=t.grad_accum, device=device, **vlm_batch
         )
-        moe = _moe_report(cfg, par, model, local_batch(tokens[0], mesh).to(device), device)
+        moe = (
+            None
+            if cfg.is_vlm
+            else _moe_report(cfg, par, model, local_batch(tokens[0], mesh).to(device), device)
+        )
     # Float8 rounds every GEMM input to 3 mantissa bits: low-precision tolerances.
     result = compare_runs(ref_steps, par_steps, torch.bfloat16 if cfg.float8.enabled else dtype)
     elapsed = time.perf_counter() - start
@@ -226,7 +315,8 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
     full_bytes = _param_bytes(reference)
     names, sizes = mesh_layout(par, world_size)
     lines = [
-        f"forge build: {world_size} rank(s) on {device_type}, model {cfg.model.n_layers} layers x dim {cfg.model.dim} "
+        f"forge build: {world_size} rank(s) on {device_type}, {'VLM decoder' if cfg.is_vlm else 'model'} "
+        f"{cfg.model.n_layers} layers x dim {cfg.model.dim} "
         f"({cfg.model.num_params():,} parameters), param_dtype {t.param_dtype}",
         "mesh:   "
         + " x ".join(f"{n}={s}" for n, s in zip(names, sizes, strict=True))
@@ -239,9 +329,10 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         "stages: "
         + (" -> ".join(applied_stages(model)) or "(none)")
         + f"   (forge's order: {ORDER_TEXT})",
+        *_vlm_report(cfg, par, model),
         f"params: unsharded {full_bytes:,} B; per rank "
         + ", ".join(f"r{r} {b:,} B ({b / full_bytes:.0%})" for r, b in enumerate(all_bytes)),
-        *(["tp:     " + describe_tp_plan(model)] if par.tp > 1 else []),
+        *(["tp:     " + describe_tp_plan(model)] if par.tp > 1 and not cfg.is_vlm else []),
         *([moe] if moe else []),
         *([str(float8_report(model))] if cfg.float8.enabled else []),
         f"train:  {t.steps} steps, global batch {t.global_batch_size} x seq {t.seq_len}, grad_accum {t.grad_accum}, AdamW lr {t.lr}",
