@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from forge.build import build_parallel_model
 from forge_core import load_config
-from forge_core.stages import applied_stages
-from forge_core.training import compare_runs, synthetic_vlm_batch, train_steps
+from forge_core.stages import applied_stages, unwrap
+from forge_core.training import compare_runs, local_batch, synthetic_vlm_batch, train_steps
 from forge_mesh import build_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
@@ -63,23 +63,69 @@ def vlm_parity(
     """Train the parallel VLM and the single-device one on the same data; report what was built."""
     cfg = vlm_config(vlm, vision, adapter)
     mesh, parallel, reference = build_pair(layout, cfg, **kwargs)
-    tokens, images = vlm_data(parallel, steps, cfg)
-    common = {"images": images, "ignore_token": parallel.image_token_id}
+    inner = unwrap(parallel)  # under DDP
+    tokens, images = vlm_data(inner, steps, cfg)
+    common = {"images": images, "ignore_token": inner.image_token_id}
     ref = train_steps(reference, tokens, **common)
     par = train_steps(parallel, tokens, mesh=mesh, grad_accum=grad_accum, **common)
     units = [n or "<root>" for n, m in parallel.named_modules() if isinstance(m, FSDPModule)]
+    # One more forward + backward to see which parameters get gradients.
+    local = local_batch(tokens[0], mesh)
+    logits = parallel(local[:, :-1], local_batch(images[0], mesh))
+    logits.float().sum().backward()
     return {
         "result": compare_runs(ref, par),
         "units": units,
         "stages": {
             name: applied_stages(part)
-            for name, part in (("encoder", parallel.encoder), ("decoder", parallel.decoder))
+            for name, part in (("encoder", inner.encoder), ("decoder", inner.decoder))
         },
-        "encoder_grads": [p.grad is not None for p in parallel.encoder.parameters()],
-        "encoder_dtensor": [
-            type(p).__name__ == "DTensor" for p in parallel.encoder.parameters()
-        ],
+        "encoder_grads": [p.grad is not None for p in inner.encoder.parameters()],
+        "encoder_meshes": sorted(
+            {
+                str(getattr(p, "device_mesh", None) and p.device_mesh.mesh_dim_names)
+                for p in inner.encoder.parameters()
+            }
+        ),
         "checkpointed": sorted(
             {n.split(".")[0] for n, _ in parallel.named_modules() if "_checkpoint_wrapped" in n}
         ),
     }
+
+
+def bf16_hand_off(layout: dict, *, cast_forward_inputs: bool, vlm: dict | None = None) -> dict:
+    """One bf16 FSDP2 training step with fp32 images; record the dtypes crossing each boundary.
+
+    Hooks: ``before`` runs ahead of FSDP2's pre-forward (what the caller passes), ``after``
+    behind it (what the unit computes with).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    cfg = vlm_config(vlm)
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+        cast_forward_inputs=cast_forward_inputs,
+    )
+    mesh, model, _ = build_pair(layout, cfg, mp_policy=mp, param_dtype=torch.bfloat16)
+    seen: dict[str, str] = {}
+
+    def record(tag: str):
+        def hook(module, args):
+            floats = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+            seen[tag] = str(floats[0].dtype) if floats else "none"
+
+        return hook
+
+    for name in ("root", "encoder", "adapter", "decoder"):
+        part = model if name == "root" else getattr(model, name)
+        part.register_forward_pre_hook(record(f"{name} before"), prepend=True)
+        part.register_forward_pre_hook(record(f"{name} after"))
+    tokens, images = vlm_data(model, 1, cfg)
+    try:
+        records = train_steps(
+            model, tokens, mesh=mesh, images=images, ignore_token=model.image_token_id
+        )
+    except RuntimeError as e:
+        return {"error": str(e).splitlines()[0], "seen": seen}
+    return {"loss": records[0].loss, "seen": seen, "image_dtype": str(images.dtype)}

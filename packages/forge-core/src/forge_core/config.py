@@ -405,6 +405,7 @@ def load_config(
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ForgeConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    raw = {k: v for k, v in raw.items() if v is not None}  # absent VLM parts of a dumped config
     for section, values in raw.items():
         if section not in _SECTIONS:
             raise ForgeConfigError(

@@ -261,6 +261,9 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.head_dim = config.head_dim
+        # NOTE: from the config, not from q/k shapes: under torch.compile with a dynamic batch
+        # the inferred head counts are symbolic, and SDPA's enable_gqa needs a plain bool.
+        self.gqa = config.n_kv_heads != config.n_heads
         kv_dim = config.n_kv_heads * config.head_dim
         self.wq = nn.Linear(config.dim, config.dim, bias=False)
         self.wk = nn.Linear(config.dim, kv_dim, bias=False)
@@ -275,9 +278,7 @@ class Attention(nn.Module):
         v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
-        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))
 
 

@@ -24,17 +24,24 @@ __all__ = ["apply_compile"]
 
 
 def apply_compile(
-    model: nn.Module, *, backend: str = "inductor", fullgraph: bool = True
+    model: nn.Module, *, backend: str = "inductor", fullgraph: bool = True, dynamic: bool = False
 ) -> nn.Module:
-    """Compile every block of ``model`` in place; returns ``model``."""
+    """Compile every block of ``model`` in place; returns ``model``.
+
+    ``dynamic=False`` (static shapes) by default. NOTE: blocks of different shapes that share
+    one ``forward`` code object (a VLM's encoder and decoder blocks behind the same checkpoint
+    wrapper) would otherwise be recompiled with symbolic shapes after the first mismatch, and
+    DTensor (TP) fails under symbolic shapes in inductor (torch 2.15: "unhashable type:
+    non-nested SymInt"). Each distinct shape gets its own graph instead.
+    """
     with stage(model, "compile"):
         blocks = [b for _, _, part in component_blocks(model) for b in part]
         for _, _, block in blocks:
             if not opts_out_of_compile(block):
-                block.compile(backend=backend, fullgraph=fullgraph)
+                block.compile(backend=backend, fullgraph=fullgraph, dynamic=dynamic)
                 continue
             for child in block.children():
                 composite = any(True for _ in child.children())
                 if composite and not opts_out_of_compile(child):
-                    child.compile(backend=backend, fullgraph=fullgraph)
+                    child.compile(backend=backend, fullgraph=fullgraph, dynamic=dynamic)
     return model
