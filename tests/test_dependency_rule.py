@@ -50,6 +50,7 @@ def test_there_are_layers_to_check():
         "forge-kernels",
         "forge-moe-ep",
         "forge-float8",
+        "forge-vlm",
     } <= set(LAYERS)
 
 

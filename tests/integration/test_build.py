@@ -15,6 +15,7 @@ from forge.cli import main
 from forge.job import run_build
 from forge_core import ForgeConfigError, ModelConfig, applied_stages, load_config
 from forge_mesh import build_device_mesh
+from forge_vlm import VLMConfig
 
 CFG = ModelConfig.preset("debug")
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,9 +33,25 @@ def test_pipeline_applies_ac_compile_fsdp2_in_order(run_on_ranks):
     assert run_on_ranks(2, _pipeline_stages)[0] == ["ac", "compile", "fsdp2"]
 
 
-def test_layers_that_do_not_exist_yet_are_refused_not_ignored():
-    with pytest.raises(ForgeConfigError, match="vision-language models need forge-vlm"):
-        build_parallel_model(CFG, "cpu", None, vlm_config=object())
+def test_a_vlm_needs_all_three_of_its_configs():
+    with pytest.raises(ForgeConfigError, match="vision_config, adapter_config and vlm_config"):
+        build_parallel_model(CFG, "cpu", None, vlm_config=VLMConfig())
+
+
+def test_single_device_vlm_build_runs_tokens_and_images():
+    cfg = load_config({"model": {"preset": "debug_vlm"}})
+    model = build_parallel_model(
+        cfg.model,
+        "cpu",
+        None,
+        vision_config=cfg.vision,
+        adapter_config=cfg.adapter,
+        vlm_config=cfg.vlm,
+        param_dtype=torch.float32,
+    )
+    tokens = torch.zeros(2, 20, dtype=torch.long)
+    tokens[:, 2:18] = model.image_token_id
+    assert model(tokens, torch.randn(2, 3, 16, 16)).shape == (2, 20, cfg.model.vocab_size)
 
 
 def test_single_device_build_without_a_mesh():
@@ -89,6 +106,37 @@ def test_build_job_runs_fsdp2_with_expert_parallelism(run_on_ranks, overrides, m
     assert moe_line in report.text
     if "capacity" in moe_line:
         assert "forward+backward: 0 (rank 0)" in report.text
+
+
+@pytest.mark.parametrize(
+    ("overrides", "lines"),
+    [
+        (
+            ["model.preset=debug_vlm"],
+            [
+                "16 image tokens at placeholder id 255; encoder trainable, FSDP2 per block; no AC",
+                "per component: encoder fsdp2; decoder tp -> fsdp2",
+                "tp:     decoder registered plan over 2 ranks, sequence_parallel=True",
+            ],
+        ),
+        (
+            ["model.preset=debug_vlm", "vlm.freeze_encoder=true", "vlm.encoder_tp=true"]
+            + ["training.ac_mode=full", "adapter.pool=2"],
+            [
+                "-> adapter (pool 2) -> 4 image tokens",
+                "encoder frozen, replicated outside FSDP2 (no gradients, no optimizer state); "
+                "AC full (scope all) on decoder",
+                "tp:     encoder opt-in attributes plan over 2 ranks, sequence_parallel=False",
+            ],
+        ),
+    ],
+    ids=["default", "frozen-encoder-tp-ac-pool"],
+)
+def test_build_job_runs_a_vision_language_model(run_on_ranks, overrides, lines):
+    report = run_on_ranks(4, _job, overrides)[0]
+    assert report.passed, report.text
+    for line in lines:
+        assert line in report.text, report.text
 
 
 def test_build_job_runs_float8_with_fsdp2_and_tp(run_on_ranks):
@@ -146,6 +194,29 @@ def test_bf16_compute_is_checked_with_low_precision_tolerances(run_on_ranks, dat
             + ["--set", "parallelism.ep=4", "--set", "model.num_experts=6"],
             "parallelism.ep=4 does not divide model.num_experts=6",
         ),
+        (
+            ["build", "--set", "model.preset=debug_vlm", "--set", "vision.patch_size=5"],
+            "vision.image_size=16 is not divisible by vision.patch_size=5",
+        ),
+        (
+            ["build", "--set", "model.preset=debug_vlm", "--set", "vlm.encoder_tp=true"]
+            + ["--set", "vision.n_heads=1"],
+            "tp=2 does not divide vision.n_heads=1",
+        ),
+        (
+            ["build", "--set", "model.preset=debug_vlm", "--set", "adapter.out_dim=32"],
+            "adapter.out_dim=32 differs from the decoder's model.dim=64",
+        ),
+        (
+            ["build", "--set", "model.preset=debug_vlm", "--set", "training.seq_len=8"],
+            "each image becomes 16 tokens",
+        ),
+        (
+            ["build", "--set", "model.preset=debug_vlm", "--set", "vlm.freeze_encoder=true"]
+            + ["--set", "vlm.ac_scope=vision", "--set", "training.ac_mode=full"],
+            "ac_scope='vision' with a frozen encoder",
+        ),
+        (["build", "--set", "vlm.ac_scope=lang"], "choose one of ['all', 'language', 'vision']"),
         (["build", "--nproc", "3"], "world size 3 is not divisible by"),
         (
             ["build", "--nproc", "6"],

@@ -4,7 +4,9 @@ The last stages of forge's order (TP -> EP -> Float8 -> AC -> compile -> FSDP2/D
 
 - :func:`apply_ac` wraps blocks for activation checkpointing (``none|full|selective|op``)
 - :func:`apply_compile` compiles each block in place
-- :func:`apply_fsdp2` shards each block, then the root; a 2-D DP mesh gives HSDP
+- :func:`apply_fsdp2` shards each block, then the root; a 2-D DP mesh gives HSDP; a model made
+  of components (a VLM) gets units per component, and a frozen component may stay replicated
+  (:func:`frozen_bytes_rule`)
 - :func:`apply_ddp` replicates with DistributedDataParallel
 - :func:`enable_autocast` low-precision compute for DDP / single-device models
 - :func:`unshard_fsdp2_model` gathers full parameters for a while (eval, export)
@@ -21,6 +23,7 @@ from .data_parallel import (
     apply_fsdp2,
     default_mp_policy,
     enable_autocast,
+    frozen_bytes_rule,
     unshard_fsdp2_model,
 )
 
@@ -33,5 +36,6 @@ __all__ = [
     "apply_fsdp2",
     "default_mp_policy",
     "enable_autocast",
+    "frozen_bytes_rule",
     "unshard_fsdp2_model",
 ]
