@@ -10,16 +10,22 @@ from forge_core import load_config
 from forge_core.stages import applied_stages, unwrap
 from forge_core.training import compare_runs, local_batch, synthetic_vlm_batch, train_steps
 from forge_mesh import build_device_mesh
+from forge_tp_plans import describe_tp_plan
 from torch.distributed.fsdp import FSDPModule
 
 SEQ_LEN = 32
 BATCH = 8
 
 
-def vlm_config(vlm: dict | None = None, vision: dict | None = None, adapter: dict | None = None):
+def vlm_config(
+    vlm: dict | None = None,
+    vision: dict | None = None,
+    adapter: dict | None = None,
+    model: dict | None = None,
+):
     return load_config(
         {
-            "model": {"preset": "debug_vlm"},
+            "model": model or {"preset": "debug_vlm"},
             "vlm": vlm or {},
             "vision": vision or {},
             "adapter": adapter or {},
@@ -56,12 +62,13 @@ def vlm_parity(
     vlm: dict | None = None,
     vision: dict | None = None,
     adapter: dict | None = None,
+    model: dict | None = None,
     steps: int = 8,
     grad_accum: int = 1,
     **kwargs: Any,
 ) -> dict[str, Any]:
     """Train the parallel VLM and the single-device one on the same data; report what was built."""
-    cfg = vlm_config(vlm, vision, adapter)
+    cfg = vlm_config(vlm, vision, adapter, model)
     mesh, parallel, reference = build_pair(layout, cfg, **kwargs)
     inner = unwrap(parallel)  # under DDP
     tokens, images = vlm_data(inner, steps, cfg)
@@ -87,6 +94,8 @@ def vlm_parity(
                 for p in inner.encoder.parameters()
             }
         ),
+        "encoder_plan": describe_tp_plan(inner.encoder),
+        "decoder_plan": describe_tp_plan(inner.decoder),
         "checkpointed": sorted(
             {n.split(".")[0] for n, _ in parallel.named_modules() if "_checkpoint_wrapped" in n}
         ),
@@ -129,3 +138,8 @@ def bf16_hand_off(layout: dict, *, cast_forward_inputs: bool, vlm: dict | None =
     except RuntimeError as e:
         return {"error": str(e).splitlines()[0], "seen": seen}
     return {"loss": records[0].loss, "seen": seen, "image_dtype": str(images.dtype)}
+
+
+def encoder_mlp_only(model, ctx) -> dict:
+    """An encoder plan of the test's own (imported by path): split only the ViT MLPs."""
+    return {"layers.*.mlp.fc1": "colwise", "layers.*.mlp.fc2": "rowwise"}

@@ -41,6 +41,15 @@ def test_vlm_fsdp2_tp_on_decoder_and_encoder_matches_single_device(run_on_ranks)
     assert first["encoder_meshes"] == ["('dp_shard', 'tp')", "('dp_shard',)"]
 
 
+def test_vlm_encoder_plan_from_config_import_path_differs_from_the_decoders(run_on_ranks):
+    vlm = {"encoder_tp": True, "encoder_tp_plan": "tests.vlm.jobs:encoder_mlp_only"}
+    first = _ok(run_on_ranks(4, vlm_parity, FSDP2_TP, vlm=vlm, allow_plan_import=["tests.vlm"]))
+    assert first["encoder_plan"].startswith("explicit (imported) plan over 2 ranks")
+    assert "layers.*.mlp.fc1  ColwiseParallel" in first["encoder_plan"]
+    assert "attention" not in first["encoder_plan"]  # only the MLPs are split
+    assert "registered plan" in first["decoder_plan"]
+
+
 def test_vlm_siglip_encoder_with_its_own_tp_plan_matches_single_device(run_on_ranks):
     pytest.importorskip("transformers")
     first = _ok(
@@ -100,6 +109,13 @@ def test_vlm_compile_op_ac_and_grad_accum_match_single_device(run_on_ranks):
         )
     )
     assert first["stages"]["decoder"] == ["tp", "ac", "compile", "fsdp2"]
+
+
+def test_vlm_with_an_moe_decoder_and_expert_parallelism_matches_single_device(run_on_ranks):
+    first = _ok(
+        run_on_ranks(4, vlm_parity, {"dp_shard": 4, "ep": 2}, model={"preset": "debug_moe"})
+    )
+    assert first["stages"]["decoder"] == ["ep", "fsdp2"]
 
 
 def test_vlm_hsdp_and_ddp_match_single_device(run_on_ranks):
