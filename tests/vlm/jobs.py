@@ -33,13 +33,20 @@ def vlm_config(
     )
 
 
-def vlm_data(model: torch.nn.Module, steps: int, cfg: Any, seed: int = 0):
+def vlm_data(
+    model: torch.nn.Module,
+    steps: int,
+    cfg: Any,
+    seed: int = 0,
+    batch: int = BATCH,
+    seq_len: int = SEQ_LEN,
+):
     v = cfg.vision
     return synthetic_vlm_batch(
         seed,
         steps,
-        BATCH,
-        SEQ_LEN,
+        batch,
+        seq_len,
         cfg.model.vocab_size,
         image_token_id=model.image_token_id,
         image_tokens=model.image_tokens,

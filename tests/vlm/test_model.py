@@ -10,7 +10,7 @@ import torch
 from forge_core import ForgeConfigError, load_config
 from forge_core.model import insert_embeddings
 from forge_core.stages import check_stage
-from forge_core.training import synthetic_vlm_batch, train_steps
+from forge_core.training import train_steps
 from forge_fsdp_wrap import apply_ac, frozen_bytes_rule
 from forge_vlm import (
     Adapter,
@@ -23,6 +23,8 @@ from forge_vlm import (
     check_vlm,
 )
 
+from tests.vlm.jobs import vlm_data  # noqa: E402
+
 CFG = load_config({"model": {"preset": "debug_vlm"}})
 
 
@@ -34,17 +36,7 @@ def _vlm(**vlm_overrides):
 
 
 def _batch(model, steps=1, batch=2, seq=24):
-    v = CFG.vision
-    return synthetic_vlm_batch(
-        0,
-        steps,
-        batch,
-        seq,
-        CFG.model.vocab_size,
-        image_token_id=model.image_token_id,
-        image_tokens=model.image_tokens,
-        image_shape=(v.in_channels, v.image_size, v.image_size),
-    )
+    return vlm_data(model, steps, CFG, batch=batch, seq_len=seq)
 
 
 def test_insert_embeddings_puts_rows_in_order_at_the_masked_positions_with_gradients():
