@@ -23,7 +23,7 @@ from forge_vlm import (
     check_vlm,
 )
 
-from tests.vlm.jobs import vlm_data  # noqa: E402
+from tests.vlm.jobs import vlm_data
 
 CFG = load_config({"model": {"preset": "debug_vlm"}})
 

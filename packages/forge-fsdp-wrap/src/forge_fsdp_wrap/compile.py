@@ -3,7 +3,8 @@
 Each block is compiled on its own (``module.compile()``), not the whole model: all blocks share
 one graph (compiled once, reused), graph breaks at FSDP2's hooks between blocks are avoided, and
 parameter names do not change (no ``_orig_mod.`` prefix, so checkpoints and plans still match).
-A model made of components (a VLM) has each component's blocks compiled. Runs after AC (the checkpoint boundaries are part of the compiled block) and before FSDP2.
+A model made of components (a VLM) has each component's blocks compiled. Runs after AC (the
+checkpoint boundaries are part of the compiled block) and before FSDP2.
 
 A block holding a module that opts out (``forge_no_compile = True``, see
 ``forge_core.contracts``; e.g. an MoE layer whose expert-parallel dispatch reads split sizes on
