@@ -150,3 +150,26 @@ def bf16_hand_off(layout: dict, *, cast_forward_inputs: bool, vlm: dict | None =
 def encoder_mlp_only(model, ctx) -> dict:
     """An encoder plan of the test's own (imported by path): split only the ViT MLPs."""
     return {"layers.*.mlp.fc1": "colwise", "layers.*.mlp.fc2": "rowwise"}
+
+
+def fp8_and_bf16_vlm(layout: dict, steps: int = 10) -> dict[str, Any]:
+    """Loss curves of the VLM in bf16 and with a Float8 decoder, and the Float8 report."""
+    from forge_float8 import float8_report
+
+    cfg = vlm_config()
+    mesh = build_device_mesh(layout, "cpu")
+    parts = {"vision_config": cfg.vision, "adapter_config": cfg.adapter, "vlm_config": cfg.vlm}
+    out: dict[str, Any] = {}
+    for fp8 in (False, True):
+        model = build_parallel_model(
+            cfg.model, "cpu", mesh, **parts, param_dtype=torch.bfloat16, fp8=fp8
+        )
+        tokens, images = vlm_data(model, steps, cfg)
+        records = train_steps(
+            model, tokens, mesh=mesh, images=images, ignore_token=model.image_token_id
+        )
+        out["fp8" if fp8 else "bf16"] = [r.loss for r in records]
+        if fp8:
+            out["report"] = str(float8_report(model.decoder))
+            out["stages"] = applied_stages(model.decoder)
+    return out

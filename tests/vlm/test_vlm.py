@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vlm.jobs import bf16_hand_off, vlm_parity
+from tests.vlm.jobs import bf16_hand_off, fp8_and_bf16_vlm, vlm_parity
 
 FSDP2 = {"dp_shard": 4}
 FSDP2_TP = {"dp_shard": 2, "tp": 2}
@@ -116,6 +116,18 @@ def test_vlm_with_an_moe_decoder_and_expert_parallelism_matches_single_device(ru
         run_on_ranks(4, vlm_parity, {"dp_shard": 4, "ep": 2}, model={"preset": "debug_moe"})
     )
     assert first["stages"]["decoder"] == ["ep", "fsdp2"]
+
+
+def test_vlm_float8_decoder_trains_within_two_percent_of_bf16(run_on_ranks):
+    # The bound of tests/float8 (fp8 rounding averaged over the GEMM reductions, 10 AdamW steps).
+    results = run_on_ranks(4, fp8_and_bf16_vlm, FSDP2_TP)
+    first = results[0]
+    assert all(r["fp8"] == first["fp8"] for r in results)  # rank-identical
+    rel = [abs(a - b) / b for a, b in zip(first["fp8"], first["bf16"], strict=True)]
+    assert max(rel) <= 0.02, rel
+    assert first["fp8"][-1] < first["fp8"][0]
+    assert first["stages"] == ["tp", "float8", "fsdp2"]
+    assert "Linear(s) converted" in first["report"]
 
 
 def test_vlm_hsdp_and_ddp_match_single_device(run_on_ranks):

@@ -9,7 +9,8 @@ data-parallel group (token counts for load balancing are summed over it).
 
 A vision-language model (``forge_vlm.VLMWrapper``: components encoder, adapter, decoder) goes
 through the same order, per component: TP on the decoder (its plan, SP) and optionally on the
-encoder (its own plan, no SP) -> EP on the decoder -> AC on the components ``ac_scope`` names ->
+encoder (its own plan, no SP) -> EP and Float8 on the decoder -> AC on the components
+``ac_scope`` names ->
 compile every component's blocks -> FSDP2 units encoder blocks, encoder, adapter, decoder
 blocks, decoder, root (a frozen encoder may stay replicated instead; see
 ``forge_fsdp_wrap.apply_fsdp2``). The stage-order contract checks each component.
@@ -154,18 +155,13 @@ class ParallelPlan:
         Returns the model (the DDP wrapper for ``data='ddp'``).
 
         A model made of components (a VLM) gets TP on its ``decoder`` (and on its ``encoder``
-        with ``encoder_tp``), EP on the decoder, AC on ``ac_components`` (None: all).
+        with ``encoder_tp``), EP and Float8 on the decoder, AC on ``ac_components`` (None: all).
         """
         parts = dict(model_components(model))
         decoder, encoder = parts.get("decoder", model), parts.get("encoder")
         if self.encoder_tp and encoder is None:
             raise ForgeConfigError(
                 f"encoder_tp=True but {type(model).__name__} has no encoder component"
-            )
-        if self.fp8 and parts:
-            raise ForgeConfigError(
-                "Float8 with a vision-language model is not supported yet: set fp8=False "
-                "(float8.enabled=false)"
             )
         if axis_size(self.device_mesh, "tp") > 1:
             apply_tensor_parallel(
@@ -193,9 +189,9 @@ class ParallelPlan:
                 "the mesh has an ep axis but the model has no forge_moe_ep.MoE layer; set "
                 "parallelism.ep=1 or use an MoE model (model.moe_every > 0)"
             )
-        if self.fp8:
+        if self.fp8:  # a VLM's decoder; its encoder and adapter stay in high precision
             apply_float8(
-                model,
+                decoder,
                 recipe=self.fp8_recipe,
                 enable_fsdp_float8_all_gather=self.fp8_all_gather,
                 filter_fqns=tuple(self.fp8_filter_fqns),

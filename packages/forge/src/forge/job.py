@@ -84,11 +84,6 @@ def check_config(cfg: ForgeConfig, world_size: int) -> None:
     if cfg.is_vlm:
         check_vlm(cfg.model, cfg.vision, cfg.adapter, cfg.vlm, seq_len=t.seq_len, tp=par.tp)
         ac_components(cfg.vlm.ac_scope, cfg.vlm.freeze_encoder)
-        if cfg.float8.enabled:
-            raise ForgeConfigError(
-                "float8.enabled=true with a vision-language model is not supported yet; set "
-                "float8.enabled=false"
-            )
         if cfg.vlm.encoder_tp_plan is not None:
             _check_importable("vlm.encoder_tp_plan", cfg.vlm.encoder_tp_plan, cfg.tp.allow_import)
     if par.tp > 1:
@@ -156,6 +151,11 @@ def _vlm_report(cfg: ForgeConfig, par: ParallelismConfig, model: nn.Module) -> l
         if vlm.encoder_tp:
             lines.append("tp:     encoder " + describe_tp_plan(encoder))
     return lines
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    """The language model: a VLM's decoder, else the model itself."""
+    return getattr(unwrap(model), "decoder", model)
 
 
 def _param_bytes(model: torch.nn.Module) -> int:
@@ -334,7 +334,7 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         + ", ".join(f"r{r} {b:,} B ({b / full_bytes:.0%})" for r, b in enumerate(all_bytes)),
         *(["tp:     " + describe_tp_plan(model)] if par.tp > 1 and not cfg.is_vlm else []),
         *([moe] if moe else []),
-        *([str(float8_report(model))] if cfg.float8.enabled else []),
+        *([str(float8_report(_decoder(model)))] if cfg.float8.enabled else []),
         f"train:  {t.steps} steps, global batch {t.global_batch_size} x seq {t.seq_len}, grad_accum {t.grad_accum}, AdamW lr {t.lr}",
         result.table(),
         f"{'PASS' if result.passed else 'FAIL'}: parallel run {'matches' if result.passed else 'does NOT match'} the single-device model "
