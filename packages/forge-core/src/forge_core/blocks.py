@@ -68,17 +68,26 @@ def find_blocks(model: nn.Module) -> list[Block]:
 
 
 def component_blocks(
-    model: nn.Module, names: tuple[str, ...] | list[str] | None = None
+    model: nn.Module,
+    names: tuple[str, ...] | list[str] | None = None,
+    *,
+    required: bool = True,
 ) -> list[tuple[str, nn.Module, list[Block]]]:
     """``(component name, module, its blocks)`` per component of ``model`` (forward order).
 
     A model without components (``forge_core.contracts.model_components``) is one part named
-    ``""`` whose blocks must exist. A component without a block container (an adapter) has no
-    blocks. ``names`` keeps only those components (an unknown name is an error).
+    ``""`` whose blocks must exist unless ``required=False`` (a small conv net is one FSDP2
+    unit). A component without a block container (an adapter) has no blocks. ``names`` keeps
+    only those components (an unknown name is an error).
     """
     components = model_components(model)
     if not components:
-        return [("", model, find_blocks(model))]
+        try:
+            return [("", model, find_blocks(model))]
+        except ForgeConfigError:
+            if required:
+                raise
+            return [("", model, [])]
     known = [name for name, _ in components]
     for name in names or ():
         if name not in known:

@@ -1,7 +1,8 @@
-"""The stage-order contract: TP -> EP -> Float8 -> AC -> compile -> FSDP2/DDP.
+"""The stage-order contract: TP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2/DDP.
 
 Why an order: TP must see raw ``nn.Linear`` modules; Float8 swaps Linears after TP/EP split them
-and before AC wraps blocks; FSDP2 shards last so it sees the final parameters (DTensors from TP,
+and before AC wraps blocks; domain parallelism swaps convolutions and norms for their
+height-slab forms, which AC and compile must then see; FSDP2 shards last so it sees the final parameters (DTensors from TP,
 float8 weights). Applied in another order the model still runs but computes different numbers,
 so every ``apply_*`` of every layer goes through :func:`stage` which refuses an out-of-order or
 repeated stage with a :class:`ForgeConfigError` naming the right order.
@@ -39,12 +40,13 @@ STAGES: dict[str, int] = {
     "tp": 0,
     "ep": 1,
     "float8": 2,
-    "ac": 3,
-    "compile": 4,
-    "fsdp2": 5,
-    "ddp": 5,
+    "domain": 3,
+    "ac": 4,
+    "compile": 5,
+    "fsdp2": 6,
+    "ddp": 6,
 }
-ORDER_TEXT = "TP -> EP -> Float8 -> AC -> compile -> FSDP2 (or DDP)"
+ORDER_TEXT = "TP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2 (or DDP)"
 _ATTR = "_forge_stages"
 
 

@@ -155,7 +155,7 @@ def apply_fsdp2(
             "mp_policy": mp_policy or default_mp_policy(),
             "offload_policy": offload,
         }
-        parts = component_blocks(model)
+        parts = component_blocks(model, required=False)  # no blocks: the root is the one unit
         with_blocks = [blocks for _, _, blocks in parts if blocks]
         replicated: list[nn.Parameter] = []
         for name, part, blocks in parts:
@@ -166,7 +166,7 @@ def apply_fsdp2(
             for i, (_, _, block) in enumerate(blocks):
                 # NOTE: backward starts with the last block of the forward, so resharding it after
                 # forward would only make FSDP all-gather the same parameters again immediately.
-                last = blocks is with_blocks[-1] and i == len(blocks) - 1
+                last = bool(with_blocks) and blocks is with_blocks[-1] and i == len(blocks) - 1
                 reshard = False if last else reshard_after_forward
                 experts = expert_parallel_modules(block)
                 if experts:

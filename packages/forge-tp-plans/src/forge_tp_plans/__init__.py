@@ -7,7 +7,7 @@ and any model that opts in with class attributes.
 - :func:`register_tp_plan` adds a plan for a model class
 - ``ColwiseConv1x1`` / ``RowwiseConv1x1`` shard 1x1 convolutions on channels
 
-The first stage of forge's order (TP -> EP -> Float8 -> AC -> compile -> FSDP2). Depends on
+The first stage of forge's order (TP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2). Depends on
 forge_core and torch only.
 """
 

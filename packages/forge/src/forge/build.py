@@ -1,6 +1,6 @@
 """Composition: apply forge's layers to a model in the one correct order.
 
-    mesh -> model on meta -> TP -> EP -> Float8 -> AC -> compile -> FSDP2 -> materialize
+    mesh -> model on meta -> TP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2 -> materialize
                                                             (DDP: materialize -> DDP)
 
 EP runs whenever the model has MoE layers and a mesh: with
@@ -28,6 +28,7 @@ import torch.nn as nn
 from forge_core import ForgeConfigError, ModelConfig
 from forge_core.contracts import model_components
 from forge_core.mesh_dims import axis_size, get_dp_mesh, has_dp_mesh
+from forge_domain import apply_domain_parallel
 from forge_float8 import apply_float8
 from forge_fsdp_wrap import (
     AC_MODES,
@@ -58,7 +59,6 @@ __all__ = ["ParallelPlan", "build_parallel_model", "check_plan", "materialize"]
 NOT_YET = {
     "cp": "context parallelism",
     "pp": "pipeline parallelism",
-    "domain": "forge-domain",
 }
 
 
@@ -118,7 +118,7 @@ class ParallelPlan:
     shard_frozen: bool | None = None
 
     def __post_init__(self) -> None:
-        sizes = {axis: axis_size(self.device_mesh, axis) for axis in (*NOT_YET, "tp")}
+        sizes = {axis: axis_size(self.device_mesh, axis) for axis in (*NOT_YET, "tp", "domain")}
         if self.data is None:
             self.data = "fsdp2" if has_dp_mesh(self.device_mesh) else "none"
         check_plan(
@@ -196,6 +196,8 @@ class ParallelPlan:
                 enable_fsdp_float8_all_gather=self.fp8_all_gather,
                 filter_fqns=tuple(self.fp8_filter_fqns),
             )
+        if axis_size(self.device_mesh, "domain") > 1:
+            apply_domain_parallel(model, self.device_mesh)
         if self.ac_mode != "none":
             components = None if self.ac_components is None else tuple(self.ac_components)
             apply_ac(model, self.ac_mode, components=components)
@@ -282,7 +284,7 @@ def build_parallel_model(
 ) -> nn.Module:
     """Build the reference Transformer (or a VLM) on the meta device, parallelize, materialize.
 
-    The pipeline, top to bottom: model on meta -> TP -> EP -> Float8 -> AC -> compile -> FSDP2
+    The pipeline, top to bottom: model on meta -> TP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2
     -> materialize (``to_empty`` + ``init_weights(seed)``: identical values to a single-device
     model built with the same seed). ``device_mesh=None`` builds a plain single-device model.
 

@@ -61,6 +61,12 @@ def check_config(cfg: ForgeConfig, world_size: int) -> None:
     par = cfg.resolved_parallelism(world_size)
     sizes = {name: getattr(par, name) for name in (*NOT_YET, "tp")}
     check_plan(par.data, sizes, ac_mode=cfg.training.ac_mode)
+    if par.domain > 1:
+        raise ForgeConfigError(
+            f"parallelism.domain={par.domain}: domain parallelism splits 2-D fields (conv nets); "
+            "forge build's models are token sequences. Use forge_domain.apply_domain_parallel "
+            "(or ParallelPlan) on an image-like model, and set domain=1 here"
+        )
     f8 = cfg.float8
     if f8.enabled and f8.fsdp_all_gather_flag and par.tp > 1:
         raise ForgeConfigError(
