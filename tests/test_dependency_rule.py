@@ -51,6 +51,7 @@ def test_there_are_layers_to_check():
         "forge-moe-ep",
         "forge-float8",
         "forge-vlm",
+        "forge-domain",
     } <= set(LAYERS)
 
 

@@ -217,6 +217,10 @@ def test_bf16_compute_is_checked_with_low_precision_tolerances(run_on_ranks, dat
             "ac_scope='vision' with a frozen encoder",
         ),
         (["build", "--set", "vlm.ac_scope=lang"], "choose one of ['all', 'language', 'vision']"),
+        (
+            ["build", "--set", "parallelism.tp=1", "--set", "parallelism.domain=2"],
+            "parallelism.domain=2: domain parallelism splits 2-D fields",
+        ),
         (["build", "--nproc", "3"], "world size 3 is not divisible by"),
         (
             ["build", "--nproc", "6"],
