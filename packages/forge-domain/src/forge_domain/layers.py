@@ -122,12 +122,14 @@ class DomainConv2d(nn.Conv2d):
                 f"'{name}' uses padding_mode={conv.padding_mode!r}: domain parallelism supports "
                 "zero padding, and wrap-around in width only (forge_domain.WidthCircularConv2d)"
             )
-        new = cls.__new__(cls)
-        new.__dict__.update(conv.__dict__)  # same Parameters, hooks and attributes
-        new.group, new.domain_name, new.circular_width = group, name, circular
-        top, bottom = _halo_sizes(conv)
-        new.halo = (top, bottom)
-        return new
+        return _adopt(  # type: ignore[return-value]
+            cls,
+            conv,
+            group=group,
+            domain_name=name,
+            circular_width=circular,
+            halo=_halo_sizes(conv),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.stride[0]  # type: ignore[index]
@@ -159,9 +161,28 @@ class DomainConv2d(nn.Conv2d):
         return out[..., : H_local // s, :]
 
 
-def _mean_over_field(value: torch.Tensor, count: int, group: ProcessGroup) -> torch.Tensor:
-    """Sum over the slabs (differentiably) divided by the element count of the whole field."""
-    return all_reduce_sum(value, group) / count
+def _adopt(cls: type[nn.Module], module: nn.Module, **attrs: object) -> nn.Module:
+    """An instance of ``cls`` (a subclass of ``module``'s class) sharing ``module``'s
+    Parameters, buffers, hooks and attributes, plus ``attrs``."""
+    new = cls.__new__(cls)
+    new.__dict__.update(module.__dict__)
+    new.__dict__.update(attrs)
+    return new
+
+
+def _normalize_over_field(
+    x: torch.Tensor, dims: tuple[int, ...], eps: float, group: ProcessGroup
+) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps)`` with mean and variance over ``dims`` of the whole field:
+    slab sums combined by a differentiable all-reduce, in two passes (mean, then squared
+    deviations) for accuracy."""
+    count = torch.distributed.get_world_size(group)
+    for d in dims:
+        count *= x.shape[d]
+    mean = all_reduce_sum(x.sum(dims, keepdim=True), group) / count
+    centered = x - mean
+    var = all_reduce_sum(centered.square().sum(dims, keepdim=True), group) / count
+    return centered * torch.rsqrt(var + eps)
 
 
 class DomainGroupNorm(nn.GroupNorm):
@@ -171,20 +192,12 @@ class DomainGroupNorm(nn.GroupNorm):
 
     @classmethod
     def convert(cls, norm: nn.GroupNorm, group: ProcessGroup) -> DomainGroupNorm:
-        new = cls.__new__(cls)
-        new.__dict__.update(norm.__dict__)
-        new.group = group
-        return new
+        return _adopt(cls, norm, group=group)  # type: ignore[return-value]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, C = x.shape[:2]
-        size = torch.distributed.get_world_size(self.group)
         xg = x.reshape(B, self.num_groups, -1)
-        count = xg.shape[-1] * size
-        mean = _mean_over_field(xg.sum(-1, keepdim=True), count, self.group)
-        centered = xg - mean
-        var = _mean_over_field(centered.square().sum(-1, keepdim=True), count, self.group)
-        out = (centered * torch.rsqrt(var + self.eps)).reshape(x.shape)
+        out = _normalize_over_field(xg, (-1,), self.eps, self.group).reshape(x.shape)
         if self.affine:
             shape = (1, C) + (1,) * (x.dim() - 2)
             out = out * self.weight.view(shape) + self.bias.view(shape)
@@ -199,10 +212,7 @@ class DomainLayerNorm(nn.LayerNorm):
 
     @classmethod
     def convert(cls, norm: nn.LayerNorm, group: ProcessGroup) -> DomainLayerNorm:
-        new = cls.__new__(cls)
-        new.__dict__.update(norm.__dict__)
-        new.group = group
-        return new
+        return _adopt(cls, norm, group=group)  # type: ignore[return-value]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         size = torch.distributed.get_world_size(self.group)
@@ -214,12 +224,7 @@ class DomainLayerNorm(nn.LayerNorm):
                 f"LayerNorm over {tuple(self.normalized_shape)} got height slabs of {H_local} "
                 f"rows on {size} domain ranks (height {H_local * size}, expected {H})"
             )
-        dims = tuple(range(-n, 0))
-        count = x[(0,) * (x.dim() - n)].numel() * size
-        mean = _mean_over_field(x.sum(dims, keepdim=True), count, self.group)
-        centered = x - mean
-        var = _mean_over_field(centered.square().sum(dims, keepdim=True), count, self.group)
-        out = centered * torch.rsqrt(var + self.eps)
+        out = _normalize_over_field(x, tuple(range(-n, 0)), self.eps, self.group)
         if self.weight is not None:
             out = out * self.weight.narrow(-2, rank * H_local, H_local)
         if self.bias is not None:
