@@ -20,7 +20,6 @@ cores, so the 4-rank numbers include waiting for a core.
 from __future__ import annotations
 
 import argparse
-import datetime
 import multiprocessing as mp
 import os
 import platform
@@ -34,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import time_interleaved  # noqa: E402 - tools/ sibling module
+from benchlib import machine_facts, time_interleaved  # noqa: E402 - tools/ sibling module
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_MD = ROOT / "benchmarks" / "domain.md"
@@ -120,7 +119,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.reps = 3
-    load_start = os.getloadavg()
+    facts = machine_facts(packages=())
     rows = []
     for world in (2, 4):
         results = run(world, args)
@@ -145,14 +144,9 @@ def main() -> None:
     print(table)
     if args.quick:
         return
-    machine = [
-        f"- date: {datetime.date.today().isoformat()}",
-        f"- python: {platform.python_version()}",
-        f"- torch: {torch.__version__}",
-        f"- cpu: {platform.machine()}, {os.cpu_count()} cores, 1 torch thread per rank, gloo",
-        "- gpu: none",
-        f"- load average at start / end (1/5/15 min): {'/'.join(f'{x:.1f}' for x in load_start)}"
-        f" / {'/'.join(f'{x:.1f}' for x in load_end)}",
+    facts["cpu"] = f"{platform.machine()}, {os.cpu_count()} cores, 1 torch thread per rank, gloo"
+    facts["load average at end (1/5/15 min)"] = "/".join(f"{x:.1f}" for x in load_end)
+    machine = [f"- {k}: {v}" for k, v in facts.items()] + [
         f"- medians of {args.reps} runs after 2 warm-up runs, variants round-robin; each cell is "
         "the slowest rank's median",
     ]

@@ -23,10 +23,8 @@ cost an inductor compile each (tens of seconds); ``--no-compile`` skips them.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import os
-import platform
 import sys
 import time
 import traceback
@@ -36,7 +34,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from benchlib import sync, time_interleaved  # noqa: E402 - tools/ sibling module
+from benchlib import machine_facts, sync, time_interleaved  # noqa: E402 - tools/ sibling module
 from forge_core import ModelConfig, Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -242,31 +240,6 @@ def run(setup: Setup, variants: list[Variant], device: torch.device) -> None:
 
 
 # --------------------------------------------------------------------------- the page
-def _machine(device: torch.device) -> dict[str, str]:
-    def version(mod: str) -> str:
-        try:
-            return str(__import__(mod).__version__)
-        except Exception:  # noqa: BLE001
-            return "not installed"
-
-    gpu = "none"
-    if device.type == "cuda":
-        cap = torch.cuda.get_device_capability()
-        gpu = f"{torch.cuda.get_device_name()} (sm_{cap[0]}{cap[1]})"
-    return {
-        "date": datetime.date.today().isoformat(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torchao": version("torchao"),
-        "triton": version("triton"),
-        "cpu": (
-            f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
-        ),
-        "gpu": gpu,
-        "load average at start (1/5/15 min)": "/".join(f"{x:.1f}" for x in os.getloadavg()),
-    }
-
-
 def _f(v: float | None, spec: str, unit: str = "") -> str:
     return "—" if v is None else f"{format(v, spec)}{unit}"
 
@@ -501,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = [Variant(r, False) for r in RECIPES]
     if not compile_skipped:
         variants += [Variant(r, True) for r in RECIPES]
-    info = _machine(device)
+    info = machine_facts(("torchao", "triton"))
     print(
         f"{setup.name}: {setup.config.num_params() / 1e6:.1f}M params, "
         f"{setup.batch}x{setup.seq} tokens, {len(variants)} variants on {device}",

@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import os
-import platform
 import sys
 import traceback
 from dataclasses import dataclass
@@ -45,7 +43,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
-from benchlib import sync, time_interleaved  # noqa: E402 - tools/ sibling module
+from benchlib import machine_facts, sync, time_interleaved  # noqa: E402 - tools/ sibling module
 from forge_core import ModelConfig
 from forge_core.sync_guard import count_host_syncs
 from forge_mesh import build_device_mesh
@@ -367,25 +365,6 @@ def _row_line(r: dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------- report
-def _machine(device: torch.device) -> dict[str, str]:
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
-    return {
-        "date": datetime.date.today().isoformat(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "cpu": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
-        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "none",
-        "process group": f"{dist.get_backend()} world of 1 rank (ep group = the world group)",
-        "load average at start (1/5/15 min)": "/".join(f"{x:.1f}" for x in os.getloadavg()),
-    }
-
-
 def _fmt(v: Any, spec: str, missing: str = "—", unit: str = "") -> str:
     return missing if v is None else format(v, spec) + unit
 
@@ -632,7 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         shapes, reps, warmup = SHAPES_QUICK, args.reps or 3, 1
     init_single_rank_group(device)
-    info = _machine(device)
+    info = machine_facts()
+    info["process group"] = f"{dist.get_backend()} world of 1 rank (ep group = the world group)"
     print(info, flush=True)
     rows: list[dict[str, Any]] = []
     try:

@@ -20,10 +20,8 @@ reported as missing.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import os
-import platform
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +36,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from benchlib import time_interleaved  # noqa: E402 - tools/ sibling module
+from benchlib import machine_facts, time_interleaved  # noqa: E402 - tools/ sibling module
 from forge_kernels.permute import (  # noqa: E402
     RoutingLayout,
     combine,
@@ -196,21 +194,6 @@ def bench_interpreter(reps: int) -> dict | None:
 
 
 # --------------------------------------------------------------------------- report
-def _machine() -> dict[str, str]:
-    import triton
-
-    info = {
-        "date": datetime.date.today().isoformat(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cpu": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-        "load average at start (1/5/15 min)": "/".join(f"{x:.1f}" for x in os.getloadavg()),
-    }
-    return info
-
-
 def _combine_table(rows: list[dict]) -> list[str]:
     lines = [
         "| shape | dtype | variant | fwd median (min) ms | fwd+bwd median (min) ms | fwd / forge fwd | max abs err |",
@@ -352,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.reps
     if args.quick:
         shapes, reps = [(256, 4, 16, 128, 16)], 3
-    info = _machine()
+    info = machine_facts()
     print(info, flush=True)
     combine_rows = []
     for dtype in (torch.bfloat16, torch.float32):

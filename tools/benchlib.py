@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import datetime
+import os
+import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["once_ms", "sync", "time_interleaved"]
+__all__ = ["machine_facts", "once_ms", "sync", "time_interleaved"]
 
 
 def sync(device: torch.device) -> None:
@@ -48,3 +51,28 @@ def time_interleaved(
         for name, fn in fns.items():
             times[name].append(once_ms(fn, device))
     return {name: (statistics.median(v), min(v)) for name, v in times.items()}
+
+
+def machine_facts(packages: Sequence[str] = ("triton",)) -> dict[str, str]:
+    """The machine lines every ``benchmarks/*.md`` page starts with: date, versions (``packages``
+    besides python and torch; "not installed" when missing), CPU, GPU, load average now."""
+
+    def version(name: str) -> str:
+        try:
+            return str(__import__(name).__version__)
+        except ImportError:
+            return "not installed"
+
+    gpu = "none"
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        gpu = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
+    return {
+        "date": datetime.date.today().isoformat(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        **{name: version(name) for name in packages},
+        "cpu": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
+        "gpu": gpu,
+        "load average at start (1/5/15 min)": "/".join(f"{x:.1f}" for x in os.getloadavg()),
+    }

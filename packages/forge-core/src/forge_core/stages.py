@@ -23,6 +23,7 @@ from contextlib import contextmanager
 
 import torch.nn as nn
 
+from .contracts import model_components
 from .errors import ForgeConfigError
 
 __all__ = [
@@ -114,8 +115,6 @@ def record_stage(model: nn.Module, name: str) -> None:
 
 
 def _with_components(model: nn.Module) -> list[nn.Module]:
-    from .contracts import model_components
-
     inner = unwrap(model)
     return [inner, *(unwrap(m) for _, m in model_components(inner))]
 

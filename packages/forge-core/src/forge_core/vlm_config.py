@@ -25,7 +25,9 @@ __all__ = [
     "VLM_PRESETS",
     "VLMConfig",
     "VisionEncoderConfig",
+    "check_encoder_tp",
     "check_vlm",
+    "num_image_tokens",
 ]
 
 #: ``forge``: forge's own ViT. ``siglip``: Hugging Face's ``SiglipVisionModel`` built from a

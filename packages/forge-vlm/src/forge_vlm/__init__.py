@@ -14,6 +14,7 @@ decoder with the reference plan, the encoder with its own plan from class attrib
 on forge_core and torch (transformers only for the SigLIP tower).
 """
 
+from forge_core.errors import ForgeConfigError, did_you_mean
 from forge_core.vlm_config import (
     AC_SCOPES,
     VLM_PRESETS,
@@ -61,9 +62,6 @@ def ac_components(scope: str, frozen_encoder: bool = False) -> tuple[str, ...]:
     A frozen encoder keeps no activations for backward, so checkpointing it saves nothing: it
     is left out of ``all``, and ``vision`` alone is refused.
     """
-    from forge_core import ForgeConfigError
-    from forge_core.errors import did_you_mean
-
     table = {"all": ("encoder", "decoder"), "language": ("decoder",), "vision": ("encoder",)}
     if scope not in table:
         raise ForgeConfigError(

@@ -299,13 +299,7 @@ def build_parallel_model(
         )
     vlm_options: dict[str, Any] = {}
     if vlm_config is not None:
-        check_vlm(
-            model_config,
-            vision_config,
-            adapter_config,
-            vlm_config,
-            tp=axis_size(device_mesh, "tp"),
-        )
+        check_vlm(model_config, vision_config, adapter_config, vlm_config)  # TP: parallelize
         vlm_options = {
             "encoder_tp": vlm_config.encoder_tp,
             "encoder_tp_plan": vlm_config.encoder_tp_plan,
