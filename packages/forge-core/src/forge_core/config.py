@@ -2,7 +2,7 @@
 
 ``ParallelismConfig`` describes how ranks are laid out (mesh axes and the data-parallel mode).
 ``load_config`` reads a TOML file (sections ``[model]``, ``[parallelism]``, ``[training]``,
-``[tp]``, ``[float8]``, and for a vision-language model ``[vision]``, ``[adapter]``, ``[vlm]``) or a
+``[tp]``, ``[float8]``, ``[data]``, ``[checkpoint]``, and for a vision-language model ``[vision]``, ``[adapter]``, ``[vlm]``) or a
 dict, applies ``key=value`` overrides (``parallelism.tp=2``) and rejects unknown keys with a
 did-you-mean. Every check here is pure Python on integers: it runs before any process group
 exists, so a bad config fails fast with a message that names the field, the value and the fix.
@@ -25,6 +25,9 @@ from .vlm_config import VLM_PRESETS, AdapterConfig, VisionEncoderConfig, VLMConf
 __all__ = [
     "DATA_MODES",
     "FLOAT8_RECIPES",
+    "TOKEN_DTYPES",
+    "CheckpointConfig",
+    "DataConfig",
     "Float8Config",
     "ForgeConfig",
     "ParallelismConfig",
@@ -181,6 +184,10 @@ class ParallelismConfig:
         return resolved
 
 
+#: Where ``torch.compile`` applies (``training.compile_scope``, ``ParallelPlan.compile_scope``).
+COMPILE_SCOPES = ("blocks", "model")
+
+
 @dataclass(frozen=True)
 class TrainingConfig:
     """The short training job that ``forge build`` runs and checks for parity.
@@ -198,11 +205,24 @@ class TrainingConfig:
     param_dtype: str = "float32"
     ac_mode: str = "none"
     compile: bool = False
+    #: with ``compile``: ``"blocks"`` compiles each block before FSDP2 (inside
+    #: ``ParallelPlan.parallelize``), ``"model"`` the whole sharded model (``maybe_compile``).
+    compile_scope: str = "blocks"
     reshard_after_forward: bool = True
     cpu_offload: bool = False
+    # forge train only (forge build trains at a constant lr, without clipping):
+    #: linear warmup steps, then cosine decay to ``lr * min_lr_ratio`` at ``steps``.
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    #: clip the global gradient norm (over every shard and mesh) to this; 0 turns clipping off.
+    max_grad_norm: float = 1.0
+    #: where ``forge train`` writes ``metrics.jsonl`` (and ``checkpoints/`` unless checkpoint.dir).
+    out_dir: str = "runs/forge"
+    log_every: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("steps", "global_batch_size", "seq_len", "grad_accum"):
+        for name in ("steps", "global_batch_size", "seq_len", "grad_accum", "log_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ForgeConfigError(f"training.{name}={v!r} must be a positive integer")
@@ -212,6 +232,76 @@ class TrainingConfig:
             )
         if not (isinstance(self.lr, (int, float)) and self.lr > 0):
             raise ForgeConfigError(f"training.lr={self.lr!r} must be a positive number")
+        if self.compile_scope not in COMPILE_SCOPES:
+            raise ForgeConfigError(
+                f"training.compile_scope={self.compile_scope!r} is invalid: choose one of "
+                f"{list(COMPILE_SCOPES)}" + did_you_mean(str(self.compile_scope), COMPILE_SCOPES)
+            )
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ForgeConfigError(
+                f"training.warmup_steps={self.warmup_steps!r} must be an integer >= 0"
+            )
+        for name, high in (("min_lr_ratio", 1.0), ("weight_decay", None), ("max_grad_norm", None)):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or isinstance(v, bool) or v < 0 or (high and v > high):
+                bound = f"in [0, {high}]" if high else ">= 0"
+                raise ForgeConfigError(f"training.{name}={v!r} must be a number {bound}")
+
+
+TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Training data for ``forge train``: ``[data]`` section.
+
+    ``path``: a flat binary file of token ids (no header) in ``dtype``, memory-mapped and read
+    in windows of ``training.seq_len + 1`` tokens, each data-parallel rank reading only its own
+    samples; None trains on synthetic tokens (learnable bigram sequences, see
+    ``forge_core.training.synthetic_tokens``). Windows are visited in a seeded shuffled order,
+    reshuffled every pass over the file.
+    """
+
+    path: str | None = None
+    dtype: str = "uint16"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in TOKEN_DTYPES:
+            raise ForgeConfigError(
+                f"data.dtype={self.dtype!r} is invalid: choose one of {list(TOKEN_DTYPES)}"
+                + did_you_mean(str(self.dtype), TOKEN_DTYPES)
+            )
+        if self.path is not None and not isinstance(self.path, str):
+            raise ForgeConfigError(f"data.path={self.path!r} must be a file path (a string)")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints of ``forge train`` (torch.distributed.checkpoint): ``[checkpoint]`` section.
+
+    ``dir``: where ``step-N`` checkpoints go (None: ``<training.out_dir>/checkpoints``).
+    ``every``: save every N steps (0: only at the end and on SIGTERM/Ctrl-C). ``keep``: how many
+    of the newest checkpoints to keep. ``async_save``: write in the background while training
+    goes on. ``resume``: ``"latest"`` continues from the newest checkpoint in ``dir`` if there is
+    one, ``"none"`` starts fresh, anything else is the path of a ``step-N`` directory.
+    """
+
+    dir: str | None = None
+    every: int = 0
+    keep: int = 2
+    async_save: bool = False
+    resume: str = "latest"
+    save_at_end: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 0:
+            raise ForgeConfigError(f"checkpoint.every={self.every!r} must be an integer >= 0")
+        if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 1:
+            raise ForgeConfigError(f"checkpoint.keep={self.keep!r} must be a positive integer")
+        if not isinstance(self.resume, str) or not self.resume:
+            raise ForgeConfigError(
+                f"checkpoint.resume={self.resume!r}: use 'latest', 'none' or a checkpoint path"
+            )
 
 
 def _freeze_strings(obj: object, name: str, key: str, what: str) -> None:
@@ -292,6 +382,8 @@ class ForgeConfig:
     tp: TPConfig = field(default_factory=TPConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     float8: Float8Config = field(default_factory=Float8Config)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     #: A vision-language model when set (all three together): ``[vision]``, ``[adapter]`` and
     #: ``[vlm]``, filled from the model preset (e.g. ``debug_vlm``) and overridden per key.
     vision: VisionEncoderConfig | None = None
@@ -321,6 +413,8 @@ _SECTIONS: dict[str, type] = {
     "tp": TPConfig,
     "training": TrainingConfig,
     "float8": Float8Config,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
     "vision": VisionEncoderConfig,
     "adapter": AdapterConfig,
     "vlm": VLMConfig,

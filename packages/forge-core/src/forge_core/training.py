@@ -12,6 +12,7 @@ fp32 tolerances (relative): step-1 loss <= 1e-5, every step's loss and grad norm
 from __future__ import annotations
 
 import logging
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ __all__ = [
     "Tolerances",
     "compare_runs",
     "global_grad_norm",
+    "clip_grad_norm_",
     "local_batch",
     "run_parity",
     "set_gradient_sync",
@@ -40,6 +42,7 @@ __all__ = [
     "synthetic_vlm_batch",
     "tolerances_for",
     "train_steps",
+    "warmup_cosine",
 ]
 
 
@@ -65,25 +68,31 @@ def tolerances_for(dtype: torch.dtype) -> Tolerances:
     return Tolerances(first_loss=2e-2, loss=3e-2, grad_norm=5e-2)
 
 
+def _step_generator(seed: int, step: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed + 1) * 1_000_003 + step)
+
+
 def synthetic_tokens(
-    seed: int, steps: int, batch_size: int, seq_len: int, vocab_size: int
+    seed: int, steps: int, batch_size: int, seq_len: int, vocab_size: int, *, first_step: int = 0
 ) -> torch.Tensor:
     """Learnable token ids ``[steps, batch_size, seq_len + 1]``, the same on every rank.
 
     Each sequence starts at a random token and follows one fixed random bigram map (with 10%
     random tokens mixed in), so the loss falls as the model trains: a parity check over several
-    steps then depends on every optimizer update, not only on the first gradient.
+    steps then depends on every optimizer update, not only on the first gradient. Every step
+    draws from its own generator, so the batches of steps ``first_step ..`` are the same whether
+    generated together or one at a time (a resumed run sees the data it would have seen).
     """
-    g = torch.Generator().manual_seed(seed)
-    next_token = torch.randperm(vocab_size, generator=g)
+    next_token = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))
     tokens = torch.empty(steps, batch_size, seq_len + 1, dtype=torch.long)
-    tokens[..., 0] = torch.randint(0, vocab_size, (steps, batch_size), generator=g)
-    noise = torch.randint(0, vocab_size, tokens.shape, generator=g)
-    use_noise = torch.rand(tokens.shape, generator=g) < 0.1
-    for t in range(1, seq_len + 1):
-        tokens[..., t] = torch.where(
-            use_noise[..., t], noise[..., t], next_token[tokens[..., t - 1]]
-        )
+    for i in range(steps):
+        g = _step_generator(seed, first_step + i)
+        batch = tokens[i]
+        batch[:, 0] = torch.randint(0, vocab_size, (batch_size,), generator=g)
+        noise = torch.randint(0, vocab_size, batch.shape, generator=g)
+        use_noise = torch.rand(batch.shape, generator=g) < 0.1
+        for t in range(1, seq_len + 1):
+            batch[:, t] = torch.where(use_noise[:, t], noise[:, t], next_token[batch[:, t - 1]])
     return tokens
 
 
@@ -97,6 +106,7 @@ def synthetic_vlm_batch(
     image_token_id: int,
     image_tokens: int,
     image_shape: tuple[int, int, int],
+    first_step: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Learnable token ids ``[steps, B, S+1]`` with an image block, and images ``[steps, B, C, H, W]``.
 
@@ -109,14 +119,18 @@ def synthetic_vlm_batch(
         raise ForgeConfigError(
             f"{image_tokens} image tokens do not fit in a sequence of {seq_len} with text around them"
         )
-    tokens = synthetic_tokens(seed, steps, batch_size, seq_len, vocab_size - 1)
+    tokens = synthetic_tokens(
+        seed, steps, batch_size, seq_len, vocab_size - 1, first_step=first_step
+    )
     tokens = tokens + (tokens >= image_token_id).long()  # skip the placeholder id
-    g = torch.Generator().manual_seed(seed + 1)
-    start = torch.randint(1, seq_len - image_tokens + 1, (steps, batch_size), generator=g)
     pos = torch.arange(seq_len + 1)
-    in_block = (pos >= start[..., None]) & (pos < start[..., None] + image_tokens)
-    tokens = tokens.masked_fill(in_block, image_token_id)
-    images = torch.randn(steps, batch_size, *image_shape, generator=g)
+    images = torch.empty(steps, batch_size, *image_shape)
+    for i in range(steps):
+        g = _step_generator(seed + 1, first_step + i)
+        start = torch.randint(1, seq_len - image_tokens + 1, (batch_size,), generator=g)
+        in_block = (pos >= start[:, None]) & (pos < start[:, None] + image_tokens)
+        tokens[i] = tokens[i].masked_fill(in_block, image_token_id)
+        images[i] = torch.randn(batch_size, *image_shape, generator=g)
     return tokens, images
 
 
@@ -174,6 +188,37 @@ def global_grad_norm(parameters: list[nn.Parameter] | object) -> torch.Tensor:
     finally:
         redistribute_log.setLevel(level)
     return squares.sqrt()
+
+
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale gradients so that their global norm is at most ``max_norm``; returns the norm.
+
+    Unlike ``torch.nn.utils.clip_grad_norm_``, the norm covers gradients on several meshes at
+    once (TP DTensors, FSDP2 shards, EP experts on their own mesh, plain tensors): each mesh's
+    part is reduced over that mesh, then the parts are combined (:func:`global_grad_norm`).
+    ``max_norm <= 0`` only measures. Clipping multiplies by ``max_norm / (norm + 1e-6)`` when
+    that is below 1, as torch does.
+    """
+    norm = global_grad_norm(parameters)
+    if max_norm > 0:
+        coef = max_norm / (float(norm) + 1e-6)
+        if coef < 1.0:
+            for p in parameters:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    return norm
+
+
+def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """LR factor at optimizer step ``step`` (0-based): linear warmup, then cosine to ``min_ratio``.
+
+    Warmup reaches the full LR at step ``warmup_steps - 1``; the cosine then falls from 1 to
+    ``min_ratio`` at step ``total_steps`` and stays there.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def _average_over_dp(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
