@@ -14,19 +14,31 @@ encoder (its own plan, no SP) -> EP and Float8 on the decoder -> AC on the compo
 compile every component's blocks -> FSDP2 units encoder blocks, encoder, adapter, decoder
 blocks, decoder, root (a frozen encoder may stay replicated instead; see
 ``forge_fsdp_wrap.apply_fsdp2``). The stage-order contract checks each component.
+
+From a config (what ``forge build`` does, for a model you already have)::
+
+    plan = ParallelPlan.from_config("job.toml", mesh)   # or a ForgeConfig, or a dict
+    model = plan.maybe_compile(plan.parallelize(model))
+
+:meth:`ParallelPlan.from_config` is the one mapping from a ``ForgeConfig`` to a plan;
+``forge build`` (``forge.job``) uses it too.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from forge_core import ForgeConfigError, ModelConfig
+from forge_core import ForgeConfig, ForgeConfigError, ModelConfig, applied_stages, load_config
+from forge_core.config import COMPILE_SCOPES, Float8Config, ParallelismConfig
 from forge_core.contracts import model_components
+from forge_core.errors import did_you_mean
 from forge_core.mesh_dims import axis_size, get_dp_mesh, has_dp_mesh
 from forge_domain import apply_domain_parallel
 from forge_float8 import apply_float8
@@ -53,7 +65,23 @@ from forge_vlm import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
-__all__ = ["ParallelPlan", "build_parallel_model", "check_plan", "materialize"]
+from .hf_patches import (
+    is_hf_model,
+    is_packed_sequence_patched,
+    patch_is_packed_sequence,
+    unpatch_is_packed_sequence,
+)
+
+__all__ = [
+    "ParallelPlan",
+    "build_meta_model",
+    "build_parallel_model",
+    "check_float8",
+    "check_plan",
+    "materialize",
+]
+
+logger = logging.getLogger(__name__)
 
 #: Axes whose layer this forge does not have yet -> what provides them. Refused, never ignored.
 NOT_YET = {
@@ -85,14 +113,150 @@ def check_plan(
         raise ForgeConfigError(f"ac_mode={ac_mode!r} is invalid: choose one of {list(AC_MODES)}")
 
 
+def check_float8(float8: Float8Config, tp: int) -> None:
+    """Refuse ``[float8]`` settings that cannot work with ``tp`` (pure checks, no process group)."""
+    if float8.enabled and float8.fsdp_all_gather_flag and tp > 1:
+        raise ForgeConfigError(
+            "float8.fsdp_float8_all_gather=true with tp > 1: torchao's float8 weight wrapper does "
+            'not support TP (DTensor) weights; set it false or "auto"'
+        )
+    if float8.enabled and float8.fsdp_all_gather_flag and float8.recipe != "tensorwise":
+        raise ForgeConfigError(
+            "float8.fsdp_float8_all_gather=true needs float8.recipe='tensorwise', got "
+            f"{float8.recipe!r}"
+        )
+
+
+def _float8_options(float8: Float8Config, *, fsdp_all_gather: bool = True) -> dict[str, Any]:
+    """The ``ParallelPlan`` fields of a ``[float8]`` section (none when Float8 is off).
+
+    ``fsdp_all_gather=False`` leaves FSDP2's fp8 all-gather out (a single-device reference).
+    """
+    if not float8.enabled:
+        return {}
+    options: dict[str, Any] = {
+        "fp8": True,
+        "fp8_recipe": float8.recipe,
+        "fp8_filter_fqns": tuple(float8.filter_fqns),
+    }
+    if fsdp_all_gather:
+        options["fp8_fsdp_all_gather"] = float8.fsdp_all_gather_flag
+    return options
+
+
+def _vlm_options(vlm: VLMConfig | None, ac_mode: str) -> dict[str, Any]:
+    """The ``ParallelPlan`` fields of a ``[vlm]`` section (none for a language model).
+
+    NOTE: the AC components are resolved only when AC is on: ``ac_components`` refuses some
+    scopes (vision with a frozen encoder) that do not matter without AC.
+    """
+    if vlm is None:
+        return {}
+    return {
+        "encoder_tp": vlm.encoder_tp,
+        "encoder_tp_plan": vlm.encoder_tp_plan,
+        "ac_components": ac_components(vlm.ac_scope, vlm.freeze_encoder)
+        if ac_mode != "none"
+        else None,
+        "shard_frozen": vlm.shard_frozen_flag,
+    }
+
+
+def _config_options(cfg: ForgeConfig) -> dict[str, Any]:
+    """Every ``ParallelPlan`` field a ``ForgeConfig`` sets, except ``data`` (it needs the mesh).
+
+    The one mapping from config to plan: :meth:`ParallelPlan.from_config` and ``forge build``
+    go through it. Fields the config does not have (``mp_policy``, ``compile_backend``,
+    ``packed_sequences``, a plan given as a dict) keep their defaults.
+    """
+    t = cfg.training
+    return {
+        "ac_mode": t.ac_mode,
+        "compile_model": t.compile,
+        "compile_scope": t.compile_scope,
+        "param_dtype": getattr(torch, t.param_dtype),
+        "reshard_after_forward": t.reshard_after_forward,
+        "cpu_offload": t.cpu_offload,
+        "tp_plan": cfg.tp.plan,
+        "sequence_parallel": cfg.tp.sequence_parallel_flag,
+        "loss_parallel": cfg.tp.loss_parallel,
+        "allow_plan_import": cfg.tp.allow_import,
+        **_float8_options(cfg.float8),
+        **_vlm_options(cfg.vlm, t.ac_mode),
+    }
+
+
+def _as_config(config: ForgeConfig | Mapping[str, Any] | str | Path) -> ForgeConfig:
+    if isinstance(config, ForgeConfig):
+        return config
+    if isinstance(config, Mapping | str | Path):
+        return load_config(config)
+    raise ForgeConfigError(
+        f"ParallelPlan.from_config(config=...) got a {type(config).__name__}: pass a ForgeConfig, "
+        "a dict of config sections or the path of a TOML file"
+    )
+
+
+#: Mesh axes a ``[parallelism]`` section sizes (``ep`` is a view carved from ``dp_shard``).
+_LAYOUT_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "domain", "tp", "ep")
+
+
+def _check_mesh_matches(par: ParallelismConfig, mesh: DeviceMesh | None) -> None:
+    """Refuse a mesh whose axis sizes differ from the config's resolved ``[parallelism]``.
+
+    NOTE: a plan reads the layout from the mesh; a config that says tp=2 next to a mesh without
+    a tp axis would otherwise be followed silently without TP (and its TP options ignored).
+    """
+    wrong = {
+        axis: (getattr(par, axis), axis_size(mesh, axis))
+        for axis in _LAYOUT_AXES
+        if getattr(par, axis) != axis_size(mesh, axis)
+    }
+    if wrong:
+        ranks = mesh.size() if mesh is not None else 1
+        said = ", ".join(f"{a}={want}" for a, (want, _) in wrong.items())
+        has = ", ".join(f"{a}={got}" for a, (_, got) in wrong.items())
+        fix = ", ".join(f"parallelism.{a}={got}" for a, (_, got) in wrong.items())
+        mesh_text = "device_mesh=None (one device)" if mesh is None else "the device_mesh"
+        raise ForgeConfigError(
+            f"the config's [parallelism] resolves to {said} on {ranks} rank(s), but {mesh_text} "
+            f"has {has}: build the mesh from the same config "
+            "(forge_mesh.build_device_mesh(cfg.resolved_parallelism(world_size), ...)) or set "
+            f"{fix} in the config"
+        )
+
+
 @dataclass
 class ParallelPlan:
     """How to parallelize a model over ``device_mesh``; :meth:`parallelize` applies it.
+
+    Build one directly (``ParallelPlan(mesh, data="fsdp2", ...)``) or from a config with
+    :meth:`from_config` (exactly what ``forge build`` runs). Then::
+
+        model = plan.maybe_compile(plan.parallelize(model))
 
     ``data``: ``fsdp2`` | ``ddp`` | ``none``; None picks ``fsdp2`` when the mesh has a DP axis.
     ``param_dtype`` is the compute dtype; parameters (master weights) stay float32 in every mode.
     FSDP2 gets it through ``default_mp_policy`` (ignored when ``mp_policy`` is given); DDP and
     ``none`` run the forward under ``torch.autocast(param_dtype)`` (see ``enable_autocast``).
+
+    ``compile_model`` turns ``torch.compile`` on; ``compile_scope`` says where:
+
+    - ``"blocks"`` (default): :meth:`parallelize` compiles each block (``apply_compile``) after
+      AC and before FSDP2: one graph shared by all blocks, no graph breaks at FSDP2's hooks,
+      parameter names unchanged. :meth:`maybe_compile` then has nothing left to do.
+    - ``"model"``: :meth:`parallelize` compiles nothing; :meth:`maybe_compile`, called after it,
+      compiles the whole sharded model in place (``nn.Module.compile``: names unchanged),
+      with graph breaks where FSDP2's hooks run. For models whose blocks cannot be compiled on
+      their own, or to let the compiler see across blocks.
+
+    ``packed_sequences`` (Hugging Face models only): None (default) = unknown, nothing is
+    patched. False = you promise no row packs several sequences: :meth:`parallelize` then
+    replaces transformers' packed-sequence check, which syncs the host with the GPU once per
+    attention layer per forward, by a constant False (see :mod:`forge.hf_patches`; process-wide,
+    recorded in ``hf_patches``, undone by :meth:`revert_hf_patches`). True = packed: never patched,
+    and refused while the patch is in effect. **With packed sequences never set it to False**:
+    attention would cross document boundaries and the loss would be silently wrong.
     """
 
     device_mesh: DeviceMesh | None
@@ -116,6 +280,11 @@ class ParallelPlan:
     encoder_tp_plan: Mapping[str, object] | str | None = None
     ac_components: Sequence[str] | None = None
     shard_frozen: bool | None = None
+    # NOTE: new fields go last, so positional construction of the ones above keeps working.
+    compile_scope: str = "blocks"
+    packed_sequences: bool | None = None
+    #: Process-wide patches this plan put in place (names from forge.hf_patches), newest last.
+    hf_patches: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         sizes = {axis: axis_size(self.device_mesh, axis) for axis in (*NOT_YET, "tp", "domain")}
@@ -128,6 +297,67 @@ class ParallelPlan:
         )
         if self.data == "fsdp2" and not has_dp_mesh(self.device_mesh):
             raise ForgeConfigError("data='fsdp2' needs a mesh with a data-parallel axis")
+        if self.compile_scope not in COMPILE_SCOPES:
+            raise ForgeConfigError(
+                f"compile_scope={self.compile_scope!r} is invalid: choose 'blocks' (each block "
+                "compiled inside parallelize, before FSDP2) or 'model' (the whole sharded model, "
+                "compiled by maybe_compile after parallelize)"
+                + did_you_mean(str(self.compile_scope), COMPILE_SCOPES)
+            )
+        if self.packed_sequences not in (None, True, False):
+            raise ForgeConfigError(
+                f"packed_sequences={self.packed_sequences!r} must be None (unknown), True or False"
+            )
+
+    @classmethod
+    def from_config(
+        cls,
+        config: ForgeConfig | Mapping[str, Any] | str | Path,
+        device_mesh: DeviceMesh | None,
+        **overrides: Any,
+    ) -> ParallelPlan:
+        """The plan ``forge build`` would use for ``config`` on ``device_mesh``.
+
+        ``config``: a loaded ``ForgeConfig``, a dict of sections or a TOML path (both read with
+        ``forge_core.load_config``). Mapped fields: ``[training]`` ``ac_mode``, ``compile``,
+        ``compile_scope``, ``param_dtype``, ``reshard_after_forward``, ``cpu_offload``; ``[tp]``
+        ``plan``, ``sequence_parallel``, ``loss_parallel``, ``allow_import``; ``[float8]``;
+        ``[vlm]`` ``encoder_tp``, ``encoder_tp_plan``, ``ac_scope`` (-> ``ac_components``),
+        ``shard_frozen_encoder``. ``data`` is ``parallelism.data``, or ``"none"`` when no rank
+        is left for data parallelism (all of them used by tp/cp/domain) or without a mesh.
+
+        The mesh must have the layout ``[parallelism]`` resolves to for its number of ranks (a
+        ``ForgeConfigError`` says which axes differ): build it from the same config. Sections
+        about the training job itself (steps, batch, model shape) are not read here.
+
+        ``overrides`` set fields the config has no key for (``compile_backend="aot_eager"``,
+        ``mp_policy=...``, ``packed_sequences=False``) or replace mapped ones.
+
+        The plan applies to any model: ``from_config(cfg, mesh).parallelize(model)`` on a model
+        you built and loaded yourself (a Hugging Face model, your own) keeps its values.
+        """
+        cfg = _as_config(config)
+        ranks = device_mesh.size() if device_mesh is not None else 1
+        try:
+            par = cfg.resolved_parallelism(ranks)
+        except ForgeConfigError as e:
+            where = "device_mesh=None (one device)" if device_mesh is None else "the device_mesh"
+            raise ForgeConfigError(
+                f"the config's [parallelism] does not fit {where}: {e}"
+            ) from None
+        _check_mesh_matches(par, device_mesh)
+        check_float8(cfg.float8, par.tp)
+        # NOTE: as forge build: with every rank used by tp/cp/domain there is no data-parallel
+        # axis left to shard over; without a mesh the model is a single-device one.
+        data = par.data if device_mesh is not None and (par.dp_degree > 1 or ranks == 1) else "none"
+        names = {f.name for f in fields(cls) if f.init and f.name != "device_mesh"}
+        for key in overrides:
+            if key not in names:
+                raise ForgeConfigError(
+                    f"ParallelPlan.from_config got unknown field '{key}'{did_you_mean(key, names)}; "
+                    f"fields: {sorted(names)}"
+                )
+        return cls(device_mesh, **{"data": data, **_config_options(cfg), **overrides})
 
     @property
     def fp8_all_gather(self) -> bool:
@@ -152,11 +382,24 @@ class ParallelPlan:
 
         A model on the meta device is materialized with ``to_empty(device)`` + ``init_weights(seed)``
         (after FSDP2, so each rank allocates only its shard; before DDP, which needs values).
-        Returns the model (the DDP wrapper for ``data='ddp'``).
+        A model that already holds its values (loaded weights, a Hugging Face model) is sharded
+        as it is: leave ``device`` out (move it to its device first) and give every rank the
+        same values. Returns the model (the DDP wrapper for ``data='ddp'``); with
+        ``compile_scope='model'`` pass what it returns to :meth:`maybe_compile`.
 
         A model made of components (a VLM) gets TP on its ``decoder`` (and on its ``encoder``
         with ``encoder_tp``), EP and Float8 on the decoder, AC on ``ac_components`` (None: all).
         """
+        if device is not None and not any(
+            t.is_meta for t in (*model.parameters(), *model.buffers())
+        ):
+            raise ForgeConfigError(
+                f"parallelize(device={str(device)!r}) materializes a model on the meta device from "
+                f"a seed, but this {type(model).__name__} already holds its values (they would be "
+                "re-initialized); call parallelize(model) without device, after moving the model "
+                "to its device"
+            )
+        self._apply_hf_patches(model)
         parts = dict(model_components(model))
         decoder, encoder = parts.get("decoder", model), parts.get("encoder")
         if self.encoder_tp and encoder is None:
@@ -201,7 +444,7 @@ class ParallelPlan:
         if self.ac_mode != "none":
             components = None if self.ac_components is None else tuple(self.ac_components)
             apply_ac(model, self.ac_mode, components=components)
-        if self.compile_model:
+        if self.compile_model and self.compile_scope == "blocks":
             apply_compile(model, backend=self.compile_backend)
         if self.data == "fsdp2":
             mp = self.mp_policy or default_mp_policy(self.param_dtype)
@@ -226,6 +469,92 @@ class ParallelPlan:
         if self.data == "ddp":
             return apply_ddp(model, self.device_mesh)
         return model
+
+    def maybe_compile(self, model: nn.Module) -> nn.Module:
+        """Whole-model ``torch.compile`` after sharding, when the plan asks for it; returns the model.
+
+        Call it on what :meth:`parallelize` returned, once, before training. What it does:
+
+        - ``compile_model=False``: nothing (returns ``model`` as it is).
+        - ``compile_scope='blocks'``: nothing more: :meth:`parallelize` already compiled each
+          block before FSDP2. Refused if the model has no compile stage (not parallelized with
+          this plan yet: call :meth:`parallelize` first).
+        - ``compile_scope='model'``: compiles ``model`` in place (``nn.Module.compile``:
+          parameter and state-dict names keep no ``_orig_mod.`` prefix), with
+          ``compile_backend`` and static shapes; FSDP2's hooks run eagerly between graphs.
+          A model already compiled (by an earlier call, ``torch.compile`` or ``nn.Module.compile``)
+          is returned unchanged: never compiled twice. A model whose blocks are compiled
+          (``apply_compile``) is refused: the whole-model compile would compile them again.
+
+        NOTE: static shapes (``dynamic=False``) as for the blocks: DTensor (TP) fails under
+        symbolic shapes in inductor, so each new input shape compiles its own graph.
+
+        NOTE: under FSDP2 the graphs stop at every FSDP2 unit: dynamo runs FSDP2's hooks
+        eagerly (``torch._dynamo.config.skip_fsdp_hooks``), and a graph break inside a loop
+        makes it run that whole frame eagerly. On forge's Transformer (torch 2.15) the root's
+        forward, whose loop over the blocks crosses each block's hooks, runs eagerly and each
+        block's forward becomes the compiled graph, so ``"blocks"`` is the better scope for an
+        FSDP2 model; ``"model"`` pays off where no hooks cut the model (``data='none'``, DDP,
+        or units that are not called in a loop).
+        """
+        if not self.compile_model:
+            return model
+        compiled_blocks = "compile" in applied_stages(model)
+        if self.compile_scope == "blocks":
+            if not compiled_blocks:
+                raise ForgeConfigError(
+                    "maybe_compile with compile_scope='blocks': the blocks are compiled inside "
+                    "parallelize(), which has not run on this model; call "
+                    "plan.maybe_compile(plan.parallelize(model))"
+                )
+            return model
+        if hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None:
+            return model  # already compiled as a whole
+        if compiled_blocks:
+            raise ForgeConfigError(
+                "maybe_compile with compile_scope='model' on a model whose blocks are already "
+                "compiled (apply_compile, or a plan with compile_scope='blocks'): it would compile "
+                "them twice; use compile_scope='blocks', or rebuild the model without block compile"
+            )
+        model.compile(backend=self.compile_backend, dynamic=False)
+        return model
+
+    def _apply_hf_patches(self, model: nn.Module) -> None:
+        """Apply the Hugging Face patches ``packed_sequences`` allows (see the class docstring)."""
+        if self.packed_sequences is None or not is_hf_model(model):
+            return
+        if self.packed_sequences:
+            if is_packed_sequence_patched():
+                raise ForgeConfigError(
+                    "packed_sequences=True, but transformers' packed-sequence check is patched to "
+                    "always say 'not packed' (forge.hf_patches.patch_is_packed_sequence, or a plan "
+                    "with packed_sequences=False): packed rows would attend across sequences; call "
+                    "forge.hf_patches.unpatch_is_packed_sequence() (or plan.revert_hf_patches()) first"
+                )
+            return
+        already = is_packed_sequence_patched()
+        if patch_is_packed_sequence():
+            if not already:
+                self.hf_patches.append("is_packed_sequence")
+            logger.info(
+                "packed_sequences=False: transformers' _is_packed_sequence now returns False "
+                "(no host sync per attention layer)%s; undo with plan.revert_hf_patches()",
+                " (already patched)" if already else "",
+            )
+        else:
+            logger.info(
+                "packed_sequences=False: this transformers has no _is_packed_sequence; nothing "
+                "to patch"
+            )
+
+    def revert_hf_patches(self) -> list[str]:
+        """Undo the process-wide patches this plan applied; returns the names it restored."""
+        restored = []
+        if "is_packed_sequence" in self.hf_patches:
+            if unpatch_is_packed_sequence():
+                restored.append("is_packed_sequence")
+            self.hf_patches.remove("is_packed_sequence")
+        return restored
 
 
 @torch.no_grad()
@@ -269,6 +598,7 @@ def build_parallel_model(
     param_dtype: torch.dtype = torch.bfloat16,
     compile_model: bool = False,
     compile_backend: str = "inductor",
+    compile_scope: str = "blocks",
     fp8: bool = False,
     fp8_recipe: str = "tensorwise",
     fp8_fsdp_all_gather: bool | None = None,
@@ -291,29 +621,18 @@ def build_parallel_model(
     With ``vlm_config`` (and ``vision_config``, ``adapter_config``) the model is a
     ``forge_vlm.VLMWrapper`` whose decoder is ``model_config``; ``vlm_config`` says whether the
     encoder is frozen, TP-split (its own plan) and which components AC covers (``ac_scope``).
+
+    The keywords are :class:`ParallelPlan`'s fields; with ``compile_scope='model'`` the
+    returned model is already compiled as a whole (:meth:`ParallelPlan.maybe_compile`).
     """
-    vlm_parts = (vision_config, adapter_config, vlm_config)
-    if any(p is not None for p in vlm_parts) and any(p is None for p in vlm_parts):
-        raise ForgeConfigError(
-            "a vision-language model needs vision_config, adapter_config and vlm_config together"
-        )
-    vlm_options: dict[str, Any] = {}
-    if vlm_config is not None:
-        check_vlm(model_config, vision_config, adapter_config, vlm_config)  # TP: parallelize
-        vlm_options = {
-            "encoder_tp": vlm_config.encoder_tp,
-            "encoder_tp_plan": vlm_config.encoder_tp_plan,
-            "ac_components": ac_components(vlm_config.ac_scope, vlm_config.freeze_encoder)
-            if ac_mode != "none"
-            else None,
-            "shard_frozen": vlm_config.shard_frozen_flag,
-        }
+    model = build_meta_model(model_config, vision_config, adapter_config, vlm_config)
     plan = ParallelPlan(
         device_mesh,
         data=data,
         ac_mode=ac_mode,
         compile_model=compile_model,
         compile_backend=compile_backend,
+        compile_scope=compile_scope,
         mp_policy=mp_policy,
         param_dtype=param_dtype,
         reshard_after_forward=reshard_after_forward,
@@ -326,14 +645,33 @@ def build_parallel_model(
         sequence_parallel=sequence_parallel,
         loss_parallel=loss_parallel,
         allow_plan_import=allow_plan_import,
-        **vlm_options,
+        **_vlm_options(vlm_config, ac_mode),
     )
+    return plan.maybe_compile(plan.parallelize(model, device=device, seed=seed))
+
+
+def build_meta_model(
+    model_config: ModelConfig,
+    vision_config: VisionEncoderConfig | None = None,
+    adapter_config: AdapterConfig | None = None,
+    vlm_config: VLMConfig | None = None,
+) -> nn.Module:
+    """forge's reference Transformer (MoE blocks if the config has them), or a VLM, on meta.
+
+    The VLM needs all three of ``vision_config``, ``adapter_config`` and ``vlm_config``; their
+    cross-config checks run here (the TP ones in :meth:`ParallelPlan.parallelize`).
+    """
+    vlm_parts = (vision_config, adapter_config, vlm_config)
+    if any(p is not None for p in vlm_parts) and any(p is None for p in vlm_parts):
+        raise ForgeConfigError(
+            "a vision-language model needs vision_config, adapter_config and vlm_config together"
+        )
+    if vlm_config is not None:
+        check_vlm(model_config, vision_config, adapter_config, vlm_config)  # TP: parallelize
     with torch.device("meta"):
         if vlm_config is None:
-            model = moe_transformer(model_config)
-        else:
-            factory = MoE.for_block if model_config.moe_layers else None
-            model = build_vlm(
-                model_config, vision_config, adapter_config, vlm_config, ffn_factory=factory
-            )
-    return plan.parallelize(model, device=device, seed=seed)
+            return moe_transformer(model_config)
+        factory = MoE.for_block if model_config.moe_layers else None
+        return build_vlm(
+            model_config, vision_config, adapter_config, vlm_config, ffn_factory=factory
+        )

@@ -45,7 +45,15 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from .build import NOT_YET, build_parallel_model, check_plan
+from .build import (
+    NOT_YET,
+    ParallelPlan,
+    _float8_options,
+    build_meta_model,
+    build_parallel_model,
+    check_float8,
+    check_plan,
+)
 
 __all__ = ["BuildReport", "check_config", "run_build"]
 
@@ -67,16 +75,7 @@ def check_config(cfg: ForgeConfig, world_size: int) -> None:
             "forge build's models are token sequences. Use forge_domain.apply_domain_parallel "
             "(or ParallelPlan) on an image-like model, and set domain=1 here"
         )
-    f8 = cfg.float8
-    if f8.enabled and f8.fsdp_all_gather_flag and par.tp > 1:
-        raise ForgeConfigError(
-            "float8.fsdp_float8_all_gather=true with tp > 1: torchao's float8 weight wrapper does "
-            'not support TP (DTensor) weights; set it false or "auto"'
-        )
-    if f8.enabled and f8.fsdp_all_gather_flag and f8.recipe != "tensorwise":
-        raise ForgeConfigError(
-            f"float8.fsdp_float8_all_gather=true needs float8.recipe='tensorwise', got {f8.recipe!r}"
-        )
+    check_float8(cfg.float8, par.tp)
     if par.ep > 1:
         if not cfg.model.moe_layers:
             raise ForgeConfigError(
@@ -115,7 +114,17 @@ def _check_importable(key: str, path: str, allow_import: tuple[str, ...]) -> Non
         )
 
 
+def _fp8_kwargs(cfg: ForgeConfig) -> dict[str, Any]:
+    """``build_parallel_model`` keywords of the ``[float8]`` section.
+
+    NOTE: kept for callers of ``build_parallel_model``; it is the same mapping that
+    ``ParallelPlan.from_config`` uses (``forge.build._float8_options``), not a copy of it.
+    """
+    return _float8_options(cfg.float8)
+
+
 def _vlm_kwargs(cfg: ForgeConfig) -> dict[str, Any]:
+    """The configs that build a VLM (how it is parallelized comes from ParallelPlan.from_config)."""
     if not cfg.is_vlm:
         return {}
     return {"vision_config": cfg.vision, "adapter_config": cfg.adapter, "vlm_config": cfg.vlm}
@@ -170,18 +179,6 @@ def _param_bytes(model: torch.nn.Module) -> int:
         local = p.to_local() if isinstance(p, DTensor) else p
         total += local.numel() * local.element_size()
     return total
-
-
-def _fp8_kwargs(cfg: ForgeConfig) -> dict[str, Any]:
-    f = cfg.float8
-    if not f.enabled:
-        return {}
-    return {
-        "fp8": True,
-        "fp8_recipe": f.recipe,
-        "fp8_fsdp_all_gather": f.fsdp_all_gather_flag,
-        "fp8_filter_fqns": f.filter_fqns,
-    }
 
 
 def _count_step_syncs(model: nn.Module, batch: torch.Tensor, device: torch.device) -> str:
@@ -246,26 +243,12 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
     mesh = build_device_mesh(par, device_type)
     t = cfg.training
     dtype = getattr(torch, t.param_dtype)
-    # NOTE: with every rank used by tp/cp/domain there is no data-parallel axis left to shard over.
-    data = par.data if par.dp_degree > 1 or world_size == 1 else "none"
-    model = build_parallel_model(
-        cfg.model,
-        device,
-        mesh,
-        data=data,
-        ac_mode=t.ac_mode,
-        param_dtype=dtype,
-        compile_model=t.compile,
-        seed=t.seed,
-        reshard_after_forward=t.reshard_after_forward,
-        cpu_offload=t.cpu_offload,
-        tp_plan=cfg.tp.plan,
-        sequence_parallel=cfg.tp.sequence_parallel_flag,
-        loss_parallel=cfg.tp.loss_parallel,
-        allow_plan_import=cfg.tp.allow_import,
-        **_fp8_kwargs(cfg),
-        **_vlm_kwargs(cfg),
+    plan = ParallelPlan.from_config(cfg, mesh)  # the one config -> plan mapping
+    data = plan.data
+    model = plan.parallelize(
+        build_meta_model(cfg.model, **_vlm_kwargs(cfg)), device=device, seed=t.seed
     )
+    model = plan.maybe_compile(model)
     # NOTE: with Float8 the reference is the same Float8 model on one device (bf16 compute when
     # asked): parity then isolates the parallelism from fp8's own rounding.
     reference = build_parallel_model(
@@ -274,7 +257,7 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         None,
         param_dtype=dtype if cfg.float8.enabled else torch.float32,
         seed=t.seed,
-        **({k: v for k, v in _fp8_kwargs(cfg).items() if k != "fp8_fsdp_all_gather"}),
+        **_float8_options(cfg.float8, fsdp_all_gather=False),
         **_vlm_kwargs(cfg),
     )
     local_bytes = _param_bytes(model)
@@ -334,6 +317,7 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         ),
         "stages: "
         + (" -> ".join(applied_stages(model)) or "(none)")
+        + (" -> whole-model compile" if t.compile and t.compile_scope == "model" else "")
         + f"   (forge's order: {ORDER_TEXT})",
         *_vlm_report(cfg, par, model),
         f"params: unsharded {full_bytes:,} B; per rank "

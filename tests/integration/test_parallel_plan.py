@@ -1,0 +1,425 @@
+"""ParallelPlan as a config-object entry point, whole-model compile, and the HF packed-sequence patch.
+
+- ``ParallelPlan.from_config(cfg, mesh).parallelize(model)`` on a model the user already has (a
+  tiny Hugging Face Llama with random weights, FSDP2 x TP on 4 gloo ranks) trains like the
+  single-device model: same loss and gradient norm at every step (fp32 tolerances).
+- ``from_config`` is the mapping ``forge build`` uses: on the reference Transformer it gives the
+  same plan, stages, shards and logits as ``build_parallel_model`` with the same options.
+- ``maybe_compile`` in both compile scopes (aot_eager) matches the single-device model.
+- ``forge.hf_patches``: transformers' real ``_flash_attention_forward`` (flash kernels replaced
+  by an SDPA stand-in so it runs on CPU) syncs the host once per call through
+  ``_is_packed_sequence``; patched, it does not, and computes the same output.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from forge.build import ParallelPlan, build_meta_model, build_parallel_model, check_float8
+from forge.hf_patches import (
+    is_hf_model,
+    is_packed_sequence_patched,
+    no_packed_sequence_sync,
+    patch_is_packed_sequence,
+    unpatch_is_packed_sequence,
+)
+from forge_core import ForgeConfigError, applied_stages, count_host_syncs, load_config
+from forge_core.training import run_parity
+from forge_mesh import build_device_mesh
+from forge_tp_plans import describe_tp_plan
+from torch.distributed.tensor import DTensor
+
+LLAMA = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+
+
+def _llama() -> nn.Module:
+    """A tiny Hugging Face Llama from a config: random weights, the same on every rank."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).float()
+
+
+class _Logits(nn.Module):
+    """``tokens -> logits`` for the parity harness (HF models return an output object)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens).logits
+
+
+# --- from_config on a Hugging Face model the user already has -----------------------------------
+
+
+def _hf_from_config_parity(config_path: str) -> dict[str, Any]:
+    cfg = load_config(config_path)
+    mesh = build_device_mesh(cfg.parallelism, "cpu")
+    reference = _llama()
+    plan = ParallelPlan.from_config(config_path, mesh)  # the path itself: load_config inside
+    parallel = plan.parallelize(copy.deepcopy(reference))  # materialized: values kept, no device
+    result = run_parity(
+        _Logits(reference), _Logits(parallel), mesh=mesh, steps=5, vocab_size=LLAMA["vocab_size"]
+    )
+    return {
+        "result": result,
+        "data": plan.data,
+        "stages": applied_stages(parallel),
+        "tp": describe_tp_plan(parallel),
+        "param_dtype": plan.param_dtype,
+    }
+
+
+def test_from_config_parallelizes_an_hf_llama_fsdp2_x_tp_like_one_device(run_on_ranks, tmp_path):
+    path = tmp_path / "hf.toml"
+    path.write_text('[parallelism]\ntp = 2\n\n[training]\nparam_dtype = "float32"\n')
+    outs = run_on_ranks(4, _hf_from_config_parity, str(path))
+    for out in outs:
+        out["result"].assert_ok()  # loss and grad norm, every step, fp32 tolerances
+    out = outs[0]
+    assert out["data"] == "fsdp2" and out["param_dtype"] == torch.float32
+    assert out["stages"] == ["tp", "fsdp2"]
+    assert out["tp"].startswith("huggingface plan over 2 ranks"), out["tp"]
+    assert len(out["result"].parallel) == 5
+
+
+# --- from_config is the mapping forge build uses ------------------------------------------------
+
+
+def _from_config_vs_build_parallel_model() -> dict[str, Any]:
+    cfg = load_config(
+        {
+            "parallelism": {"tp": 2},
+            "training": {"ac_mode": "selective", "param_dtype": "float32"},
+            "tp": {"loss_parallel": True},
+        }
+    )
+    mesh = build_device_mesh(cfg.resolved_parallelism(4), "cpu")
+    plan = ParallelPlan.from_config(cfg, mesh)
+    expected = ParallelPlan(
+        mesh,
+        data="fsdp2",
+        ac_mode="selective",
+        param_dtype=torch.float32,
+        loss_parallel=True,
+        allow_plan_import=(),
+    )
+    ours = plan.maybe_compile(plan.parallelize(build_meta_model(cfg.model), device="cpu", seed=0))
+    theirs = build_parallel_model(
+        cfg.model,
+        "cpu",
+        mesh,
+        ac_mode="selective",
+        param_dtype=torch.float32,
+        loss_parallel=True,
+    )
+    same_shards = all(
+        torch.equal(a.to_local(), b.to_local())
+        for a, b in zip(ours.parameters(), theirs.parameters(), strict=True)
+    )
+    tokens = torch.randint(
+        0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3)
+    )
+    logits_ours, logits_theirs = ours(tokens), theirs(tokens)
+    try:  # a config whose [parallelism] does not describe this mesh
+        ParallelPlan.from_config({"training": {"param_dtype": "float32"}}, mesh)
+        mismatch = ""
+    except ForgeConfigError as e:
+        mismatch = str(e)
+    return {
+        "plan_equal": plan == expected,
+        "stages": (applied_stages(ours), applied_stages(theirs)),
+        "tp": (describe_tp_plan(ours), describe_tp_plan(theirs)),
+        "same_shards": same_shards,
+        "dtensor_logits": isinstance(logits_ours, DTensor),
+        "same_logits": torch.equal(logits_ours.to_local(), logits_theirs.to_local()),
+        "mismatch": mismatch,
+    }
+
+
+def test_from_config_equals_build_parallel_model_on_the_reference_transformer(run_on_ranks):
+    for out in run_on_ranks(4, _from_config_vs_build_parallel_model):
+        assert out["plan_equal"]
+        ours, theirs = out["stages"]
+        assert ours == theirs == ["tp", "ac", "fsdp2"]
+        assert out["tp"][0] == out["tp"][1] and "loss_parallel" in out["tp"][0]
+        assert out["same_shards"] and out["dtensor_logits"] and out["same_logits"]
+        assert "dp_shard=4, tp=1 on 4 rank(s)" in out["mismatch"], out["mismatch"]
+        assert "parallelism.dp_shard=2, parallelism.tp=2" in out["mismatch"]
+
+
+def test_from_config_maps_float8_vlm_training_and_tp_sections(tmp_path):
+    raw = {
+        "model": {"preset": "debug_vlm"},
+        "training": {
+            "ac_mode": "full",
+            "compile": True,
+            "compile_scope": "model",
+            "param_dtype": "bfloat16",
+            "reshard_after_forward": False,
+            "cpu_offload": True,
+        },
+        "tp": {"sequence_parallel": False, "loss_parallel": True, "allow_import": ["my_plans"]},
+        "float8": {"enabled": True, "recipe": "rowwise", "filter_fqns": ["output"]},
+        "vlm": {
+            "freeze_encoder": True,
+            "encoder_tp": True,
+            "encoder_tp_plan": "my_plans:ENC",
+            "ac_scope": "language",
+            "shard_frozen_encoder": True,
+        },
+    }
+    expected = ParallelPlan(
+        None,
+        data="none",  # no mesh: one device
+        ac_mode="full",
+        compile_model=True,
+        compile_scope="model",
+        param_dtype=torch.bfloat16,
+        reshard_after_forward=False,
+        cpu_offload=True,
+        sequence_parallel=False,
+        loss_parallel=True,
+        allow_plan_import=("my_plans",),
+        fp8=True,
+        fp8_recipe="rowwise",
+        fp8_fsdp_all_gather=None,
+        fp8_filter_fqns=("output",),
+        encoder_tp=True,
+        encoder_tp_plan="my_plans:ENC",
+        ac_components=("decoder",),
+        shard_frozen=True,
+    )
+    assert ParallelPlan.from_config(raw, None) == expected  # a dict
+    assert ParallelPlan.from_config(load_config(raw), None) == expected  # a ForgeConfig
+    # fields the config has no key for, as keywords
+    plan = ParallelPlan.from_config(raw, None, compile_backend="aot_eager", packed_sequences=False)
+    assert (plan.compile_backend, plan.packed_sequences) == ("aot_eager", False)
+    with pytest.raises(ForgeConfigError, match="did you mean 'compile_backend'"):
+        ParallelPlan.from_config(raw, None, compile_backnd="aot_eager")
+    with pytest.raises(ForgeConfigError, match=r"device_mesh=None \(one device\)"):
+        ParallelPlan.from_config({"parallelism": {"tp": 2}}, None)
+    # the float8 checks from_config runs (forge build's check_config runs the same function)
+    fp8_gather = load_config({"float8": {"enabled": True, "fsdp_float8_all_gather": True}}).float8
+    check_float8(fp8_gather, 1)
+    with pytest.raises(ForgeConfigError, match="fsdp_float8_all_gather=true with tp > 1"):
+        check_float8(fp8_gather, 2)
+    with pytest.raises(ForgeConfigError, match="does not exist"):
+        ParallelPlan.from_config(tmp_path / "missing.toml", None)
+    with pytest.raises(ForgeConfigError, match="pass a ForgeConfig, a dict"):
+        ParallelPlan.from_config(42, None)  # type: ignore[arg-type]
+
+
+# --- compile scopes -----------------------------------------------------------------------------
+
+
+def _compiled_scope_parity(scope: str) -> dict[str, Any]:
+    from torch._dynamo.utils import counters
+
+    # NOTE: the rank pool's processes live across tests: start from empty dynamo caches, so a
+    # code object compiled by another test (Module._call_impl) does not hit its recompile limit.
+    torch._dynamo.reset()
+    cfg = load_config(
+        {"training": {"compile": True, "compile_scope": scope, "param_dtype": "float32"}}
+    )
+    mesh = build_device_mesh(cfg.resolved_parallelism(2), "cpu")
+    plan = ParallelPlan.from_config(cfg, mesh, compile_backend="aot_eager")
+    model = plan.parallelize(build_meta_model(cfg.model), device="cpu", seed=0)
+    stages = applied_stages(model)
+    model = plan.maybe_compile(model)
+    compiled_call = model._compiled_call_impl
+    again = plan.maybe_compile(model)  # must not compile a second time
+    counters.clear()
+    reference = build_parallel_model(cfg.model, "cpu", None, param_dtype=torch.float32)
+    result = run_parity(reference, model, mesh=mesh, steps=3, batch_size=4, seq_len=16)
+    return {
+        "result": result,
+        "stages": stages,
+        "whole_model_compiled": compiled_call is not None,
+        "same_object": again is model and model._compiled_call_impl is compiled_call,
+        "graphs": counters["stats"]["unique_graphs"],
+        "counters": {k: dict(v) for k, v in counters.items()},
+    }
+
+
+@pytest.mark.parametrize("scope", ["blocks", "model"])
+def test_maybe_compile_in_both_scopes_matches_single_device(run_on_ranks, scope):
+    outs = run_on_ranks(2, _compiled_scope_parity, scope)
+    for out in outs:
+        out["result"].assert_ok()
+        assert out["same_object"]
+        assert out["graphs"] > 0, out["counters"]  # something really ran compiled
+    out = outs[0]
+    if scope == "blocks":
+        assert out["stages"] == ["compile", "fsdp2"] and not out["whole_model_compiled"]
+    else:
+        assert out["stages"] == ["fsdp2"] and out["whole_model_compiled"]
+
+
+def test_bad_compile_scope_is_refused():
+    with pytest.raises(ForgeConfigError, match=r"compile_scope='layers' is invalid.*'blocks'"):
+        ParallelPlan(None, compile_scope="layers")
+    with pytest.raises(ForgeConfigError, match=r"training.compile_scope='modle'.*did you mean"):
+        load_config({"training": {"compile_scope": "modle"}})
+    with pytest.raises(ForgeConfigError, match="training.compile_scope"):
+        ParallelPlan.from_config({"training": {"compile_scope": "block"}}, None)
+
+
+def test_maybe_compile_is_a_no_op_when_off_and_never_compiles_twice():
+    layer = nn.Linear(4, 4)
+    assert ParallelPlan(None, param_dtype=torch.float32).maybe_compile(layer) is layer
+    assert layer._compiled_call_impl is None
+    whole = ParallelPlan(
+        None,
+        compile_model=True,
+        compile_scope="model",
+        compile_backend="aot_eager",
+        param_dtype=torch.float32,
+    )
+    assert whole.maybe_compile(layer) is layer
+    first = layer._compiled_call_impl
+    assert first is not None and whole.maybe_compile(layer)._compiled_call_impl is first
+    opt = torch.compile(nn.Linear(4, 4), backend="aot_eager")
+    assert whole.maybe_compile(opt) is opt  # torch.compile'd already: left alone
+    blocks = ParallelPlan(
+        None, compile_model=True, compile_backend="aot_eager", param_dtype=torch.float32
+    )
+    with pytest.raises(ForgeConfigError, match="call plan.maybe_compile\\(plan.parallelize"):
+        blocks.maybe_compile(nn.Linear(4, 4))  # parallelize (which compiles blocks) never ran
+
+
+def test_parallelize_refuses_device_for_a_model_that_already_has_values():
+    with pytest.raises(ForgeConfigError, match="without device"):
+        ParallelPlan(None, param_dtype=torch.float32).parallelize(nn.Linear(4, 4), device="cpu")
+
+
+# --- transformers' packed-sequence sync ---------------------------------------------------------
+
+
+def _sdpa_flash(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    **_: Any,
+) -> torch.Tensor:
+    """flash_attn_func's contract ((batch, seq, heads, head_dim) in and out) on torch SDPA."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        is_causal=causal,
+        scale=softmax_scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2)
+
+
+def _flash_kwargs(*, is_causal: bool, softmax_scale: float | None = None, **_: Any) -> dict:
+    return {"causal": is_causal, "softmax_scale": softmax_scale}
+
+
+@pytest.fixture
+def flash_utils(monkeypatch) -> Iterator[Any]:
+    """transformers' flash-attention utilities, with the flash kernels replaced by SDPA.
+
+    ``lazy_import_flash_attention`` returns ``((flash_fn, varlen_fn, kvcache_fn, pad_fn,
+    unpad_fn), (process_kwargs_fn, process_kvcache_kwargs_fn))``; only ``flash_fn`` and
+    ``process_kwargs_fn`` are reached for an unpadded batch of one without packing.
+    """
+    import transformers.modeling_flash_attention_utils as mfau
+
+    def stub(*_: Any, **__: Any) -> tuple[tuple, tuple]:
+        return (_sdpa_flash, None, None, None, None), (_flash_kwargs, dict)
+
+    original = mfau._is_packed_sequence
+    monkeypatch.setattr(mfau, "lazy_import_flash_attention", stub)
+    yield mfau
+    unpatch_is_packed_sequence()
+    assert mfau._is_packed_sequence is original
+
+
+def _attention_calls(mfau: Any, calls: int) -> tuple[int, dict[str, int], torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 12, h, 8, generator=g) for h in (4, 2, 2))
+    position_ids = torch.arange(12)[None]
+    with count_host_syncs("cpu") as syncs:
+        for _ in range(calls):
+            out = mfau._flash_attention_forward(q, k, v, None, 12, True, position_ids=position_ids)
+    return syncs.count, dict(syncs.ops), out
+
+
+def test_hf_flash_attention_syncs_per_call_unless_patched(flash_utils):
+    original = flash_utils._is_packed_sequence
+    count, ops, unpatched_out = _attention_calls(flash_utils, 4)
+    assert count == 4 and ops == {"aten._local_scalar_dense": 4}  # one sync per call
+    assert patch_is_packed_sequence() and is_packed_sequence_patched()
+    assert patch_is_packed_sequence()  # idempotent
+    count, ops, patched_out = _attention_calls(flash_utils, 4)
+    assert count == 0 and ops == {}
+    assert torch.equal(patched_out, unpatched_out)
+    assert unpatch_is_packed_sequence() and flash_utils._is_packed_sequence is original
+    assert not unpatch_is_packed_sequence()  # nothing left to undo
+    assert _attention_calls(flash_utils, 2)[0] == 2
+
+
+def test_no_packed_sequence_sync_context_restores_only_what_it_patched(flash_utils):
+    original = flash_utils._is_packed_sequence
+    with no_packed_sequence_sync() as active:
+        assert active and _attention_calls(flash_utils, 3)[0] == 0
+    assert flash_utils._is_packed_sequence is original
+    patch_is_packed_sequence()
+    with no_packed_sequence_sync():
+        pass
+    assert is_packed_sequence_patched()  # the outer, process-wide patch survives the block
+
+
+def test_patch_is_a_no_op_without_transformers_or_the_function(monkeypatch, flash_utils):
+    monkeypatch.delattr(flash_utils, "_is_packed_sequence")
+    assert patch_is_packed_sequence() is False
+    monkeypatch.undo()
+    monkeypatch.setitem(sys.modules, "transformers.modeling_flash_attention_utils", None)
+    assert patch_is_packed_sequence() is False
+    assert is_packed_sequence_patched() is False
+
+
+def test_plan_patches_an_hf_model_only_when_told_sequences_are_not_packed(flash_utils):
+    original = flash_utils._is_packed_sequence
+    fp32 = {"param_dtype": torch.float32}
+    default = ParallelPlan(None, **fp32)
+    default.parallelize(_Logits(_llama()))
+    assert default.hf_patches == [] and flash_utils._is_packed_sequence is original
+
+    not_hf = ParallelPlan(None, packed_sequences=False, **fp32)
+    not_hf.parallelize(nn.Linear(4, 4))
+    assert not is_hf_model(nn.Linear(4, 4))
+    assert not_hf.hf_patches == [] and flash_utils._is_packed_sequence is original
+
+    plan = ParallelPlan(None, packed_sequences=False, **fp32)
+    plan.parallelize(_Logits(_llama()))  # an HF model inside a wrapper
+    assert plan.hf_patches == ["is_packed_sequence"] and is_packed_sequence_patched()
+    assert _attention_calls(flash_utils, 2)[0] == 0
+    with pytest.raises(ForgeConfigError, match="packed_sequences=True"):
+        ParallelPlan(None, packed_sequences=True, **fp32).parallelize(_llama())
+    assert plan.revert_hf_patches() == ["is_packed_sequence"]
+    assert plan.hf_patches == [] and flash_utils._is_packed_sequence is original
+    ParallelPlan(None, packed_sequences=True, **fp32).parallelize(_llama())  # fine now
+    assert flash_utils._is_packed_sequence is original
