@@ -15,12 +15,14 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import socket
 import sys
 import time
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 # torch warns at import when NumPy is absent; forge does not use NumPy. Set before torch loads.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -39,10 +41,11 @@ def _under_launcher() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
 
-def _build(args: argparse.Namespace) -> int:
+def _prepare(args: argparse.Namespace, command: str) -> tuple[dict, int] | int:
+    """Load and check the config before any rank starts: (config dict, nproc) or exit status 2."""
     from forge_core import ForgeConfigError, load_config
 
-    from .job import check_config, run_build
+    from .job import check_config
 
     try:
         cfg = load_config(args.config, args.set)
@@ -60,26 +63,133 @@ def _build(args: argparse.Namespace) -> int:
             nproc = torch.cuda.device_count() if args.device == "cuda" else 4
         world_size = int(os.environ["WORLD_SIZE"]) if _under_launcher() else nproc
         check_config(cfg, world_size)
+        if command == "train" and cfg.data.path is not None and not os.path.isfile(cfg.data.path):
+            raise ForgeConfigError(f"data.path={cfg.data.path!r} does not exist or is not a file")
     except ForgeConfigError as e:
-        print(f"forge build: config error: {e}", file=sys.stderr)
+        print(f"forge {command}: config error: {e}", file=sys.stderr)
         return 2
-    cfg_dict = dataclasses.asdict(cfg)
+    return dataclasses.asdict(cfg), nproc
+
+
+def _build(args: argparse.Namespace) -> int:
+    from .job import run_build
+
+    prepared = _prepare(args, "build")
+    if isinstance(prepared, int):
+        return prepared
+    cfg_dict, nproc = prepared
     start = time.perf_counter()
     if _under_launcher():
         report = run_build(cfg_dict, args.device)
-        if report.text:
-            print(report.text + f"\n(total wall time {time.perf_counter() - start:.1f}s)")
-        return 0 if report.passed else 1
-    return _launch_local(cfg_dict, args.device, nproc, start)
+    else:
+        try:
+            report = _launch_local(run_build, cfg_dict, args.device, nproc)
+        except _RankFailed as e:
+            print(f"forge build: FAIL: a rank failed:\n{e}", file=sys.stderr)
+            return 1
+    if report.text:
+        print(
+            report.text
+            + f"\n(total wall time with {nproc} rank(s): {time.perf_counter() - start:.1f}s)"
+        )
+    return 0 if report.passed else 1
 
 
-def _launch_local(cfg_dict: dict, device: str, nproc: int, start: float) -> int:
+def _train(args: argparse.Namespace) -> int:
+    from forge_core import ForgeConfigError
+
+    from .checkpoint import find_latest
+    from .train import run_train
+
+    prepared = _prepare(args, "train")
+    if isinstance(prepared, int):
+        return prepared
+    cfg_dict, nproc = prepared
+    try:
+        if _under_launcher():
+            summary = run_train(cfg_dict, args.device)
+        else:
+            summary = _launch_local(_train_rank, cfg_dict, args.device, nproc)
+    except ForgeConfigError as e:
+        print(f"forge train: config error: {e}", file=sys.stderr)
+        return 2
+    except _Interrupted as e:
+        # The launcher got the signal and passed it to the ranks, which finished their step and
+        # saved before exiting; their return values are lost with the launcher's exception.
+        root = cfg_dict["checkpoint"]["dir"] or os.path.join(
+            cfg_dict["training"]["out_dir"], "checkpoints"
+        )
+        latest = find_latest(root)
+        print(
+            f"forge train: stopped by {e}; "
+            + (
+                f"latest checkpoint {latest} (resume: run the same command again)"
+                if latest
+                else "no checkpoint was saved"
+            ),
+            file=sys.stderr,
+        )
+        return 0 if latest else 1
+    except _RankFailed as e:
+        print(f"forge train: FAIL: a rank failed:\n{e}", file=sys.stderr)
+        return 1
+    if summary.text:
+        print(summary.text)
+    return 0
+
+
+def _train_rank(cfg_dict: dict, device: str) -> Any:
+    """``run_train`` on one rank started by forge's launcher."""
+    import threading
+
+    from .train import run_train
+
+    summary = run_train(cfg_dict, device)
+    if summary.stopped_by:
+        # NOTE: after a signal the launcher may itself be shutting down: it then never collects
+        # this return value, and the rank would wait for it until the launcher's kill timeout.
+        # The checkpoint is already on disk, so leave on our own if nobody collects within 10 s.
+        timer = threading.Timer(10.0, os._exit, (0,))
+        timer.daemon = True  # when the launcher does collect it, exit at once as usual
+        timer.start()
+    return summary
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .plan import run_plan
+
+    return run_plan(args.config, args.world_size, args.set)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from forge_core import ForgeConfigError
+
+    from .export import export_checkpoint
+
+    try:
+        written = export_checkpoint(args.checkpoint, args.out, layout=args.format)
+    except ForgeConfigError as e:
+        print(f"forge export: {e}", file=sys.stderr)
+        return 2
+    print(f"forge export: wrote {written}")
+    return 0
+
+
+class _RankFailed(RuntimeError):
+    pass
+
+
+class _Interrupted(RuntimeError):
+    pass
+
+
+def _launch_local(fn: Callable[[dict, str], Any], cfg_dict: dict, device: str, nproc: int) -> Any:
+    """Start ``nproc`` local ranks running ``fn(cfg_dict, device)``; returns rank 0's result."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .job import run_build
-
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     if device == "cpu":
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Ranks are fresh interpreters: give them the working directory on the import path, as the
@@ -97,18 +207,43 @@ def _launch_local(cfg_dict: dict, device: str, nproc: int, start: float) -> int:
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
+        # NOTE: on SIGTERM / Ctrl-C the launcher passes the signal to the ranks and kills them
+        # after this many seconds: the time forge train has to finish its step and save.
+        shutdown_timeout=300,
     )
     try:
-        results = elastic_launch(config, run_build)(cfg_dict, device)
+        results = elastic_launch(config, fn)(cfg_dict, device)
     except ChildFailedError as e:
-        print(f"forge build: FAIL: a rank failed:\n{e}", file=sys.stderr)
-        return 1
-    report = results[0]
-    print(
-        report.text
-        + f"\n(total wall time with {nproc} rank launch: {time.perf_counter() - start:.1f}s)"
+        raise _RankFailed(str(e)) from None
+    except SignalException as e:
+        raise _Interrupted(signal.Signals(e.sigval).name) from None
+    return results[0]
+
+
+def _common(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help=f"TOML config ([model], [parallelism], [tp], [training], ...); default: {what}",
     )
-    return 0 if report.passed else 1
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set parallelism.dp_replicate=2",
+    )
+
+
+def _launched(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local ranks to start (default: 4 on cpu, all GPUs on cuda); ignored under torchrun",
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -119,30 +254,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     build = sub.add_parser(
         "build", help="build the parallel model, train a few steps, check parity, report"
     )
-    build.add_argument(
-        "config",
-        nargs="?",
-        default=None,
-        help="TOML config ([model], [parallelism], [tp], [training]); default: embedded debug config",
+    _common(build, "embedded debug config (dp_shard 2 x tp 2)")
+    _launched(build)
+    train = sub.add_parser(
+        "train",
+        help="train with checkpoints, a progress bar and a metrics file; resumes from the latest checkpoint",
     )
-    build.add_argument(
-        "--nproc",
-        type=int,
-        default=None,
-        help="local ranks to start (default: 4 on cpu, all GPUs on cuda); ignored under torchrun",
+    _common(train, "embedded debug config")
+    _launched(train)
+    plan = sub.add_parser(
+        "plan",
+        help="lay a config out over N ranks in one process (fake backend, meta tensors): memory and collectives per rank",
     )
-    build.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    build.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. --set parallelism.dp_replicate=2",
+    _common(plan, "embedded debug config")
+    plan.add_argument("--world-size", type=int, required=True, help="ranks to plan for")
+    export = sub.add_parser(
+        "export",
+        help="write a checkpoint's model as one safetensors file or a Hugging Face Llama folder",
     )
+    export.add_argument("checkpoint", help="a step-N directory written by forge train")
+    export.add_argument(
+        "--out", required=True, help="output .safetensors file (or folder for --format hf)"
+    )
+    export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors")
     args = parser.parse_args(argv)
-    if args.nproc is not None and args.nproc < 1:
+    if getattr(args, "nproc", None) is not None and args.nproc < 1:
         parser.error("--nproc must be >= 1")
-    return _build(args)
+    if args.command == "plan" and args.world_size < 1:
+        parser.error("--world-size must be >= 1")
+    return {"build": _build, "train": _train, "plan": _plan, "export": _export}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,446 @@
+"""The ``forge train`` job: train a model with any layout, log, checkpoint, stop cleanly.
+
+Runs on every rank (forge's own launcher, torchrun or SLURM). One optimizer step:
+
+- this rank's data-parallel slice of the step's global batch (``forge.data``), split into
+  ``grad_accum`` micro-batches; gradients are synchronized on the last one only;
+- the loss is token-weighted over the whole global batch: each rank backpropagates
+  ``sum of its token losses x dp_degree / tokens in the global batch``, so after FSDP2/DDP
+  average the gradients over the data-parallel ranks the result is the gradient of the mean
+  over every target token of the step, however unevenly ignored targets (image placeholders)
+  fall on the ranks. The token count is all-reduced on the device (no host wait);
+- the global gradient norm over every mesh (TP, FSDP2, EP experts), clipped to
+  ``training.max_grad_norm``; AdamW; warmup + cosine LR;
+- rank 0 logs step, loss, grad norm, LR, tokens/s, each rank's peak memory (and MFU on a GPU)
+  to a progress bar (a TTY) or plain lines, and appends the same to ``<out_dir>/metrics.jsonl``;
+- checkpoints every ``checkpoint.every`` steps and at the end (``forge.checkpoint``).
+
+SIGTERM (SLURM preemption) or Ctrl-C: the rank notes it, the ranks agree after the current step
+(a one-integer all-reduce on a gloo group), save a checkpoint and return normally. The next
+``forge train`` with the same config resumes from it (``checkpoint.resume = "latest"``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import shutil
+import signal
+import sys
+import time
+import uuid
+import warnings
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from forge_core import ForgeConfig, attach_optimizer_hooks, load_config, pop_aux_losses
+from forge_core.mesh_dims import DP_AXES, dp_rank_and_size, has_axis, sub_mesh
+from forge_core.stages import unwrap
+from forge_core.training import clip_grad_norm_, set_gradient_sync, warmup_cosine
+from forge_mesh import build_device_mesh, init_distributed, mesh_layout
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import loss_parallel
+
+from .build import ParallelPlan, build_meta_model
+from .checkpoint import Checkpointer, find_latest, optimizer_hyperparameters
+from .data import make_data
+from .job import _vlm_kwargs, check_config
+
+__all__ = ["StepLog", "TrainSummary", "peak_flops", "run_train", "train_flops_per_token"]
+
+IGNORE = -100
+
+#: Dense bf16 tensor-core peak (FLOP/s) of GPUs forge knows, for the MFU estimate.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+@dataclass(frozen=True)
+class StepLog:
+    step: int  # 1-based: the number of optimizer steps done
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens_per_s: float
+
+
+@dataclass
+class TrainSummary:
+    """What rank 0 reports back: the steps it ran, where it saved, why it stopped."""
+
+    steps: list[StepLog] = field(default_factory=list)
+    start_step: int = 0
+    resumed_from: str | None = None
+    last_checkpoint: str | None = None
+    stopped_by: str | None = None  # the signal's name when SIGTERM / Ctrl-C ended the run
+    text: str = ""
+
+
+def train_flops_per_token(cfg: ForgeConfig) -> float:
+    """Training FLOPs per token: 6 x active parameters + causal attention scores (12 L S d / 2)."""
+    m, s = cfg.model, cfg.training.seq_len
+    active = m.num_params()
+    if m.moe_layers:  # count only the experts a token visits
+        per_expert = 3 * m.dim * m.moe_ffn_dim
+        active -= len(m.moe_layers) * (m.num_experts - m.top_k) * per_expert
+    return 6.0 * active + 6.0 * m.n_layers * s * m.dim
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak, or None when unknown (CPU, an unlisted GPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _sum_over_dp(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    for name in DP_AXES:
+        if has_axis(mesh, name) and sub_mesh(mesh, name).size() > 1:
+            dist.all_reduce(value, group=sub_mesh(mesh, name).get_group())
+    return value
+
+
+class _StopFlag:
+    """Notes SIGTERM / SIGINT instead of dying; the loop stops after the step it is in."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        # NOTE: a launcher that got Ctrl-C passes the signal on, so a rank may see it twice;
+        # stopping is already under way, and the launcher kills after its shutdown timeout.
+        if self.signal is None:
+            self.signal = signal.Signals(signum).name
+            print(
+                f"[rank {dist.get_rank()}] {self.signal}: finishing this step, then saving",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    @contextmanager
+    def installed(self):  # type: ignore[no-untyped-def]
+        previous = {s: signal.signal(s, self) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+class _Progress:
+    """Rank 0's display: a tqdm bar updated in place on a TTY, plain lines otherwise."""
+
+    def __init__(self, total: int, start: int, every: int) -> None:
+        self.every, self.bar = every, None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            # NOTE: a terminal reporting a 0 x 0 size (a bare pty, some CI runners) makes tqdm
+            # draw nothing; shutil falls back to 120 x 24 for a zero dimension.
+            size = shutil.get_terminal_size((120, 24))
+            self.bar = tqdm(
+                total=total,
+                initial=start,
+                desc="forge train",
+                ncols=size.columns,
+                nrows=size.lines,
+                mininterval=0,  # redraw every step
+                file=sys.stderr,
+                # a short bar leaves the line's width to the numbers
+                bar_format="{desc} {percentage:3.0f}%|{bar:10}| {n}/{total} [{elapsed}<{remaining}] {postfix}",
+            )
+
+    def update(self, text: str, step: int, total: int) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(1)
+        elif step % self.every == 0 or step == total:
+            print(f"step {step}/{total}  {text}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _format_memory(per_rank: list[int]) -> str:
+    """Peak memory of every rank (up to 8; then the extremes), in GiB."""
+    gib = [b / 2**30 for b in per_rank]
+    if len(gib) <= 8:
+        return "mem " + "|".join(f"{g:.2f}" for g in gib) + " GiB"
+    top = gib.index(max(gib))
+    return f"mem max {max(gib):.2f} GiB (r{top}) min {min(gib):.2f} GiB"
+
+
+def _loss_and_backward(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    images: torch.Tensor | None,
+    scale: torch.Tensor,
+    grad_accum: int,
+    ignore_token: int | None,
+) -> torch.Tensor:
+    """One micro-batch: forward, token-weighted loss, backward; returns the summed token loss."""
+    logits = model(tokens[:, :-1]) if images is None else model(tokens[:, :-1], images)
+    targets = tokens[:, 1:]
+    if ignore_token is not None:
+        targets = targets.masked_fill(targets == ignore_token, IGNORE)
+    # Vocab-sharded logits (loss parallel): the cross entropy reduces over the tp ranks.
+    with loss_parallel() if isinstance(logits, DTensor) else nullcontext():
+        loss_sum = F.cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
+        )
+        loss = loss_sum * scale
+        aux = pop_aux_losses(model)  # e.g. the MoE balancing loss: a mean over micro-batches
+        if aux is not None:
+            if isinstance(loss, DTensor):
+                aux = DTensor.from_local(
+                    aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim
+                )
+            loss = loss + aux / grad_accum
+        loss.backward()
+    return (loss_sum.full_tensor() if isinstance(loss_sum, DTensor) else loss_sum).detach()
+
+
+def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummary:
+    """One rank's part of ``forge train``; rank 0's summary holds the steps and the report."""
+    cfg = load_config(cfg_dict)
+    t, ck = cfg.training, cfg.checkpoint
+    world_size = (
+        dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    )
+    check_config(cfg, world_size)
+    init_distributed(device_type)
+    rank = dist.get_rank()
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if device_type == "cuda"
+        else torch.device("cpu")
+    )
+    par = cfg.resolved_parallelism(world_size)
+    mesh = build_device_mesh(par, device_type)
+    plan = ParallelPlan.from_config(cfg, mesh)  # the same config -> plan mapping as forge build
+    model = plan.parallelize(
+        build_meta_model(cfg.model, **_vlm_kwargs(cfg)), device=device, seed=t.seed
+    )
+    model = plan.maybe_compile(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: warmup_cosine(
+            s, warmup_steps=t.warmup_steps, total_steps=t.steps, min_ratio=t.min_lr_ratio
+        ),
+    )
+    hooks = attach_optimizer_hooks(model, optimizer)
+    # NOTE: the stop vote and the checkpoint writer get gloo groups of their own: both are
+    # host-side traffic, and an asynchronous save runs its collectives from a background thread,
+    # which must never interleave with the training thread's collectives on one group.
+    control = dist.new_group(backend="gloo")
+    ckpt_root = Path(ck.dir) if ck.dir else Path(t.out_dir) / "checkpoints"
+    checkpointer = Checkpointer(
+        ckpt_root,
+        keep=ck.keep,
+        async_save=ck.async_save,
+        process_group=dist.new_group(backend="gloo"),
+    )
+    summary = TrainSummary()
+    resume = (
+        None
+        if ck.resume == "none"
+        else find_latest(ckpt_root)
+        if ck.resume == "latest"
+        else Path(ck.resume)
+    )
+    if resume is not None:
+        state = checkpointer.load(resume, model, optimizer)
+        scheduler.load_state_dict(state["scheduler"])
+        summary.start_step, summary.resumed_from = state["step"], str(resume)
+    wrapper = unwrap(model)
+    ignore = getattr(wrapper, "image_token_id", None)
+    dp_rank, dp_size = dp_rank_and_size(mesh)
+    data = make_data(
+        cfg,
+        dp_rank,
+        dp_size,
+        image_token_id=ignore,
+        image_tokens=getattr(wrapper, "image_tokens", 0),
+    )
+    run_id = uuid.uuid4().hex[:8]
+    metrics = None
+    if rank == 0:
+        Path(t.out_dir).mkdir(parents=True, exist_ok=True)
+        metrics = open(Path(t.out_dir) / "metrics.jsonl", "a")  # noqa: SIM115 - closed below
+        names, sizes = mesh_layout(par, world_size)
+        metrics.write(
+            json.dumps(
+                {
+                    "event": "start",
+                    "run_id": run_id,
+                    "time": time.time(),
+                    "world_size": world_size,
+                    "mesh": dict(zip(names, sizes, strict=True)),
+                    "device": device_type,
+                    "start_step": summary.start_step,
+                    "resumed_from": summary.resumed_from,
+                    "config": asdict(cfg),
+                }
+            )
+            + "\n"
+        )
+    progress = _Progress(t.steps, summary.start_step, t.log_every) if rank == 0 else None
+    peak = peak_flops(device)
+    flops_per_token = train_flops_per_token(cfg)
+    tokens_per_step = t.global_batch_size * t.seq_len
+    stop = _StopFlag()
+    last_saved = summary.start_step if resume is not None else None
+    finished = summary.start_step
+
+    def save(step: int) -> None:
+        nonlocal last_saved
+        train_state = {
+            "step": step,
+            "data_position": step,  # the data is indexed by step: resume reads batch `step` next
+            "scheduler": scheduler.state_dict(),
+            "param_groups": optimizer_hyperparameters(optimizer),
+            "world_size": world_size,
+            "mesh": dict(zip(*mesh_layout(par, world_size), strict=True)),
+            "run_id": run_id,
+            "config": asdict(cfg),
+        }
+        summary.last_checkpoint = str(checkpointer.save(step, model, optimizer, train_state))
+        last_saved = step
+
+    with stop.installed(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
+        for step in range(summary.start_step, t.steps):
+            begin = time.perf_counter()
+            batch = data.batch(step)
+            tokens = batch.tokens.to(device)
+            targets = tokens[:, 1:]
+            count = (
+                (targets != ignore).sum()
+                if ignore is not None
+                else torch.tensor(targets.numel(), device=device)
+            )
+            global_count = _sum_over_dp(count.to(torch.int64), mesh)  # on the device: no host wait
+            scale = dp_size / global_count
+            micro_tokens = tokens.chunk(t.grad_accum)
+            micro_images = (
+                batch.images.to(device).chunk(t.grad_accum)
+                if batch.images is not None
+                else [None] * t.grad_accum
+            )
+            loss_sum = torch.zeros((), device=device)
+            for i, (micro, pixels) in enumerate(zip(micro_tokens, micro_images, strict=True)):
+                set_gradient_sync(model, i == t.grad_accum - 1)
+                loss_sum += _loss_and_backward(model, micro, pixels, scale, t.grad_accum, ignore)
+            grad_norm = float(clip_grad_norm_(trainable, t.max_grad_norm))
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss = float(_sum_over_dp(loss_sum, mesh) / global_count)
+            if not math.isfinite(loss):  # the same on every rank: the loss is all-reduced
+                raise FloatingPointError(
+                    f"loss is {loss} at step {step + 1}; not saving a checkpoint of a diverged "
+                    f"model (lower training.lr={t.lr} or raise training.warmup_steps)"
+                )
+            elapsed = time.perf_counter() - begin
+            memory = torch.tensor([_peak_memory(device)], dtype=torch.int64)
+            gathered = [torch.zeros_like(memory) for _ in range(world_size)]
+            dist.all_gather(gathered, memory, group=control)
+            flag = torch.tensor([1 if stop.signal else 0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
+            done = finished = step + 1
+            if rank == 0:
+                tps = tokens_per_step / elapsed
+                record = StepLog(done, loss, grad_norm, lr, tps)
+                summary.steps.append(record)
+                mfu = tps * flops_per_token / (peak * world_size) if peak else None
+                metrics.write(
+                    json.dumps(
+                        {
+                            **asdict(record),
+                            "peak_mem_bytes": [int(m) for m in gathered],
+                            "mfu": mfu,
+                            "time": time.time(),
+                        }
+                    )
+                    + "\n"
+                )
+                metrics.flush()
+                text = (
+                    f"loss {loss:.4f} gnorm {grad_norm:.3f} {tps:,.0f} tok/s "
+                    + (f"MFU {mfu:.1%} " if mfu is not None else "")
+                    + f"{_format_memory([int(m) for m in gathered])} lr {lr:.2e}"
+                )
+                progress.update(text, done, t.steps)
+            if ck.every and done % ck.every == 0:
+                save(done)
+            if int(flag):
+                summary.stopped_by = stop.signal or "a signal on another rank"
+                break
+        if (summary.stopped_by or ck.save_at_end) and last_saved != finished:
+            save(finished)
+        checkpointer.wait()
+    hooks.remove()
+    if rank == 0:
+        progress.close()
+        metrics.write(
+            json.dumps(
+                {
+                    "event": "end",
+                    "run_id": run_id,
+                    "step": finished,
+                    "stopped_by": summary.stopped_by,
+                    "checkpoint": summary.last_checkpoint,
+                    "time": time.time(),
+                }
+            )
+            + "\n"
+        )
+        metrics.close()
+        summary.text = _report(cfg, par, world_size, device_type, summary, finished)
+    return summary
+
+
+def _report(
+    cfg: ForgeConfig, par: Any, world_size: int, device_type: str, s: TrainSummary, finished: int
+) -> str:
+    names, sizes = mesh_layout(par, world_size)
+    t = cfg.training
+    lines = [
+        f"forge train: {world_size} rank(s) on {device_type}, "
+        + " x ".join(f"{n}={z}" for n, z in zip(names, sizes, strict=True))
+        + f"; model {cfg.model.n_layers} layers x dim {cfg.model.dim} ({cfg.model.num_params():,} parameters)"
+        + (" + vision encoder" if cfg.is_vlm else ""),
+        f"data:   {cfg.data.path or 'synthetic'}; global batch {t.global_batch_size} x seq {t.seq_len}, grad_accum {t.grad_accum}",
+    ]
+    if s.resumed_from:
+        lines.append(f"resumed from {s.resumed_from} at step {s.start_step}")
+    if s.steps:
+        first, last = s.steps[0], s.steps[-1]
+        lines.append(
+            f"steps {first.step}-{last.step}: loss {first.loss:.4f} -> {last.loss:.4f}; last grad norm {last.grad_norm:.3f}"
+        )
+    if s.stopped_by:
+        lines.append(f"stopped by {s.stopped_by} after step {finished}")
+    if s.last_checkpoint:
+        lines.append(f"checkpoint: {s.last_checkpoint}")
+    lines.append(f"metrics: {Path(t.out_dir) / 'metrics.jsonl'}")
+    return "\n".join(lines)

@@ -1,0 +1,447 @@
+"""forge train and its checkpoints: resharding resume, atomic saves, safe loading, data, loss.
+
+Layout changes are run on persistent gloo ranks (``run_on_ranks``) through ``run_train`` itself;
+the CLI runs (``forge train`` for dense, MoE and VLM, the progress bar, SIGTERM) start real ranks
+through forge's launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from forge.checkpoint import SafeFileSystemReader, find_latest, read_train_state
+from forge.data import SyntheticData, TokenFile
+from forge.export import export_checkpoint, from_hf_llama, hf_llama_config, load_safetensors
+from forge.train import _loss_and_backward, run_train
+from forge_core import ForgeConfigError, ModelConfig, Transformer, load_config
+from forge_core.training import clip_grad_norm_, warmup_cosine
+
+ROOT = Path(__file__).resolve().parents[2]
+FORGE = [sys.executable, "-m", "forge.cli"]
+
+
+def _cfg(out: Path, steps: int = 10, **sections: dict) -> dict:
+    cfg: dict = {
+        "model": {"preset": "debug"},
+        "training": {"steps": steps, "out_dir": str(out), "warmup_steps": 2, "lr": 3e-3},
+        "checkpoint": {"every": 5, "save_at_end": False, "resume": "none"},
+    }
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    return cfg
+
+
+def _train(cfg: dict):
+    return run_train(cfg, "cpu")
+
+
+def _steps(summaries) -> list[tuple[int, float, float]]:
+    return [(s.step, s.loss, s.grad_norm) for s in summaries[0].steps]
+
+
+def _assert_same_steps(resumed, reference, tol: float = 1e-4) -> None:
+    ref = {step: (loss, gnorm) for step, loss, gnorm in reference}
+    assert resumed, "the resumed run did no step"
+    for step, loss, gnorm in resumed:
+        ref_loss, ref_gnorm = ref[step]
+        assert abs(loss - ref_loss) <= tol * abs(ref_loss), (step, loss, ref_loss)
+        assert abs(gnorm - ref_gnorm) <= tol * abs(ref_gnorm), (step, gnorm, ref_gnorm)
+
+
+# ---- resharding: save at step 5 under layout X, resume under layout Y, steps 6-10 equal ----------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("preset", "x", "y", "y_ranks"),
+    [
+        ("debug", {"dp_shard": 4}, {"tp": 2}, 4),  # FSDP2 x4 -> dp_shard 2 x tp 2
+        ("debug", {"tp": 2}, {"data": "none"}, 1),  # FSDP2 x TP -> one plain rank
+        ("debug_moe", {"ep": 2}, {"ep": 4}, 4),  # EP 2 -> EP 4
+        ("debug_moe", {"ep": 4}, {"tp": 2, "ep": 2}, 4),  # EP 4 -> dp_shard 2 x tp 2, EP 2
+        ("debug_vlm", {"dp_shard": 4}, {"tp": 2}, 4),
+    ],
+)
+def test_resume_under_another_layout_continues_the_uninterrupted_run(
+    run_on_ranks, tmp_path, preset, x, y, y_ranks
+):
+    # Clipping (max_grad_norm 1 < every step's norm), warmup + cosine and AdamW state all
+    # have to come back for steps 6-10 to match.
+    full = _steps(
+        run_on_ranks(4, _train, _cfg(tmp_path / "x", model={"preset": preset}, parallelism=x))
+    )
+    assert [s for s, _, _ in full] == list(range(1, 11))
+    assert all(g > 1.0 for _, _, g in full), "clipping must be active for this test to mean much"
+    ckpt = tmp_path / "x" / "checkpoints" / "step-00000005"
+    resumed_cfg = _cfg(tmp_path / "y", model={"preset": preset}, parallelism=y)
+    resumed_cfg["checkpoint"]["resume"] = str(ckpt)
+    resumed = _steps(run_on_ranks(y_ranks, _train, resumed_cfg))
+    assert [s for s, _, _ in resumed] == [6, 7, 8, 9, 10]
+    _assert_same_steps(resumed, full)
+
+
+@pytest.mark.slow
+def test_async_save_and_resume_latest(run_on_ranks, tmp_path):
+    cfg = _cfg(tmp_path, steps=6, checkpoint={"every": 2, "async_save": True, "keep": 2})
+    full = _steps(run_on_ranks(2, _train, cfg))
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept == ["step-00000004", "step-00000006"]  # keep=2 pruned step 2
+    # A second run with more steps and resume="latest" continues from step 6.
+    more = _cfg(tmp_path, steps=8, checkpoint={"every": 2, "async_save": True, "resume": "latest"})
+    summary = run_on_ranks(2, _train, more)[0]
+    assert summary.start_step == 6 and [s.step for s in summary.steps] == [7, 8]
+    assert read_train_state(find_latest(tmp_path / "checkpoints"))["step"] == 8
+    assert full[-1][0] == 6
+
+
+# ---- atomic saves: a save killed half-way leaves the previous checkpoint loadable --------------
+
+_KILLED_SAVE = textwrap.dedent(
+    """
+    import sys, time, torch
+    from torch.distributed.checkpoint import FileSystemWriter
+    from forge.checkpoint import Checkpointer, optimizer_hyperparameters
+    from forge_core import ModelConfig, Transformer
+
+    root = sys.argv[1]
+    model = Transformer(ModelConfig.preset("debug"))
+    model.init_weights(0)
+    opt = torch.optim.AdamW(model.parameters())
+    ckpt = Checkpointer(root)
+    ckpt.save(2, model, opt, {"step": 2, "param_groups": optimizer_hyperparameters(opt), "world_size": 1})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+
+    def stall(self, *args, **kwargs):  # the shards are written; .metadata and the rename are not
+        print("WRITTEN", flush=True)
+        time.sleep(120)
+
+    FileSystemWriter.finish = stall
+    ckpt.save(4, model, opt, {"step": 4, "param_groups": optimizer_hyperparameters(opt), "world_size": 1})
+    """
+)
+
+
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint_intact(tmp_path):
+    root = tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_SAVE, str(root)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "WRITTEN"
+    proc.kill()  # SIGKILL: no cleanup runs
+    proc.wait()
+    leftovers = [p.name for p in root.iterdir()]
+    assert ".tmp-step-00000004" in leftovers and "step-00000004" not in leftovers
+    assert any((root / ".tmp-step-00000004").glob("*.distcp")), "the kill came after shard writes"
+    latest = find_latest(root)
+    assert latest is not None and latest.name == "step-00000002"
+    from forge.checkpoint import Checkpointer, optimizer_hyperparameters
+
+    model = Transformer(ModelConfig.preset("debug"))
+    model.init_weights(0)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    opt = torch.optim.AdamW(model.parameters())
+    Checkpointer(root).load(latest, model, opt)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, expected[name]), name  # step 2's weights, not the +1 of step 4
+    # The next save clears the leftover.
+    Checkpointer(root).save(
+        6, model, opt, {"step": 6, "param_groups": optimizer_hyperparameters(opt), "world_size": 1}
+    )
+    assert not list(root.glob(".tmp-*")) and find_latest(root).name == "step-00000006"
+
+
+# ---- safe loading ------------------------------------------------------------------------------
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_checkpoint_metadata_with_foreign_objects_is_refused(tmp_path):
+    model = nn.Linear(2, 2)
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path, no_dist=True)
+    reader = SafeFileSystemReader(tmp_path)
+    assert "model.weight" in reader.read_metadata().state_dict_metadata  # DCP's own: accepted
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
+        SafeFileSystemReader(tmp_path).read_metadata()
+
+
+def test_checkpoint_with_pickled_objects_is_refused(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(
+        {"model": {"w": torch.ones(2)}, "extra": {"obj": [1, 2]}},
+        checkpoint_id=tmp_path,
+        no_dist=True,
+    )
+    with pytest.raises(ForgeConfigError, match="pickled objects"):
+        SafeFileSystemReader(tmp_path).read_metadata()
+
+
+# ---- export: a sharded checkpoint consolidated, to safetensors and to a HF Llama folder ----------
+
+
+@pytest.mark.slow
+def test_export_of_a_sharded_checkpoint_round_trips_through_hugging_face(run_on_ranks, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    run_on_ranks(4, _train, _cfg(tmp_path, steps=5, parallelism={"tp": 2}))
+    ckpt = tmp_path / "checkpoints" / "step-00000005"
+    flat = load_safetensors(export_checkpoint(ckpt, tmp_path / "model.safetensors"))
+    cfg = ModelConfig.preset("debug")
+    with torch.device("meta"):
+        forge_model = Transformer(cfg)
+    forge_model.to_empty(device="cpu")
+    forge_model.reset_rope()
+    forge_model.load_state_dict(flat)
+    assert not torch.equal(
+        flat["layers.0.attention.wq.weight"], _fresh_weights()["layers.0.attention.wq.weight"]
+    )
+    hf_dir = export_checkpoint(ckpt, tmp_path / "hf", layout="hf")
+    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir, local_files_only=True)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, forge_model(tokens), rtol=1e-5, atol=1e-5)
+    back = from_hf_llama(hf.state_dict(), cfg)  # and back: bit-identical weights
+    for name, value in flat.items():
+        assert torch.equal(back[name], value), name
+    assert hf_llama_config(cfg).num_hidden_layers == cfg.n_layers
+
+
+def _fresh_weights() -> dict:
+    model = Transformer(ModelConfig.preset("debug"))
+    model.init_weights(0)
+    return model.state_dict()
+
+
+# ---- the loss: token-weighted over the data-parallel ranks ---------------------------------------
+
+
+def _token_weighted_grads() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """2 DDP ranks with very different numbers of ignored targets vs one device on the whole batch."""
+    from forge_fsdp_wrap import apply_ddp
+    from forge_mesh import build_device_mesh
+
+    cfg = ModelConfig.preset("debug")
+    torch.manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (4, 17))
+    tokens[:2, 3:] = 7  # rank 0's samples: most targets are the ignored id
+    reference = Transformer(cfg)
+    reference.init_weights(0)
+    count = (tokens[:, 1:] != 7).sum()
+    _loss_and_backward(reference, tokens, None, 1.0 / count, 1, ignore_token=7)
+    mesh = build_device_mesh({"data": "ddp"}, "cpu")
+    parallel = Transformer(cfg)
+    parallel.init_weights(0)
+    ddp = apply_ddp(parallel, mesh)
+    rank = dist.get_rank()
+    local = tokens.chunk(2)[rank]
+    _loss_and_backward(ddp, local, None, 2.0 / count, 1, ignore_token=7)  # dp_size / global count
+    naive = Transformer(cfg)
+    naive.init_weights(0)
+    local_count = (local[:, 1:] != 7).sum()  # per-rank mean, then averaged: what a naive loop does
+    _loss_and_backward(apply_ddp(naive, mesh), local, None, 1.0 / local_count, 1, ignore_token=7)
+    grads = [p.grad for p in reference.parameters()]
+    return (
+        [
+            (a - b).abs().max() / b.abs().max()
+            for a, b in zip((p.grad for p in parallel.parameters()), grads, strict=True)
+        ],
+        [
+            (a - b).abs().max() / b.abs().max()
+            for a, b in zip((p.grad for p in naive.parameters()), grads, strict=True)
+        ],
+    )
+
+
+def test_loss_is_token_weighted_across_data_parallel_ranks(run_on_ranks):
+    weighted, naive = run_on_ranks(2, _token_weighted_grads)[0]
+    assert max(weighted) < 1e-5
+    assert max(naive) > 1e-2  # the test can tell the two apart
+
+
+# ---- pieces ----------------------------------------------------------------------------------
+
+
+def test_clip_grad_norm_matches_torch_on_plain_tensors():
+    torch.manual_seed(0)
+    a = [nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
+    b = [nn.Parameter(p.detach().clone()) for p in a]
+    for p, q in zip(a, b, strict=True):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    ours = clip_grad_norm_(a, 0.5)
+    theirs = torch.nn.utils.clip_grad_norm_(b, 0.5)
+    assert abs(float(ours) - float(theirs)) < 1e-6
+    for p, q in zip(a, b, strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_warmup_then_cosine_to_the_floor():
+    f = [warmup_cosine(s, warmup_steps=4, total_steps=14, min_ratio=0.1) for s in range(16)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert f[4] == 1.0 and abs(f[9] - 0.55) < 1e-12 and f[14] == f[15] == pytest.approx(0.1)
+    assert all(x >= y for x, y in zip(f[4:], f[5:], strict=False))
+
+
+def test_token_file_is_sharded_by_data_parallel_rank(tmp_path):
+    path = tmp_path / "tokens.bin"
+    path.write_bytes((torch.arange(1000) % 251).numpy().astype("uint16").tobytes())
+    kwargs = dict(seq_len=16, global_batch=8, vocab_size=256, seed=0)
+    whole = TokenFile(str(path), "uint16", dp_rank=0, dp_size=1, **kwargs)
+    shards = [TokenFile(str(path), "uint16", dp_rank=r, dp_size=4, **kwargs) for r in range(4)]
+    for step in (0, 7, 60):  # step 60 is past one pass over the 62 windows: a reshuffled pass
+        parts = torch.cat([s.batch(step).tokens for s in shards])
+        assert torch.equal(parts, whole.batch(step).tokens)
+        rows = whole.batch(step).tokens
+        assert rows.shape == (8, 17)
+        assert torch.equal(
+            rows[:, 1:] - rows[:, :-1],
+            torch.ones(8, 16, dtype=torch.long).masked_fill(rows[:, 1:] == 0, -250),
+        )
+    seen = torch.cat([whole.batch(s).tokens[:, 0] for s in range(7)])  # 56 of 62 windows, no repeat
+    assert len(set(seen.tolist())) == 56
+    with pytest.raises(ForgeConfigError, match="vocab_size"):
+        TokenFile(str(path), "uint16", dp_rank=0, dp_size=1, **{**kwargs, "vocab_size": 100}).batch(
+            0
+        )
+    (tmp_path / "odd.bin").write_bytes(b"\x00" * 7)
+    with pytest.raises(ForgeConfigError, match="multiple of 2"):
+        TokenFile(str(tmp_path / "odd.bin"), "uint16", dp_rank=0, dp_size=1, **kwargs)
+
+
+def test_synthetic_data_slices_one_global_batch():
+    cfg = load_config({"training": {"global_batch_size": 8}})
+    parts = torch.cat([SyntheticData(cfg, r, 4).batch(3).tokens for r in range(4)])
+    assert torch.equal(parts, SyntheticData(cfg, 0, 1).batch(3).tokens)
+
+
+# ---- the CLI: 20 steps on 4 ranks for dense, MoE and VLM, progress, SIGTERM ---------------------
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["debug", "debug_moe", "debug_vlm"])
+def test_forge_train_20_steps_on_4_ranks(tmp_path, preset):
+    out = subprocess.run(
+        [
+            *FORGE,
+            "train",
+            "--set",
+            f"model.preset={preset}",
+            "--set",
+            "training.steps=20",
+            "--set",
+            f"training.out_dir={tmp_path}",
+            "--set",
+            "training.warmup_steps=2",
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == [f"{k}/20" for k in range(1, 21)]  # not a TTY
+    for field in ("loss", "gnorm", "lr", "tok/s", "mem "):
+        assert field in lines[-1]
+    assert lines[-1].split("mem ")[1].split()[0].count("|") == 3  # peak memory of 4 ranks
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 21)) and len(steps[0]["peak_mem_bytes"]) == 4
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5  # it learns
+    assert records[-1]["event"] == "end" and records[-1]["step"] == 20
+    assert find_latest(tmp_path / "checkpoints").name == "step-00000020"
+
+
+@pytest.mark.slow
+def test_progress_bar_updates_one_line_on_a_terminal(tmp_path):
+    import pty
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: forge train with a terminal as stdout and stderr
+        os.environ.update(PYTHONPATH=str(ROOT), COLUMNS="160", LINES="24")
+        os.execv(
+            sys.executable,
+            [
+                *FORGE,
+                "train",
+                "--nproc",
+                "2",
+                "--set",
+                "training.steps=6",
+                "--set",
+                f"training.out_dir={tmp_path}",
+            ],
+        )
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    _, status = os.waitpid(pid, 0)
+    text = b"".join(chunks).decode(errors="replace")
+    assert os.WEXITSTATUS(status) == 0, text[-2000:]
+    bar = [part for part in text.split("\r") if "forge train " in part and "tok/s" in part]
+    assert len(bar) >= 6, text[-2000:]  # redrawn in place (carriage returns), once per step
+    assert "6/6" in bar[-1] and "loss" in bar[-1] and "gnorm" in bar[-1] and "GiB" in bar[-1]
+    assert "step 1/6" not in text  # no plain lines on a terminal
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path):
+    proc = subprocess.Popen(
+        [
+            *FORGE,
+            "train",
+            "--nproc",
+            "2",
+            "--set",
+            "training.steps=100000",
+            "--set",
+            f"training.out_dir={tmp_path}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    for line in proc.stdout:
+        if line.startswith("step 3/"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopped by SIGTERM" in err
+    latest = find_latest(tmp_path / "checkpoints")
+    state = read_train_state(latest)
+    assert state["step"] >= 3 and latest.name == f"step-{state['step']:08d}"
+    end = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert end["event"] == "end" and end["stopped_by"] == "SIGTERM" and end["step"] == state["step"]
