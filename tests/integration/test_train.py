@@ -71,20 +71,24 @@ def _assert_same_steps(resumed, reference, tol: float = 1e-4) -> None:
         ("debug_moe", {"ep": 2}, {"ep": 4}, 4),  # EP 2 -> EP 4
         ("debug_moe", {"ep": 4}, {"tp": 2, "ep": 2}, 4),  # EP 4 -> dp_shard 2 x tp 2, EP 2
         ("debug_vlm", {"dp_shard": 4}, {"tp": 2}, 4),
+        ("debug_field", {"domain": 2}, {"domain": 4}, 4),  # dp_shard 2 x domain 2 -> domain 4
+        ("debug_field", {"domain": 4}, {"data": "none"}, 1),
     ],
 )
 def test_resume_under_another_layout_continues_the_uninterrupted_run(
     run_on_ranks, tmp_path, preset, x, y, y_ranks
 ):
-    # Clipping (max_grad_norm 1 < every step's norm), warmup + cosine and AdamW state all
+    # Clipping (max_grad_norm below every step's norm), warmup + cosine and AdamW state all
     # have to come back for steps 6-10 to match.
+    clip = {"max_grad_norm": 0.05 if preset == "debug_field" else 1.0}
+    model = {"preset": preset}
     full = _steps(
-        run_on_ranks(4, _train, _cfg(tmp_path / "x", model={"preset": preset}, parallelism=x))
+        run_on_ranks(4, _train, _cfg(tmp_path / "x", model=model, parallelism=x, training=clip))
     )
     assert [s for s, _, _ in full] == list(range(1, 11))
-    assert all(g > 1.0 for _, _, g in full), "clipping must be active for this test to mean much"
+    assert all(g > clip["max_grad_norm"] for _, _, g in full), "clipping must be active"
     ckpt = tmp_path / "x" / "checkpoints" / "step-00000005"
-    resumed_cfg = _cfg(tmp_path / "y", model={"preset": preset}, parallelism=y)
+    resumed_cfg = _cfg(tmp_path / "y", model=model, parallelism=y, training=clip)
     resumed_cfg["checkpoint"]["resume"] = str(ckpt)
     resumed = _steps(run_on_ranks(y_ranks, _train, resumed_cfg))
     assert [s for s, _, _ in resumed] == [6, 7, 8, 9, 10]

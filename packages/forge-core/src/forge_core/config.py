@@ -2,7 +2,7 @@
 
 ``ParallelismConfig`` describes how ranks are laid out (mesh axes and the data-parallel mode).
 ``load_config`` reads a TOML file (sections ``[model]``, ``[parallelism]``, ``[training]``,
-``[tp]``, ``[float8]``, ``[data]``, ``[checkpoint]``, and for a vision-language model ``[vision]``, ``[adapter]``, ``[vlm]``) or a
+``[tp]``, ``[float8]``, ``[data]``, ``[checkpoint]``, for a field model ``[field]``, and for a vision-language model ``[vision]``, ``[adapter]``, ``[vlm]``) or a
 dict, applies ``key=value`` overrides (``parallelism.tp=2``) and rejects unknown keys with a
 did-you-mean. Every check here is pure Python on integers: it runs before any process group
 exists, so a bad config fails fast with a message that names the field, the value and the fix.
@@ -26,8 +26,10 @@ __all__ = [
     "DATA_MODES",
     "FLOAT8_RECIPES",
     "TOKEN_DTYPES",
+    "FIELD_PRESETS",
     "CheckpointConfig",
     "DataConfig",
+    "FieldConfig",
     "Float8Config",
     "ForgeConfig",
     "ParallelismConfig",
@@ -243,7 +245,12 @@ class TrainingConfig:
             )
         for name, high in (("min_lr_ratio", 1.0), ("weight_decay", None), ("max_grad_norm", None)):
             v = getattr(self, name)
-            if not isinstance(v, int | float) or isinstance(v, bool) or v < 0 or (high and v > high):
+            if (
+                not isinstance(v, int | float)
+                or isinstance(v, bool)
+                or v < 0
+                or (high and v > high)
+            ):
                 bound = f"in [0, {high}]" if high else ">= 0"
                 raise ForgeConfigError(f"training.{name}={v!r} must be a number {bound}")
 
@@ -374,6 +381,40 @@ class Float8Config:
 
 
 @dataclass(frozen=True)
+class FieldConfig:
+    """An image-like model for spatial domain parallelism: ``[field]`` section.
+
+    forge_domain's ``FieldNet`` maps a field ``[B, channels, height, width]`` (e.g. weather
+    variables on a latitude x longitude grid, periodic in longitude) to the field one step later:
+    a 3x3 stem, ``n_blocks`` residual blocks (GroupNorm with ``groups``, SiLU, a 3x3 conv
+    wrapping around the width), a 1x1 head. ``forge train`` learns a fixed synthetic dynamic
+    (an advection plus diffusion stencil) on random smooth fields; ``parallelism.domain`` splits
+    the height across ranks.
+    """
+
+    channels: int = 2
+    hidden: int = 16
+    height: int = 32
+    width: int = 32
+    n_blocks: int = 2
+    groups: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("channels", "hidden", "height", "width", "n_blocks", "groups"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ForgeConfigError(f"field.{name}={v!r} must be a positive integer")
+        if self.hidden % self.groups:
+            raise ForgeConfigError(
+                f"field.groups={self.groups} must divide field.hidden={self.hidden} (GroupNorm)"
+            )
+
+
+#: Field-model presets, selected by ``model.preset`` (their decoder config is unused).
+FIELD_PRESETS: dict[str, FieldConfig] = {"debug_field": FieldConfig()}
+
+
+@dataclass(frozen=True)
 class ForgeConfig:
     """Everything ``forge build`` needs: the model, the layout, TP options and the training job."""
 
@@ -389,6 +430,8 @@ class ForgeConfig:
     vision: VisionEncoderConfig | None = None
     adapter: AdapterConfig | None = None
     vlm: VLMConfig | None = None
+    #: An image-like field model (forge_domain.FieldNet) instead of a token model when set.
+    field: FieldConfig | None = None
 
     def __post_init__(self) -> None:
         parts = (self.vision, self.adapter, self.vlm)
@@ -396,6 +439,14 @@ class ForgeConfig:
             raise ForgeConfigError(
                 "a vision-language model needs vision, adapter and vlm configs together"
             )
+        if self.field is not None and self.vlm is not None:
+            raise ForgeConfigError(
+                "a config is a field model ([field]) or a vision-language model ([vlm]), not both"
+            )
+
+    @property
+    def is_field(self) -> bool:
+        return self.field is not None
 
     @property
     def is_vlm(self) -> bool:
@@ -418,13 +469,15 @@ _SECTIONS: dict[str, type] = {
     "vision": VisionEncoderConfig,
     "adapter": AdapterConfig,
     "vlm": VLMConfig,
+    "field": FieldConfig,
 }
 _VLM_SECTIONS = ("vision", "adapter", "vlm")
 
 
 #: What ``load_config(None)`` (``forge build`` with no config file) starts from: the debug model,
 #: tp=2 with sequence parallelism and FSDP2 over the remaining ranks (dp_shard 2 x tp 2 on 4);
-#: for an MoE preset, expert parallelism over as many of the dp_shard ranks as divide the experts.
+#: for an MoE preset, expert parallelism over as many of the dp_shard ranks as divide the experts;
+#: for a field preset (``--set model.preset=debug_field``), domain 2 and FSDP2 over the rest.
 EMBEDDED_DEFAULT: dict[str, dict[str, Any]] = {
     "model": {"preset": "debug"},
     "parallelism": {"tp": 2, "ep": -1},
@@ -489,6 +542,13 @@ def load_config(
     """
     if path_or_dict is None:
         raw: dict[str, Any] = {k: dict(v) for k, v in EMBEDDED_DEFAULT.items()}
+        presets = [
+            o.partition("=")[2].strip().strip("'\"")
+            for o in overrides
+            if o.partition("=")[0].strip() == "model.preset"
+        ]
+        if presets and presets[-1] in FIELD_PRESETS:  # a conv net: split the height, not tp
+            raw["parallelism"] = {"domain": 2}
     elif isinstance(path_or_dict, Mapping):
         raw = {k: dict(v) if isinstance(v, Mapping) else v for k, v in path_or_dict.items()}
     else:
@@ -514,8 +574,13 @@ def load_config(
     vlm_preset = VLM_PRESETS.get(preset)
     is_vlm = vlm_preset is not None or any(name in raw for name in _VLM_SECTIONS)
     built = {}
+    field_preset = FIELD_PRESETS.get(preset)
     for name in _SECTIONS:
-        if name not in _VLM_SECTIONS:
+        if name == "field":
+            if field_preset is not None or "field" in raw:
+                base = field_preset or FieldConfig()
+                built[name] = replace(base, **_check_keys(name, raw.get(name, {})))
+        elif name not in _VLM_SECTIONS:
             built[name] = _build_section(name, raw.get(name, {}))
         elif is_vlm:
             base = vlm_preset[_VLM_SECTIONS.index(name)] if vlm_preset else _SECTIONS[name]()

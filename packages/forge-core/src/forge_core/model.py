@@ -227,6 +227,9 @@ PRESETS: dict[str, ModelConfig] = {
     # The decoder of the debug vision-language model (forge_core.vlm_config.VLM_PRESETS has
     # its vision encoder and adapter).
     "debug_vlm": _DEBUG,
+    # Not a token model: selects the [field] section's image-like model (forge_core.config
+    # FIELD_PRESETS, built by forge_domain.FieldNet); this decoder config is unused.
+    "debug_field": _DEBUG,
     "small": ModelConfig(
         vocab_size=32000, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, max_seq_len=1024
     ),

@@ -27,6 +27,7 @@ from .layers import (
     apply_domain_parallel,
     domain_group,
 )
+from .model import FieldBlock, FieldNet
 from .spatial import (
     SpatialShard,
     shard_spatial,
@@ -40,6 +41,8 @@ __all__ = [
     "DomainConv2d",
     "DomainGroupNorm",
     "DomainLayerNorm",
+    "FieldBlock",
+    "FieldNet",
     "SpatialShard",
     "WidthCircularConv2d",
     "all_reduce_sum",

@@ -40,7 +40,7 @@ from forge_core.config import COMPILE_SCOPES, Float8Config, ParallelismConfig
 from forge_core.contracts import model_components
 from forge_core.errors import did_you_mean
 from forge_core.mesh_dims import axis_size, get_dp_mesh, has_dp_mesh
-from forge_domain import apply_domain_parallel
+from forge_domain import FieldNet, apply_domain_parallel
 from forge_float8 import apply_float8
 from forge_fsdp_wrap import (
     AC_MODES,
@@ -73,6 +73,7 @@ from .hf_patches import (
 )
 
 __all__ = [
+    "model_from_config",
     "ParallelPlan",
     "build_meta_model",
     "build_parallel_model",
@@ -675,3 +676,14 @@ def build_meta_model(
         return build_vlm(
             model_config, vision_config, adapter_config, vlm_config, ffn_factory=factory
         )
+
+
+def model_from_config(cfg: ForgeConfig) -> nn.Module:
+    """The model a config describes, on the meta device: a field model (``[field]``,
+    ``forge_domain.FieldNet``), a VLM, or the reference Transformer (MoE blocks if asked)."""
+    if cfg.is_field:
+        with torch.device("meta"):
+            return FieldNet(cfg.field)
+    if cfg.is_vlm:
+        return build_meta_model(cfg.model, cfg.vision, cfg.adapter, cfg.vlm)
+    return build_meta_model(cfg.model)

@@ -63,6 +63,11 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple[dict, int] | int:
             nproc = torch.cuda.device_count() if args.device == "cuda" else 4
         world_size = int(os.environ["WORLD_SIZE"]) if _under_launcher() else nproc
         check_config(cfg, world_size)
+        if command == "build" and cfg.is_field:
+            raise ForgeConfigError(
+                "forge build checks token models against one device; a field model "
+                "(model.preset=debug_field) trains with forge train (its parity is in the tests)"
+            )
         if command == "train" and cfg.data.path is not None and not os.path.isfile(cfg.data.path):
             raise ForgeConfigError(f"data.path={cfg.data.path!r} does not exist or is not a file")
     except ForgeConfigError as e:

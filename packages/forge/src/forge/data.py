@@ -23,7 +23,15 @@ import torch
 from forge_core import ForgeConfig, ForgeConfigError
 from forge_core.training import synthetic_tokens, synthetic_vlm_batch
 
-__all__ = ["Batch", "StepData", "SyntheticData", "TokenFile", "make_data"]
+__all__ = [
+    "Batch",
+    "FieldBatch",
+    "StepData",
+    "SyntheticData",
+    "SyntheticFields",
+    "TokenFile",
+    "make_data",
+]
 
 
 @dataclass(frozen=True)
@@ -153,6 +161,44 @@ class TokenFile(StepData):
         return Batch(tokens)
 
 
+@dataclass(frozen=True)
+class FieldBatch:
+    """One rank's slice of a field model's global batch: ``inputs`` and ``targets [b, C, H, W]``."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+
+
+class SyntheticFields(StepData):
+    """Random smooth fields and the same fields one step of a fixed dynamic later.
+
+    Inputs: bilinear upsampling of coarse noise (a quarter of the resolution). Targets: an
+    advection by one column east (periodic in width) mixed with a 3x3 diffusion stencil (zero
+    beyond the top and bottom rows): a linear map that a stack of 3x3 convs can learn.
+    """
+
+    def __init__(self, cfg: ForgeConfig, dp_rank: int, dp_size: int) -> None:
+        super().__init__(cfg.training.global_batch_size, dp_rank, dp_size)
+        self.field, self.seed = cfg.field, cfg.training.seed
+
+    def batch(self, step: int) -> FieldBatch:  # type: ignore[override]
+        f = self.field
+        g = torch.Generator().manual_seed((self.seed + 3) * 1_000_003 + step)
+        coarse = torch.randn(
+            self.global_batch, f.channels, -(-f.height // 4), -(-f.width // 4), generator=g
+        )
+        x = torch.nn.functional.interpolate(
+            coarse, size=(f.height, f.width), mode="bilinear", align_corners=False
+        )
+        x = x[self.first : self.first + self.local_batch]
+        stencil = torch.tensor([[0.0, 1.0, 0.0], [1.0, 4.0, 1.0], [0.0, 1.0, 0.0]]) / 8.0
+        wrapped = torch.nn.functional.pad(x, (1, 1, 0, 0), mode="circular")
+        diffused = torch.nn.functional.conv2d(
+            wrapped.flatten(0, 1)[:, None], stencil[None, None], padding=(1, 0)
+        ).view_as(x)
+        return FieldBatch(x, 0.6 * torch.roll(x, 1, dims=-1) + 0.4 * diffused)
+
+
 def make_data(
     cfg: ForgeConfig,
     dp_rank: int,
@@ -163,6 +209,13 @@ def make_data(
 ) -> StepData:
     """The data source the config asks for: the token file at ``data.path``, else synthetic."""
     t = cfg.training
+    if cfg.is_field:
+        if cfg.data.path is not None:
+            raise ForgeConfigError(
+                "data.path with a field model: a token file holds no fields; leave data.path "
+                "unset (synthetic fields)"
+            )
+        return SyntheticFields(cfg, dp_rank, dp_size)
     if cfg.data.path is None:
         return SyntheticData(
             cfg, dp_rank, dp_size, image_token_id=image_token_id, image_tokens=image_tokens

@@ -239,26 +239,21 @@ def export_checkpoint(
     models only). No process group is needed; the model is rebuilt on the CPU from the config
     stored in the checkpoint and filled from its shards.
     """
-    import torch
     from forge_core import load_config
 
-    from .build import build_parallel_model
+    from .build import materialize, model_from_config
     from .checkpoint import load_model_weights, read_train_state
 
     if layout not in ("safetensors", "hf"):
         raise ForgeConfigError(f"layout={layout!r}: choose 'safetensors' or 'hf'")
     state = read_train_state(checkpoint)
     cfg = load_config(state["config"])
-    if layout == "hf" and cfg.is_vlm:
+    if layout == "hf" and (cfg.is_vlm or cfg.is_field):
         raise ForgeConfigError(
-            "a vision-language model has no Hugging Face Llama layout; export it as safetensors"
+            "only the reference decoder has a Hugging Face Llama layout; export this model "
+            "with layout='safetensors'"
         )
-    vlm = (
-        {"vision_config": cfg.vision, "adapter_config": cfg.adapter, "vlm_config": cfg.vlm}
-        if cfg.is_vlm
-        else {}
-    )
-    model = build_parallel_model(cfg.model, "cpu", None, param_dtype=torch.float32, **vlm)
+    model = materialize(model_from_config(cfg), "cpu", cfg.training.seed)
     load_model_weights(checkpoint, model)
     weights = model.state_dict()
     if layout == "hf":

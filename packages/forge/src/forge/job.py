@@ -69,11 +69,13 @@ def check_config(cfg: ForgeConfig, world_size: int) -> None:
     par = cfg.resolved_parallelism(world_size)
     sizes = {name: getattr(par, name) for name in (*NOT_YET, "tp")}
     check_plan(par.data, sizes, ac_mode=cfg.training.ac_mode)
-    if par.domain > 1:
+    if cfg.is_field:
+        _check_field(cfg, par)
+    elif par.domain > 1:
         raise ForgeConfigError(
-            f"parallelism.domain={par.domain}: domain parallelism splits 2-D fields (conv nets); "
-            "forge build's models are token sequences. Use forge_domain.apply_domain_parallel "
-            "(or ParallelPlan) on an image-like model, and set domain=1 here"
+            f"parallelism.domain={par.domain}: domain parallelism splits 2-D fields (conv nets), "
+            "and this model is a token model. Train a field model (model.preset=debug_field, "
+            "[field] section), or set domain=1"
         )
     check_float8(cfg.float8, par.tp)
     if par.ep > 1:
@@ -103,6 +105,27 @@ def check_config(cfg: ForgeConfig, world_size: int) -> None:
     if t.seq_len > cfg.model.max_seq_len:
         raise ForgeConfigError(
             f"training.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}"
+        )
+
+
+def _check_field(cfg: ForgeConfig, par: ParallelismConfig) -> None:
+    """What a field model (forge_domain.FieldNet) can be combined with."""
+    unsupported = {
+        "parallelism.tp": par.tp > 1,
+        "parallelism.ep": par.ep > 1,
+        "float8.enabled": cfg.float8.enabled,
+        "data.path": cfg.data.path is not None,
+    }
+    for key, bad in unsupported.items():
+        if bad:
+            raise ForgeConfigError(
+                f"{key} is set for a field model ([field]): FieldNet is a conv net; it takes data "
+                "parallelism and parallelism.domain (height split), not this; unset it"
+            )
+    if cfg.field.height < par.domain:
+        raise ForgeConfigError(
+            f"field.height={cfg.field.height} gives fewer rows than parallelism.domain="
+            f"{par.domain} ranks; lower domain or raise the height"
         )
 
 

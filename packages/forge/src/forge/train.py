@@ -42,18 +42,19 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from forge_core import ForgeConfig, attach_optimizer_hooks, load_config, pop_aux_losses
-from forge_core.mesh_dims import DP_AXES, dp_rank_and_size, has_axis, sub_mesh
+from forge_core.mesh_dims import DP_AXES, axis_size, dp_rank_and_size, has_axis, sub_mesh
 from forge_core.stages import unwrap
 from forge_core.training import clip_grad_norm_, set_gradient_sync, warmup_cosine
+from forge_domain import domain_group, shard_spatial, sync_domain_gradients
 from forge_mesh import build_device_mesh, init_distributed, mesh_layout
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
-from .build import ParallelPlan, build_meta_model
+from .build import ParallelPlan, model_from_config
 from .checkpoint import Checkpointer, find_latest, optimizer_hyperparameters
-from .data import make_data
-from .job import _vlm_kwargs, check_config
+from .data import Batch, FieldBatch, make_data
+from .job import check_config
 
 __all__ = ["StepLog", "TrainSummary", "peak_flops", "run_train", "train_flops_per_token"]
 
@@ -69,7 +70,7 @@ class StepLog:
     loss: float
     grad_norm: float
     lr: float
-    tokens_per_s: float
+    throughput: float  # tokens/s (grid points/s for a field model), the whole job
 
 
 @dataclass
@@ -216,6 +217,66 @@ def _loss_and_backward(
     return (loss_sum.full_tensor() if isinstance(loss_sum, DTensor) else loss_sum).detach()
 
 
+def _token_step(
+    model: nn.Module,
+    batch: Batch,
+    mesh: DeviceMesh,
+    device: torch.device,
+    grad_accum: int,
+    ignore: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward + backward of one step's micro-batches; returns (global loss sum, global count)."""
+    tokens = batch.tokens.to(device)
+    targets = tokens[:, 1:]
+    if ignore is not None:
+        count = (targets != ignore).sum()
+    else:
+        count = torch.tensor(targets.numel(), device=device)
+    global_count = _sum_over_dp(count.to(torch.int64), mesh)  # on the device: no host wait
+    scale = dp_rank_and_size(mesh)[1] / global_count
+    micro_images = (
+        batch.images.to(device).chunk(grad_accum)
+        if batch.images is not None
+        else [None] * grad_accum
+    )
+    loss_sum = torch.zeros((), device=device)
+    for i, (micro, pixels) in enumerate(zip(tokens.chunk(grad_accum), micro_images, strict=True)):
+        set_gradient_sync(model, i == grad_accum - 1)
+        loss_sum += _loss_and_backward(model, micro, pixels, scale, grad_accum, ignore)
+    return _sum_over_dp(loss_sum, mesh), global_count
+
+
+def _field_step(
+    model: nn.Module, batch: FieldBatch, mesh: DeviceMesh, device: torch.device, grad_accum: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A field model's step: mean squared error over every grid point of the global batch.
+
+    With a ``domain`` axis each rank computes its height slab. Its squared errors (padding rows
+    left out) are scaled by ``dp x domain / elements of the global batch``: FSDP2/DDP average
+    gradients over the data-parallel ranks and ``sync_domain_gradients`` over the domain ranks,
+    which leaves the gradient of the global mean.
+    """
+    x, y = batch.inputs.to(device), batch.targets.to(device)
+    count = torch.tensor(float(x.numel() * dp_rank_and_size(mesh)[1]), device=device)
+    split = axis_size(mesh, "domain") > 1
+    valid = x.shape[-2]
+    if split:
+        x, shard = shard_spatial(x, mesh)
+        y, _ = shard_spatial(y, mesh)
+        valid = max(0, min(shard.rows, shard.size - shard.start))  # rows that are not padding
+    scale = dp_rank_and_size(mesh)[1] * axis_size(mesh, "domain") / count
+    loss_sum = torch.zeros((), device=device)
+    for i, (xm, ym) in enumerate(zip(x.chunk(grad_accum), y.chunk(grad_accum), strict=True)):
+        set_gradient_sync(model, i == grad_accum - 1)
+        sse = ((model(xm) - ym)[..., :valid, :].float() ** 2).sum()
+        (sse * scale).backward()
+        loss_sum += sse.detach()
+    if split:
+        sync_domain_gradients(model, mesh)
+        dist.all_reduce(loss_sum, group=domain_group(mesh))
+    return _sum_over_dp(loss_sum, mesh), count
+
+
 def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummary:
     """One rank's part of ``forge train``; rank 0's summary holds the steps and the report."""
     cfg = load_config(cfg_dict)
@@ -234,9 +295,7 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
     par = cfg.resolved_parallelism(world_size)
     mesh = build_device_mesh(par, device_type)
     plan = ParallelPlan.from_config(cfg, mesh)  # the same config -> plan mapping as forge build
-    model = plan.parallelize(
-        build_meta_model(cfg.model, **_vlm_kwargs(cfg)), device=device, seed=t.seed
-    )
+    model = plan.parallelize(model_from_config(cfg), device=device, seed=t.seed)
     model = plan.maybe_compile(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay)
@@ -280,6 +339,12 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
         image_token_id=ignore,
         image_tokens=getattr(wrapper, "image_tokens", 0),
     )
+    if cfg.is_field:  # no MFU: a conv net's FLOPs are not 6 x parameters per item
+        flops_per_item, unit = None, "pts/s"
+        items_per_step = t.global_batch_size * cfg.field.height * cfg.field.width
+    else:
+        flops_per_item, unit = train_flops_per_token(cfg), "tok/s"
+        items_per_step = t.global_batch_size * t.seq_len
     run_id = uuid.uuid4().hex[:8]
     metrics = None
     if rank == 0:
@@ -297,6 +362,7 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
                     "device": device_type,
                     "start_step": summary.start_step,
                     "resumed_from": summary.resumed_from,
+                    "throughput_unit": unit,
                     "config": asdict(cfg),
                 }
             )
@@ -304,8 +370,6 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
         )
     progress = _Progress(t.steps, summary.start_step, t.log_every) if rank == 0 else None
     peak = peak_flops(device)
-    flops_per_token = train_flops_per_token(cfg)
-    tokens_per_step = t.global_batch_size * t.seq_len
     stop = _StopFlag()
     last_saved = summary.start_step if resume is not None else None
     finished = summary.start_step
@@ -329,32 +393,20 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
         for step in range(summary.start_step, t.steps):
             begin = time.perf_counter()
-            batch = data.batch(step)
-            tokens = batch.tokens.to(device)
-            targets = tokens[:, 1:]
-            count = (
-                (targets != ignore).sum()
-                if ignore is not None
-                else torch.tensor(targets.numel(), device=device)
-            )
-            global_count = _sum_over_dp(count.to(torch.int64), mesh)  # on the device: no host wait
-            scale = dp_size / global_count
-            micro_tokens = tokens.chunk(t.grad_accum)
-            micro_images = (
-                batch.images.to(device).chunk(t.grad_accum)
-                if batch.images is not None
-                else [None] * t.grad_accum
-            )
-            loss_sum = torch.zeros((), device=device)
-            for i, (micro, pixels) in enumerate(zip(micro_tokens, micro_images, strict=True)):
-                set_gradient_sync(model, i == t.grad_accum - 1)
-                loss_sum += _loss_and_backward(model, micro, pixels, scale, t.grad_accum, ignore)
+            if cfg.is_field:
+                loss_sum, global_count = _field_step(
+                    model, data.batch(step), mesh, device, t.grad_accum
+                )
+            else:
+                loss_sum, global_count = _token_step(
+                    model, data.batch(step), mesh, device, t.grad_accum, ignore
+                )
             grad_norm = float(clip_grad_norm_(trainable, t.max_grad_norm))
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            loss = float(_sum_over_dp(loss_sum, mesh) / global_count)
+            loss = float(loss_sum / global_count)
             if not math.isfinite(loss):  # the same on every rank: the loss is all-reduced
                 raise FloatingPointError(
                     f"loss is {loss} at step {step + 1}; not saving a checkpoint of a diverged "
@@ -368,10 +420,12 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
             done = finished = step + 1
             if rank == 0:
-                tps = tokens_per_step / elapsed
+                tps = items_per_step / elapsed
                 record = StepLog(done, loss, grad_norm, lr, tps)
                 summary.steps.append(record)
-                mfu = tps * flops_per_token / (peak * world_size) if peak else None
+                mfu = (
+                    tps * flops_per_item / (peak * world_size) if peak and flops_per_item else None
+                )
                 metrics.write(
                     json.dumps(
                         {
@@ -385,7 +439,7 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
                 )
                 metrics.flush()
                 text = (
-                    f"loss {loss:.4f} gnorm {grad_norm:.3f} {tps:,.0f} tok/s "
+                    f"loss {loss:.4f} gnorm {grad_norm:.3f} {tps:,.0f} {unit} "
                     + (f"MFU {mfu:.1%} " if mfu is not None else "")
                     + f"{_format_memory([int(m) for m in gathered])} lr {lr:.2e}"
                 )
@@ -424,12 +478,19 @@ def _report(
 ) -> str:
     names, sizes = mesh_layout(par, world_size)
     t = cfg.training
+    layout = " x ".join(f"{n}={z}" for n, z in zip(names, sizes, strict=True))
+    if cfg.is_field:
+        f = cfg.field
+        model = f"field model FieldNet {f.n_blocks} blocks x {f.hidden} channels"
+        data = f"synthetic fields {f.channels} x {f.height} x {f.width}"
+    else:
+        m = cfg.model
+        model = f"model {m.n_layers} layers x dim {m.dim} ({m.num_params():,} parameters)"
+        model += " + vision encoder" if cfg.is_vlm else ""
+        data = f"{cfg.data.path or 'synthetic tokens'}, seq {t.seq_len}"
     lines = [
-        f"forge train: {world_size} rank(s) on {device_type}, "
-        + " x ".join(f"{n}={z}" for n, z in zip(names, sizes, strict=True))
-        + f"; model {cfg.model.n_layers} layers x dim {cfg.model.dim} ({cfg.model.num_params():,} parameters)"
-        + (" + vision encoder" if cfg.is_vlm else ""),
-        f"data:   {cfg.data.path or 'synthetic'}; global batch {t.global_batch_size} x seq {t.seq_len}, grad_accum {t.grad_accum}",
+        f"forge train: {world_size} rank(s) on {device_type}, {layout}; {model}",
+        f"data:   {data}; global batch {t.global_batch_size}, grad_accum {t.grad_accum}",
     ]
     if s.resumed_from:
         lines.append(f"resumed from {s.resumed_from} at step {s.start_step}")
