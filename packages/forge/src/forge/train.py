@@ -499,6 +499,11 @@ def _report(
         lines.append(
             f"steps {first.step}-{last.step}: loss {first.loss:.4f} -> {last.loss:.4f}; last grad norm {last.grad_norm:.3f}"
         )
+    if s.resumed_from and not s.steps:
+        lines.append(
+            f"nothing to train: the checkpoint is at step {s.start_step} and training.steps="
+            f"{t.steps}; raise training.steps (or set checkpoint.resume=none to start over)"
+        )
     if s.stopped_by:
         lines.append(f"stopped by {s.stopped_by} after step {finished}")
     if s.last_checkpoint:
