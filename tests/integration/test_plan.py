@@ -40,7 +40,6 @@ from forge_moe_ep import moe_transformer
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import loss_parallel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -176,6 +175,11 @@ def _forward_backward(cfg: Any, model: Any, mesh: Any, *, backward: bool = True)
 
 
 def _real_comm_counts(overrides: list[str]) -> dict[str, int]:
+    # NOTE: imported here, on the rank: torch.distributed.tensor.debug imports triton, and a
+    # triton imported at collection time, before tests/kernels set TRITON_INTERPRET=1, would
+    # leave triton's own builtins compiled-mode and break the interpreted kernel tests.
+    from torch.distributed.tensor.debug import CommDebugMode
+
     cfg, mesh, model = _build_real(overrides)
     with CommDebugMode() as mode:
         _forward_backward(cfg, model, mesh)

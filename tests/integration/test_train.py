@@ -7,7 +7,10 @@ through forge's launcher.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import math
 import os
 import pickle
 import signal
@@ -23,7 +26,7 @@ import torch.nn as nn
 from forge.checkpoint import SafeFileSystemReader, find_latest, read_train_state
 from forge.data import SyntheticData, TokenFile
 from forge.export import export_checkpoint, from_hf_llama, hf_llama_config, load_safetensors
-from forge.train import _loss_and_backward, run_train
+from forge.train import _loss_and_backward, peak_flops, run_train, train_flops_per_token
 from forge_core import ForgeConfigError, ModelConfig, Transformer, load_config
 from forge_core.training import clip_grad_norm_, warmup_cosine
 
@@ -93,6 +96,21 @@ def test_resume_under_another_layout_continues_the_uninterrupted_run(
     resumed = _steps(run_on_ranks(y_ranks, _train, resumed_cfg))
     assert [s for s, _, _ in resumed] == [6, 7, 8, 9, 10]
     _assert_same_steps(resumed, full)
+
+
+@pytest.mark.slow
+def test_token_file_training_resumes_at_its_data_position(run_on_ranks, tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (20_000,), generator=g).numpy().astype("uint16")
+    (tmp_path / "tokens.bin").write_bytes(tokens.tobytes())
+    data = {"path": str(tmp_path / "tokens.bin"), "dtype": "uint16"}
+    full = _steps(run_on_ranks(4, _train, _cfg(tmp_path / "x", data=data)))
+    resumed_cfg = _cfg(tmp_path / "y", data=data, parallelism={"tp": 2})
+    resumed_cfg["checkpoint"]["resume"] = str(tmp_path / "x" / "checkpoints" / "step-00000005")
+    resumed = _steps(run_on_ranks(4, _train, resumed_cfg))
+    assert [s for s, _, _ in resumed] == [6, 7, 8, 9, 10]
+    _assert_same_steps(resumed, full)  # the same windows at the same steps on another layout
+    assert abs(full[0][1] - math.log(256)) < 0.1  # uniform random tokens: loss near ln(256)
 
 
 @pytest.mark.slow
@@ -300,6 +318,18 @@ def test_clip_grad_norm_matches_torch_on_plain_tensors():
         torch.testing.assert_close(p.grad, q.grad)
 
 
+def test_flops_per_token_and_no_mfu_on_cpu():
+    cfg = load_config({"training": {"seq_len": 32}})
+    m = cfg.model
+    assert train_flops_per_token(cfg) == 6 * m.num_params() + 6 * m.n_layers * 32 * m.dim
+    moe = load_config({"model": {"preset": "debug_moe"}})
+    inactive = (moe.model.num_experts - moe.model.top_k) * 3 * moe.model.dim * moe.model.moe_ffn_dim
+    assert 6 * (moe.model.num_params() - 2 * inactive) + 6 * 2 * 32 * 64 == train_flops_per_token(
+        moe
+    )
+    assert peak_flops(torch.device("cpu")) is None
+
+
 def test_warmup_then_cosine_to_the_floor():
     f = [warmup_cosine(s, warmup_steps=4, total_steps=14, min_ratio=0.1) for s in range(16)]
     assert f[:4] == [0.25, 0.5, 0.75, 1.0]
@@ -346,8 +376,31 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
+def _train_printing(cfg: dict) -> tuple[list[tuple[int, float, float]], str]:
+    """run_train with rank 0's stdout (the non-TTY progress lines) captured."""
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        summary = run_train(cfg, "cpu")
+    return [(s.step, s.loss, s.grad_norm) for s in summary.steps], buffer.getvalue()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["debug", "debug_moe", "debug_vlm"])
+@pytest.mark.parametrize("preset", ["debug_moe", "debug_vlm", "debug_field"])
+def test_train_20_steps_on_4_ranks_for_each_model_kind(run_on_ranks, tmp_path, preset):
+    cfg = _cfg(tmp_path, steps=20, model={"preset": preset})
+    cfg["parallelism"] = {"domain": 2} if preset == "debug_field" else {"tp": 2}
+    steps, printed = run_on_ranks(4, _train_printing, cfg)[0]
+    lines = [line for line in printed.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == [f"{k}/20" for k in range(1, 21)]
+    assert "gnorm" in lines[-1] and ("tok/s" in lines[-1] or "pts/s" in lines[-1])
+    assert lines[-1].split("mem ")[1].split()[0].count("|") == 3  # peak memory of 4 ranks
+    assert steps[-1][1] < 0.8 * steps[0][1]  # it learns
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 21))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["debug"])
 def test_forge_train_20_steps_on_4_ranks(tmp_path, preset):
     out = subprocess.run(
         [
@@ -382,26 +435,15 @@ def test_forge_train_20_steps_on_4_ranks(tmp_path, preset):
 
 
 @pytest.mark.slow
-def test_progress_bar_updates_one_line_on_a_terminal(tmp_path):
+def test_progress_bar_on_a_terminal_and_ctrl_c_saves_and_exits_cleanly(tmp_path):
     import pty
 
     pid, fd = pty.fork()
     if pid == 0:  # the child: forge train with a terminal as stdout and stderr
         os.environ.update(PYTHONPATH=str(ROOT), COLUMNS="160", LINES="24")
-        os.execv(
-            sys.executable,
-            [
-                *FORGE,
-                "train",
-                "--nproc",
-                "2",
-                "--set",
-                "training.steps=6",
-                "--set",
-                f"training.out_dir={tmp_path}",
-            ],
-        )
-    chunks = []
+        args = ["train", "--nproc", "2", "--set", "training.steps=100000"]
+        os.execv(sys.executable, [*FORGE, *args, "--set", f"training.out_dir={tmp_path}"])
+    text, interrupted = "", False
     while True:
         try:
             chunk = os.read(fd, 4096)
@@ -409,14 +451,21 @@ def test_progress_bar_updates_one_line_on_a_terminal(tmp_path):
             break
         if not chunk:
             break
-        chunks.append(chunk)
+        text += chunk.decode(errors="replace")
+        if not interrupted and "| 4/100000" in text:
+            # Ctrl-C: the terminal sends SIGINT to its foreground process group, the launcher
+            # and both ranks (pty.fork made the child a session and group leader).
+            os.killpg(pid, signal.SIGINT)
+            interrupted = True
     _, status = os.waitpid(pid, 0)
-    text = b"".join(chunks).decode(errors="replace")
-    assert os.WEXITSTATUS(status) == 0, text[-2000:]
+    assert interrupted and os.WEXITSTATUS(status) == 0, text[-2000:]
     bar = [part for part in text.split("\r") if "forge train " in part and "tok/s" in part]
-    assert len(bar) >= 6, text[-2000:]  # redrawn in place (carriage returns), once per step
-    assert "6/6" in bar[-1] and "loss" in bar[-1] and "gnorm" in bar[-1] and "GiB" in bar[-1]
-    assert "step 1/6" not in text  # no plain lines on a terminal
+    assert len(bar) >= 4, text[-2000:]  # redrawn in place (carriage returns), once per step
+    assert "loss" in bar[-1] and "gnorm" in bar[-1] and "GiB" in bar[-1]
+    assert "step 1/" not in text  # no plain lines on a terminal
+    assert "stopped by SIGINT" in text
+    state = read_train_state(find_latest(tmp_path / "checkpoints"))
+    assert state["step"] >= 4
 
 
 @pytest.mark.slow

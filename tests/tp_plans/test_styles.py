@@ -66,8 +66,12 @@ def test_unknown_style_suggests_the_closest():
 
 
 def test_every_style_of_the_installed_transformers_is_known():
+    import transformers
     import transformers.distributed.tensor_parallel as tp
     from forge_tp_plans.styles import HF_STYLE_NAMES
 
+    # NOTE: some styles (ep_dispatch_experts in 5.x) are registered only once model classes
+    # load; load one so the set does not depend on which tests ran before.
+    assert transformers.LlamaForCausalLM is not None
     installed = set(tp.ALL_PARALLEL_STYLES.keys())
     assert installed <= HF_STYLE_NAMES, installed - HF_STYLE_NAMES

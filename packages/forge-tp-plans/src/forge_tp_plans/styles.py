@@ -65,6 +65,8 @@ _REFUSED = {
     "grouped_gemm": "an MoE expert style, handled by forge-moe-ep",
     "moe_tp_experts": "an MoE expert style, handled by forge-moe-ep",
     "moe_identity_expert": "an MoE expert style, handled by forge-moe-ep",
+    # transformers 5.x registers it once an MoE model with expert dispatch is imported
+    "ep_dispatch_experts": "dispatches tokens to experts over an EP group: an MoE style, handled by forge-moe-ep",
     "all_reduce": "all-reduces partial MoE expert outputs: an MoE style, handled by forge-moe-ep",
     "packed_colwise": "shards fused [gate; up] weights half by half; give an explicit plan",
     "packed_rowwise": "shards fused weights half by half; give an explicit plan",

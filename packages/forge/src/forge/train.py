@@ -285,6 +285,8 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
         dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     )
     check_config(cfg, world_size)
+    if device_type == "cpu" and "LOCAL_WORLD_SIZE" in os.environ:  # ranks share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     init_distributed(device_type)
     rank = dist.get_rank()
     device = (
