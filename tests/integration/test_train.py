@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import math
 import os
 import pickle
 import signal
@@ -100,9 +99,11 @@ def test_resume_under_another_layout_continues_the_uninterrupted_run(
 
 @pytest.mark.slow
 def test_token_file_training_resumes_at_its_data_position(run_on_ranks, tmp_path):
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (20_000,), generator=g).numpy().astype("uint16")
-    (tmp_path / "tokens.bin").write_bytes(tokens.tobytes())
+    tokens = torch.empty(20_000, dtype=torch.long)  # a learnable file: t[i+1] = 3 t[i] + 1 mod 256
+    tokens[0] = 5
+    for i in range(1, len(tokens)):
+        tokens[i] = (3 * tokens[i - 1] + 1) % 256
+    (tmp_path / "tokens.bin").write_bytes(tokens.numpy().astype("uint16").tobytes())
     data = {"path": str(tmp_path / "tokens.bin"), "dtype": "uint16"}
     full = _steps(run_on_ranks(4, _train, _cfg(tmp_path / "x", data=data)))
     resumed_cfg = _cfg(tmp_path / "y", data=data, parallelism={"tp": 2})
@@ -110,7 +111,7 @@ def test_token_file_training_resumes_at_its_data_position(run_on_ranks, tmp_path
     resumed = _steps(run_on_ranks(4, _train, resumed_cfg))
     assert [s for s, _, _ in resumed] == [6, 7, 8, 9, 10]
     _assert_same_steps(resumed, full)  # the same windows at the same steps on another layout
-    assert abs(full[0][1] - math.log(256)) < 0.1  # uniform random tokens: loss near ln(256)
+    assert full[-1][1] < full[0][1] - 1.0  # it learns the file's rule
 
 
 @pytest.mark.slow
@@ -385,9 +386,10 @@ def _train_printing(cfg: dict) -> tuple[list[tuple[int, float, float]], str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["debug_moe", "debug_vlm", "debug_field"])
+@pytest.mark.parametrize("preset", ["debug", "debug_moe", "debug_vlm", "debug_field"])
 def test_train_20_steps_on_4_ranks_for_each_model_kind(run_on_ranks, tmp_path, preset):
-    cfg = _cfg(tmp_path, steps=20, model={"preset": preset})
+    # forge train's own ranks and CLI are exercised by the SIGTERM and Ctrl-C tests below.
+    cfg = _cfg(tmp_path, steps=20, model={"preset": preset}, checkpoint={"save_at_end": True})
     cfg["parallelism"] = {"domain": 2} if preset == "debug_field" else {"tp": 2}
     steps, printed = run_on_ranks(4, _train_printing, cfg)[0]
     lines = [line for line in printed.splitlines() if line.startswith("step ")]
@@ -396,40 +398,9 @@ def test_train_20_steps_on_4_ranks_for_each_model_kind(run_on_ranks, tmp_path, p
     assert lines[-1].split("mem ")[1].split()[0].count("|") == 3  # peak memory of 4 ranks
     assert steps[-1][1] < 0.8 * steps[0][1]  # it learns
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "loss" in r] == list(range(1, 21))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("preset", ["debug"])
-def test_forge_train_20_steps_on_4_ranks(tmp_path, preset):
-    out = subprocess.run(
-        [
-            *FORGE,
-            "train",
-            "--set",
-            f"model.preset={preset}",
-            "--set",
-            "training.steps=20",
-            "--set",
-            f"training.out_dir={tmp_path}",
-            "--set",
-            "training.warmup_steps=2",
-        ],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = [line for line in out.stdout.splitlines() if line.startswith("step ")]
-    assert [line.split()[1] for line in lines] == [f"{k}/20" for k in range(1, 21)]  # not a TTY
-    for field in ("loss", "gnorm", "lr", "tok/s", "mem "):
-        assert field in lines[-1]
-    assert lines[-1].split("mem ")[1].split()[0].count("|") == 3  # peak memory of 4 ranks
-    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "loss" in r]
-    assert [r["step"] for r in steps] == list(range(1, 21)) and len(steps[0]["peak_mem_bytes"]) == 4
-    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5  # it learns
+    steps_logged = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps_logged] == list(range(1, 21))
+    assert len(steps_logged[0]["peak_mem_bytes"]) == 4 and records[0]["event"] == "start"
     assert records[-1]["event"] == "end" and records[-1]["step"] == 20
     assert find_latest(tmp_path / "checkpoints").name == "step-00000020"
 
@@ -486,9 +457,19 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path):
         text=True,
         env=_env(),
     )
+    lines = []
     for line in proc.stdout:
+        lines.append(line)
         if line.startswith("step 3/"):
             break
+    # not a terminal: one plain line per step with the numbers and every rank's peak memory
+    assert [line.split()[1] for line in lines if line.startswith("step ")] == [
+        "1/100000",
+        "2/100000",
+        "3/100000",
+    ]
+    for field in ("loss", "gnorm", "tok/s", "mem ", "GiB", "lr"):
+        assert field in lines[-1]
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
