@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 from forge.build import ParallelPlan, build_parallel_model
 from forge_core import ModelConfig, Transformer
 from forge_core.training import ParityResult, run_parity
 from forge_mesh import build_device_mesh
+
+
+class HFLogits(nn.Module):
+    """``tokens -> logits`` for the parity harness (Hugging Face models return an output object)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens).logits
 
 
 def compiled_parity(layout: dict) -> ParityResult:

@@ -36,6 +36,8 @@ from forge_mesh import build_device_mesh
 from forge_tp_plans import describe_tp_plan
 from torch.distributed.tensor import DTensor
 
+from tests.parity_jobs import HFLogits
+
 LLAMA = {
     "vocab_size": 64,
     "hidden_size": 32,
@@ -55,17 +57,6 @@ def _llama() -> nn.Module:
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).float()
 
 
-class _Logits(nn.Module):
-    """``tokens -> logits`` for the parity harness (HF models return an output object)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens).logits
-
-
 # --- from_config on a Hugging Face model the user already has -----------------------------------
 
 
@@ -76,7 +67,7 @@ def _hf_from_config_parity(config_path: str) -> dict[str, Any]:
     plan = ParallelPlan.from_config(config_path, mesh)  # the path itself: load_config inside
     parallel = plan.parallelize(copy.deepcopy(reference))  # materialized: values kept, no device
     result = run_parity(
-        _Logits(reference), _Logits(parallel), mesh=mesh, steps=5, vocab_size=LLAMA["vocab_size"]
+        HFLogits(reference), HFLogits(parallel), mesh=mesh, steps=5, vocab_size=LLAMA["vocab_size"]
     )
     return {
         "result": result,
@@ -405,7 +396,7 @@ def test_plan_patches_an_hf_model_only_when_told_sequences_are_not_packed(flash_
     original = flash_utils._is_packed_sequence
     fp32 = {"param_dtype": torch.float32}
     default = ParallelPlan(None, **fp32)
-    default.parallelize(_Logits(_llama()))
+    default.parallelize(HFLogits(_llama()))
     assert default.hf_patches == [] and flash_utils._is_packed_sequence is original
 
     not_hf = ParallelPlan(None, packed_sequences=False, **fp32)
@@ -414,7 +405,7 @@ def test_plan_patches_an_hf_model_only_when_told_sequences_are_not_packed(flash_
     assert not_hf.hf_patches == [] and flash_utils._is_packed_sequence is original
 
     plan = ParallelPlan(None, packed_sequences=False, **fp32)
-    plan.parallelize(_Logits(_llama()))  # an HF model inside a wrapper
+    plan.parallelize(HFLogits(_llama()))  # an HF model inside a wrapper
     assert plan.hf_patches == ["is_packed_sequence"] and is_packed_sequence_patched()
     assert _attention_calls(flash_utils, 2)[0] == 0
     with pytest.raises(ForgeConfigError, match="packed_sequences=True"):

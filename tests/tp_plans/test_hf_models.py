@@ -14,6 +14,8 @@ from forge_mesh import build_device_mesh
 from forge_tp_plans import applied_tp_plan, apply_tensor_parallel
 from torch.distributed.tensor import DTensor
 
+from tests.parity_jobs import HFLogits
+
 COMMON = {
     "vocab_size": 64,
     "hidden_size": 32,
@@ -89,15 +91,6 @@ def test_hf_model_fsdp2_x_tp_logits_and_grads_match(run_on_ranks, name):
     assert out["source"] == "huggingface"
 
 
-class _Logits(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens).logits
-
-
 def _hf_training_parity(name: str):
     reference = _build(name)
     parallel = copy.deepcopy(reference)
@@ -105,7 +98,7 @@ def _hf_training_parity(name: str):
     apply_tensor_parallel(parallel, mesh)
     apply_fsdp2(parallel, mesh, default_mp_policy(torch.float32))
     return run_parity(
-        _Logits(reference), _Logits(parallel), mesh=mesh, steps=5, vocab_size=COMMON["vocab_size"]
+        HFLogits(reference), HFLogits(parallel), mesh=mesh, steps=5, vocab_size=COMMON["vocab_size"]
     )
 
 

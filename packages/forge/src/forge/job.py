@@ -41,6 +41,7 @@ from forge_mesh import build_device_mesh, init_distributed, mesh_layout
 from forge_moe_ep import check_expert_parallel, moe_metrics
 from forge_tp_plans import check_plan_import, check_transformer_tp, describe_tp_plan
 from forge_vlm import ac_components, check_vlm, num_image_tokens
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -238,16 +239,19 @@ def _moe_report(
     )
 
 
-def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport:
-    """One rank's part of ``forge build``: every rank returns the verdict, rank 0 also the text."""
-    start = time.perf_counter()
-    cfg = load_config(cfg_dict)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+def setup_rank(
+    cfg: ForgeConfig, device_type: str
+) -> tuple[int, int, torch.device, ParallelismConfig, DeviceMesh]:
+    """A rank's start: check the config, join the process group, pick the device, build the mesh.
+
+    Returns ``(world_size, rank, device, resolved parallelism, mesh)``.
+    """
+    world_size = (
+        dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    )
     check_config(cfg, world_size)
-    if device_type == "cpu":
-        torch.set_num_threads(
-            max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        )
+    if device_type == "cpu" and "LOCAL_WORLD_SIZE" in os.environ:  # local ranks share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     init_distributed(device_type)
     rank = dist.get_rank()
     if cfg.training.compile and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
@@ -263,7 +267,14 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         else torch.device("cpu")
     )
     par = cfg.resolved_parallelism(world_size)
-    mesh = build_device_mesh(par, device_type)
+    return world_size, rank, device, par, build_device_mesh(par, device_type)
+
+
+def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport:
+    """One rank's part of ``forge build``: every rank returns the verdict, rank 0 also the text."""
+    start = time.perf_counter()
+    cfg = load_config(cfg_dict)
+    world_size, rank, device, par, mesh = setup_rank(cfg, device_type)
     t = cfg.training
     dtype = getattr(torch, t.param_dtype)
     plan = ParallelPlan.from_config(cfg, mesh)  # the one config -> plan mapping

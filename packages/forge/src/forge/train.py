@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import shutil
 import signal
@@ -46,7 +45,7 @@ from forge_core.mesh_dims import DP_AXES, axis_size, dp_rank_and_size, has_axis,
 from forge_core.stages import unwrap
 from forge_core.training import clip_grad_norm_, set_gradient_sync, warmup_cosine
 from forge_domain import domain_group, shard_spatial, sync_domain_gradients
-from forge_mesh import build_device_mesh, init_distributed, mesh_layout
+from forge_mesh import mesh_layout
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
@@ -54,7 +53,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from .build import ParallelPlan, model_from_config
 from .checkpoint import Checkpointer, find_latest, optimizer_hyperparameters
 from .data import Batch, FieldBatch, make_data
-from .job import check_config
+from .job import setup_rank
 
 __all__ = ["StepLog", "TrainSummary", "peak_flops", "run_train", "train_flops_per_token"]
 
@@ -281,21 +280,7 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
     """One rank's part of ``forge train``; rank 0's summary holds the steps and the report."""
     cfg = load_config(cfg_dict)
     t, ck = cfg.training, cfg.checkpoint
-    world_size = (
-        dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    )
-    check_config(cfg, world_size)
-    if device_type == "cpu" and "LOCAL_WORLD_SIZE" in os.environ:  # ranks share the cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
-    init_distributed(device_type)
-    rank = dist.get_rank()
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if device_type == "cuda"
-        else torch.device("cpu")
-    )
-    par = cfg.resolved_parallelism(world_size)
-    mesh = build_device_mesh(par, device_type)
+    world_size, rank, device, par, mesh = setup_rank(cfg, device_type)
     plan = ParallelPlan.from_config(cfg, mesh)  # the same config -> plan mapping as forge build
     model = plan.parallelize(model_from_config(cfg), device=device, seed=t.seed)
     model = plan.maybe_compile(model)
