@@ -153,8 +153,9 @@ def _train_rank(cfg_dict: dict, device: str) -> Any:
     if summary.stopped_by:
         # NOTE: after a signal the launcher may itself be shutting down: it then never collects
         # this return value, and the rank would wait for it until the launcher's kill timeout.
-        # The checkpoint is already on disk, so leave on our own if nobody collects within 10 s.
-        timer = threading.Timer(10.0, os._exit, (0,))
+        # The checkpoint is already on disk, so leave on our own if nobody collects it within 2 s
+        # (a launcher that is still running collects within its 0.1 s monitor interval).
+        timer = threading.Timer(2.0, os._exit, (0,))
         timer.daemon = True  # when the launcher does collect it, exit at once as usual
         timer.start()
     return summary
