@@ -364,6 +364,17 @@ def test_token_file_is_sharded_by_data_parallel_rank(tmp_path):
         TokenFile(str(tmp_path / "odd.bin"), "uint16", dp_rank=0, dp_size=1, **kwargs)
 
 
+def test_forge_train_refuses_a_missing_checkpoint_or_token_file_before_launch(tmp_path, capsys):
+    from forge.cli import main
+
+    missing = str(tmp_path / "nope")
+    assert main(["train", "--set", f"checkpoint.resume={missing!r}"]) == 2
+    assert "is not a forge checkpoint" in capsys.readouterr().err
+    assert main(["train", "--set", f"data.path={missing!r}"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert not dist.is_initialized()
+
+
 def test_synthetic_data_slices_one_global_batch():
     cfg = load_config({"training": {"global_batch_size": 8}})
     parts = torch.cat([SyntheticData(cfg, r, 4).batch(3).tokens for r in range(4)])

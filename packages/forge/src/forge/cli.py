@@ -70,6 +70,11 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple[dict, int] | int:
             )
         if command == "train" and cfg.data.path is not None and not os.path.isfile(cfg.data.path):
             raise ForgeConfigError(f"data.path={cfg.data.path!r} does not exist or is not a file")
+        resume = cfg.checkpoint.resume
+        if command == "train" and resume not in ("latest", "none"):
+            from .checkpoint import read_train_state
+
+            read_train_state(resume)  # a path: it must be a forge checkpoint, checked here
     except ForgeConfigError as e:
         print(f"forge {command}: config error: {e}", file=sys.stderr)
         return 2
