@@ -449,6 +449,13 @@ class ForgeConfig:
         return self.field is not None
 
     @property
+    def checkpoint_dir(self) -> Path:
+        """Where ``forge train`` keeps checkpoints: ``checkpoint.dir``, else
+        ``<training.out_dir>/checkpoints``."""
+        c = self.checkpoint.dir
+        return Path(c) if c else Path(self.training.out_dir) / "checkpoints"
+
+    @property
     def is_vlm(self) -> bool:
         return self.vlm is not None
 

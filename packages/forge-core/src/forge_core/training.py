@@ -36,6 +36,7 @@ __all__ = [
     "global_grad_norm",
     "clip_grad_norm_",
     "local_batch",
+    "reduce_over_dp",
     "run_parity",
     "set_gradient_sync",
     "synthetic_tokens",
@@ -221,10 +222,13 @@ def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_ratio: 
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _average_over_dp(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+def reduce_over_dp(
+    value: torch.Tensor, mesh: DeviceMesh | None, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> torch.Tensor:
+    """All-reduce ``value`` in place over every data-parallel axis of ``mesh`` (none: no-op)."""
     for name in DP_AXES:
         if has_axis(mesh, name) and sub_mesh(mesh, name).size() > 1:
-            dist.all_reduce(value, op=dist.ReduceOp.AVG, group=sub_mesh(mesh, name).get_group())
+            dist.all_reduce(value, op=op, group=sub_mesh(mesh, name).get_group())
     return value
 
 
@@ -289,7 +293,7 @@ def train_steps(
         grad_norm = global_grad_norm(trainable)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        total = _average_over_dp(total.float(), mesh)
+        total = reduce_over_dp(total.float(), mesh, dist.ReduceOp.AVG)
         records.append(StepRecord(loss=float(total), grad_norm=float(grad_norm)))
     hooks.remove()
     return records

@@ -42,7 +42,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from forge_core import ForgeConfigError
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -55,6 +55,7 @@ __all__ = [
     "SafeFileSystemReader",
     "find_latest",
     "load_model_weights",
+    "optimizer_hyperparameters",
     "read_train_state",
 ]
 
@@ -138,8 +139,6 @@ class SafeFileSystemReader(FileSystemReader):
                 "tensors only and forge does not unpickle arbitrary objects"
             )
         # NOTE: FileSystemReader.read_metadata also stamps a load id; keep that behaviour.
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

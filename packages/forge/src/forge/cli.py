@@ -106,7 +106,7 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from forge_core import ForgeConfigError
+    from forge_core import ForgeConfigError, load_config
 
     from .checkpoint import find_latest
     from .train import run_train
@@ -126,10 +126,7 @@ def _train(args: argparse.Namespace) -> int:
     except _Interrupted as e:
         # The launcher got the signal and passed it to the ranks, which finished their step and
         # saved before exiting; their return values are lost with the launcher's exception.
-        root = cfg_dict["checkpoint"]["dir"] or os.path.join(
-            cfg_dict["training"]["out_dir"], "checkpoints"
-        )
-        latest = find_latest(root)
+        latest = find_latest(load_config(cfg_dict).checkpoint_dir)
         print(
             f"forge train: stopped by {e}; "
             + (

@@ -50,10 +50,10 @@ from .build import (
     NOT_YET,
     ParallelPlan,
     _float8_options,
-    build_meta_model,
     build_parallel_model,
     check_float8,
     check_plan,
+    model_from_config,
 )
 
 __all__ = ["BuildReport", "check_config", "run_build"]
@@ -136,15 +136,6 @@ def _check_importable(key: str, path: str, allow_import: tuple[str, ...]) -> Non
         raise ForgeConfigError(
             f"{key}={path!r}: module '{module_name}' is not importable from here"
         )
-
-
-def _fp8_kwargs(cfg: ForgeConfig) -> dict[str, Any]:
-    """``build_parallel_model`` keywords of the ``[float8]`` section.
-
-    NOTE: kept for callers of ``build_parallel_model``; it is the same mapping that
-    ``ParallelPlan.from_config`` uses (``forge.build._float8_options``), not a copy of it.
-    """
-    return _float8_options(cfg.float8)
 
 
 def _vlm_kwargs(cfg: ForgeConfig) -> dict[str, Any]:
@@ -279,9 +270,7 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
     dtype = getattr(torch, t.param_dtype)
     plan = ParallelPlan.from_config(cfg, mesh)  # the one config -> plan mapping
     data = plan.data
-    model = plan.parallelize(
-        build_meta_model(cfg.model, **_vlm_kwargs(cfg)), device=device, seed=t.seed
-    )
+    model = plan.parallelize(model_from_config(cfg), device=device, seed=t.seed)
     model = plan.maybe_compile(model)
     # NOTE: with Float8 the reference is the same Float8 model on one device (bf16 compute when
     # asked): parity then isolates the parallelism from fp8's own rounding.

@@ -53,8 +53,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .build import build_parallel_model
-from .job import _fp8_kwargs, _vlm_kwargs, check_config
+from .build import ParallelPlan, model_from_config
+from .job import check_config
 
 __all__ = [
     "ActivationEstimate",
@@ -507,24 +507,8 @@ def _collectives(
 def build_on_meta(cfg: ForgeConfig, mesh: DeviceMesh, data: str) -> nn.Module:
     """``forge build``'s model for this rank of ``mesh``, parallelized on meta, not materialized.
     DDP wraps only materialized weights: a DDP layout is planned as the replicated model."""
-    t = cfg.training
-    return build_parallel_model(
-        cfg.model,
-        None,  # type: ignore[arg-type]  # no device: parallelize without materializing
-        mesh,
-        data="none" if data == "ddp" else data,
-        ac_mode=t.ac_mode,
-        param_dtype=getattr(torch, t.param_dtype),
-        compile_model=t.compile,
-        reshard_after_forward=t.reshard_after_forward,
-        cpu_offload=t.cpu_offload,
-        tp_plan=cfg.tp.plan,
-        sequence_parallel=cfg.tp.sequence_parallel_flag,
-        loss_parallel=cfg.tp.loss_parallel,
-        allow_plan_import=cfg.tp.allow_import,
-        **_fp8_kwargs(cfg),
-        **_vlm_kwargs(cfg),
-    )
+    plan = ParallelPlan.from_config(cfg, mesh, data="none" if data == "ddp" else data)
+    return plan.parallelize(model_from_config(cfg))  # no device: nothing is materialized
 
 
 def plan_layout(cfg: ForgeConfig, world_size: int) -> LayoutPlan:

@@ -41,9 +41,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from forge_core import ForgeConfig, attach_optimizer_hooks, load_config, pop_aux_losses
-from forge_core.mesh_dims import DP_AXES, axis_size, dp_rank_and_size, has_axis, sub_mesh
+from forge_core.mesh_dims import axis_size, dp_rank_and_size
 from forge_core.stages import unwrap
-from forge_core.training import clip_grad_norm_, set_gradient_sync, warmup_cosine
+from forge_core.training import (
+    clip_grad_norm_,
+    reduce_over_dp,
+    set_gradient_sync,
+    warmup_cosine,
+)
 from forge_domain import domain_group, shard_spatial, sync_domain_gradients
 from forge_mesh import mesh_layout
 from torch.distributed.device_mesh import DeviceMesh
@@ -106,13 +111,6 @@ def _peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-
-
-def _sum_over_dp(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
-    for name in DP_AXES:
-        if has_axis(mesh, name) and sub_mesh(mesh, name).size() > 1:
-            dist.all_reduce(value, group=sub_mesh(mesh, name).get_group())
-    return value
 
 
 class _StopFlag:
@@ -231,7 +229,7 @@ def _token_step(
         count = (targets != ignore).sum()
     else:
         count = torch.tensor(targets.numel(), device=device)
-    global_count = _sum_over_dp(count.to(torch.int64), mesh)  # on the device: no host wait
+    global_count = reduce_over_dp(count.to(torch.int64), mesh)  # on the device: no host wait
     scale = dp_rank_and_size(mesh)[1] / global_count
     micro_images = (
         batch.images.to(device).chunk(grad_accum)
@@ -242,7 +240,7 @@ def _token_step(
     for i, (micro, pixels) in enumerate(zip(tokens.chunk(grad_accum), micro_images, strict=True)):
         set_gradient_sync(model, i == grad_accum - 1)
         loss_sum += _loss_and_backward(model, micro, pixels, scale, grad_accum, ignore)
-    return _sum_over_dp(loss_sum, mesh), global_count
+    return reduce_over_dp(loss_sum, mesh), global_count
 
 
 def _field_step(
@@ -273,7 +271,7 @@ def _field_step(
     if split:
         sync_domain_gradients(model, mesh)
         dist.all_reduce(loss_sum, group=domain_group(mesh))
-    return _sum_over_dp(loss_sum, mesh), count
+    return reduce_over_dp(loss_sum, mesh), count
 
 
 def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummary:
@@ -297,7 +295,7 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
     # host-side traffic, and an asynchronous save runs its collectives from a background thread,
     # which must never interleave with the training thread's collectives on one group.
     control = dist.new_group(backend="gloo")
-    ckpt_root = Path(ck.dir) if ck.dir else Path(t.out_dir) / "checkpoints"
+    ckpt_root = cfg.checkpoint_dir
     checkpointer = Checkpointer(
         ckpt_root,
         keep=ck.keep,
@@ -400,11 +398,12 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
                     f"model (lower training.lr={t.lr} or raise training.warmup_steps)"
                 )
             elapsed = time.perf_counter() - begin
-            memory = torch.tensor([_peak_memory(device)], dtype=torch.int64)
-            gathered = [torch.zeros_like(memory) for _ in range(world_size)]
-            dist.all_gather(gathered, memory, group=control)
-            flag = torch.tensor([1 if stop.signal else 0])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control)
+            # One host-side collective per step: every rank's peak memory and its stop vote.
+            mine = torch.tensor([_peak_memory(device), 1 if stop.signal else 0], dtype=torch.int64)
+            everyone = [torch.zeros_like(mine) for _ in range(world_size)]
+            dist.all_gather(everyone, mine, group=control)
+            memory = [int(m[0]) for m in everyone]
+            stop_voted = any(int(m[1]) for m in everyone)
             done = finished = step + 1
             if rank == 0:
                 tps = items_per_step / elapsed
@@ -417,7 +416,7 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
                     json.dumps(
                         {
                             **asdict(record),
-                            "peak_mem_bytes": [int(m) for m in gathered],
+                            "peak_mem_bytes": memory,
                             "mfu": mfu,
                             "time": time.time(),
                         }
@@ -428,12 +427,12 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
                 text = (
                     f"loss {loss:.4f} gnorm {grad_norm:.3f} {tps:,.0f} {unit} "
                     + (f"MFU {mfu:.1%} " if mfu is not None else "")
-                    + f"{_format_memory([int(m) for m in gathered])} lr {lr:.2e}"
+                    + f"{_format_memory(memory)} lr {lr:.2e}"
                 )
                 progress.update(text, done, t.steps)
             if ck.every and done % ck.every == 0:
                 save(done)
-            if int(flag):
+            if stop_voted:
                 summary.stopped_by = stop.signal or "a signal on another rank"
                 break
         if (summary.stopped_by or ck.save_at_end) and last_saved != finished:
