@@ -130,6 +130,18 @@ def test_no_host_sync_passes_sync_free_ops(fn: Callable[[], object]) -> None:
         fn()
 
 
+def test_index_put_of_a_just_lifted_scalar_is_the_masked_fill_path() -> None:
+    """torch <= 2.14 runs ``x[mask] = 0.0`` as lift_fresh + index_put_, which ATen turns into
+    masked_fill_ (no sync); a value tensor made on the device, or accumulation, still syncs."""
+    x = _x()
+    mask = x > 0
+    with no_host_sync("cpu"):
+        x.index_put_((mask,), torch.tensor(0.0))  # lifted just before: the host scalar
+    for value, accumulate in ((x.new_zeros(()), False), (torch.tensor(1.0), True)):
+        with no_host_sync("cpu"), pytest.raises(HostSyncError, match="index_put_"):
+            x.index_put_((mask,), value, accumulate=accumulate)
+
+
 def test_error_messages_say_what_to_do_instead() -> None:
     cases = {
         "repeat_interleave_no_output_size": "output_size",

@@ -206,13 +206,18 @@ def test_triton_module_reload_recovers_interpreter_mode():
         os.environ["TRITON_INTERPRET"] = "1"
         kern = importlib.reload(kern)
         assert kern.INTERPRETED
+        from tests.kernels.triton_interpreter import interpreter_index_fix
         x, w = torch.ones(5, 4), torch.ones(2, 4, 3)
-        out = kern.gmm_rows(x, w, torch.tensor([2, 4], dtype=torch.int32))
+        with interpreter_index_fix():
+            out = kern.gmm_rows(x, w, torch.tensor([2, 4], dtype=torch.int32))
         assert out[:4].eq(4).all() and out[4:].eq(0).all(), out
         """
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=root
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 

@@ -401,14 +401,12 @@ def _host_reads_raise():
         patches.append((torch.Tensor, name, refuse(f"Tensor.{name}")))
     for name in ["nonzero", "unique", "masked_select", "bincount"]:
         patches.append((torch, name, refuse(f"torch.{name}")))
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    try:
+    # NOTE: MonkeyPatch deletes on exit what a class only inherited (a plain setattr of the
+    # saved value would leave e.g. Tensor.tolist in torch.Tensor.__dict__ for later tests).
+    with pytest.MonkeyPatch.context() as mp:
         for owner, name, fn in patches:
-            setattr(owner, name, fn)
+            mp.setattr(owner, name, fn)
         yield
-    finally:
-        for owner, name, fn in saved:
-            setattr(owner, name, fn)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

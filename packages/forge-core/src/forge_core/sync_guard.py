@@ -71,7 +71,7 @@ _BOOL_INDEX = (
 #: The ops that synchronize a GPU with the host, matched by overload packet (``aten.index`` covers
 #: every overload). Three are flagged only in the form that syncs: ``aten.repeat_interleave``
 #: without ``output_size``, and ``aten.index`` / ``aten.index_put(_)`` with a bool or uint8 index
-#: (``x[mask] = scalar`` is lowered to ``masked_fill_`` by Python indexing and is not flagged).
+#: (``x[mask] = scalar`` runs as ``masked_fill_``, directly or inside ``index_put_``: not flagged).
 #: ``Tensor.tolist`` / ``Tensor.numpy`` are caught by patching, not by the dispatch mode.
 SYNC_OPS: tuple[SyncOp, ...] = (
     SyncOp(
@@ -140,8 +140,17 @@ def _op(name: str) -> SyncOp:
     return next(op for op in SYNC_OPS if op.name == name)
 
 
-def _flagged(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SyncOp | None:
-    """The entry of :data:`SYNC_OPS` that this call hits, or None when it does not sync."""
+def _flagged(
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    host_value: torch.Tensor | None = None,
+) -> SyncOp | None:
+    """The entry of :data:`SYNC_OPS` that this call hits, or None when it does not sync.
+
+    ``host_value``: the output of the op just before this one if that was ``aten.lift_fresh``
+    (a Python scalar made into a host tensor by indexing; see :func:`_fills_like_masked_fill`).
+    """
     name = str(func.overloadpacket)
     op = next((op for op in SYNC_OPS if op.name == name), None)
     if op is None:
@@ -151,9 +160,40 @@ def _flagged(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SyncOp
             op if func._overloadname != "self_int" and kwargs.get("output_size") is None else None
         )
     if name in ("aten.index", "aten.index_put", "aten.index_put_"):
-        masks = (i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
-        return op if any(masks) else None
+        masks = [i for i in args[1] if i is not None and i.dtype in (torch.bool, torch.uint8)]
+        if not masks:
+            return None
+        if name == "aten.index_put_" and _fills_like_masked_fill(args, kwargs, masks, host_value):
+            return None
+        return op
     return op
+
+
+def _fills_like_masked_fill(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    masks: list[torch.Tensor],
+    host_value: torch.Tensor | None,
+) -> bool:
+    """Whether ATen runs this ``index_put_`` as ``masked_fill_`` (no ``nonzero``, no sync).
+
+    NOTE: torch <= 2.14 sends ``x[mask] = 0.0`` to ``index_put_`` with the scalar in a fresh
+    host tensor (``lift_fresh`` just before); torch 2.15 calls ``masked_fill_`` directly. ATen's
+    ``index_put_`` takes the masked-fill path for one bool mask on ``self``'s device, no
+    accumulation and a one-element value on the host. On CPU every tensor is on the host, so a
+    value counts as a host value only when it is the tensor lifted by the op just before (the
+    scalar of ``x[mask] = 0.0``); a tensor built earlier counts as a device tensor (where it
+    would sync).
+    """
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    value = args[2]
+    return (
+        not accumulate
+        and len(masks) == 1
+        and masks[0].device == args[0].device
+        and value is host_value
+        and value.numel() == 1
+    )
 
 
 def _call_site() -> str:
@@ -181,6 +221,7 @@ class _SyncDetector(TorchDispatchMode):
     def __init__(self, report: Callable[[SyncOp], None]) -> None:
         super().__init__()
         self._report = report
+        self._lifted: torch.Tensor | None = None  # output of the previous op if lift_fresh
 
     def __torch_dispatch__(
         self,
@@ -190,10 +231,14 @@ class _SyncDetector(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        op = _flagged(func, args, kwargs)
+        op = _flagged(func, args, kwargs, self._lifted)
+        self._lifted = None
         if op is not None:
             self._report(op)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func.overloadpacket is torch.ops.aten.lift_fresh:
+            self._lifted = out
+        return out
 
 
 class _HostCopyPatch:
