@@ -28,6 +28,7 @@ import textwrap  # noqa: E402
 
 import pytest  # noqa: E402
 from forge_kernels.grouped_gemm import grouped_gemm, grouped_gemm_backend  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -273,6 +274,38 @@ def test_torch_grouped_mm_path_copies_unaligned_strides_and_accepts_stride0_grad
     _assert_close(out, ref_out, torch.float32, "out")
     _assert_close(xg.grad, ref_dx, torch.float32, "dX")
     _assert_close(wg.grad, ref_dw, torch.float32, "dW")
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+def test_dense_promise_skips_the_tail_mask_and_changes_no_number():
+    """offs[-1] == M (forge's MoE dispatch): dense=True gives bit-identical out, dX and dW and
+    runs no masked fill; without the promise the torch path masks (so the check can fail)."""
+    m, k, n, offs = 37, 40, 24, [5, 5, 20, 37]
+    x, w, offs_t, dout = _inputs(m, k, n, offs, torch.float32, seed=5)
+    x, w, offs_t, dout = x.cpu(), w.cpu(), offs_t.cpu(), dout.cpu()
+
+    def run(dense: bool):
+        xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        seen: set[str] = set()
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                seen.add(str(func.overloadpacket))
+                return func(*args, **(kwargs or {}))
+
+        with Ops():
+            out = grouped_gemm(xg, wg, offs_t, backend="torch_grouped_mm", dense=dense)
+            out.backward(dout)
+        return (out, xg.grad, wg.grad), seen
+
+    (masked, masked_ops), (lean, lean_ops) = run(False), run(True)
+    for a, b in zip(masked, lean, strict=True):
+        assert torch.equal(a, b)
+    assert "aten.masked_fill" in masked_ops and "aten.masked_fill" not in lean_ops
+    ref_out, ref_dx, ref_dw = _reference(x, w, offs_t, dout)
+    _assert_close(lean[0], ref_out, torch.float32, "out")
+    _assert_close(lean[1], ref_dx, torch.float32, "dX")
+    _assert_close(lean[2], ref_dw, torch.float32, "dW")
 
 
 @pytest.mark.parametrize("m,k,n,offs", CASES)

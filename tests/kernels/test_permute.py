@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if not torch.cuda.is_available():
     # NOTE: triton decides interpreter mode when a kernel is decorated, i.e. at the first import
@@ -299,16 +300,59 @@ def test_unpermute_gradient_reaches_real_rows_and_zeroes_padding(backend):
     assert torch.equal(grad, padded_g[layout.gather_idx])
 
 
-def test_triton_autograd_functions_pass_gradcheck_in_float64():
+@pytest.mark.parametrize(
+    "backend,align,dense", [("triton", 2, False), ("torch", 2, False), ("torch", 1, True)]
+)
+def test_autograd_functions_pass_gradcheck_in_float64(backend, align, dense):
     t, k, e = 4, 2, 3
-    layout = routing_layout(make_ids(t, k, e, "random", torch.int64), e, 2, backend="triton")
+    layout = routing_layout(make_ids(t, k, e, "random", torch.int64), e, align, backend=backend)
     x = torch.randn(t, 3, device=DEVICE, dtype=torch.float64, requires_grad=True)
     y = torch.randn(layout.gather_idx.numel(), 3, device=DEVICE, dtype=torch.float64)
     y.requires_grad_()
     w = torch.rand(t, k, device=DEVICE, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x: permute(x, layout, k, backend="triton"), (x,))
-    assert torch.autograd.gradcheck(lambda y: unpermute(y, layout, backend="triton"), (y,))
-    assert torch.autograd.gradcheck(lambda y, w: combine(y, layout, w, backend="triton"), (y, w))
+    opts = dict(backend=backend, dense=dense)
+    assert torch.autograd.gradcheck(lambda x: permute(x, layout, k, **opts), (x,))
+    assert torch.autograd.gradcheck(lambda y: unpermute(y, layout, **opts), (y,))
+    assert torch.autograd.gradcheck(lambda y, w: combine(y, layout, w, **opts), (y, w))
+
+
+class _OpNames(TorchDispatchMode):
+    """Records the aten op packets that run (forward and backward) inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_dense_promise_gives_the_same_numbers_without_masking_passes():
+    """The lean path: on a layout that is a permutation of the slots (align 1, ids in range),
+    dense=True returns bit-identical values and gradients and runs no masking op at all."""
+    t, k, e, d = 13, 3, 5, 4
+    layout = routing_layout(make_ids(t, k, e, "random", torch.int64), e, 1, backend="torch")
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(t, d, generator=g), torch.rand(t, k, generator=g)
+    g_out, g_slots = torch.randn(t, d, generator=g), torch.randn(t * k, d, generator=g)
+
+    def run(dense: bool):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with _OpNames() as ops:
+            y_perm = permute(xg, layout, k, backend="torch", dense=dense) * 1.5
+            out = combine(y_perm, layout, wg, backend="torch", dense=dense)
+            slots = unpermute(y_perm, layout, backend="torch", dense=dense)
+            torch.autograd.backward([out, slots], [g_out, g_slots])
+        return [out, slots, xg.grad, wg.grad], ops.names
+
+    masked, masked_ops = run(False)
+    lean, lean_ops = run(True)
+    for a, b in zip(masked, lean, strict=True):
+        assert torch.equal(a, b)
+    masking = {"aten.masked_fill_", "aten.masked_fill", "aten.where", "aten.clamp"}
+    assert masking & masked_ops  # the general path does mask: this check can fail
+    assert not masking & lean_ops, masking & lean_ops
 
 
 # --------------------------------------------------------------------------- grouped GEMM

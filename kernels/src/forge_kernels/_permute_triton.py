@@ -218,8 +218,12 @@ def gather_rows(
     n_valid: int,
     scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    dense: bool = False,
 ) -> torch.Tensor:
-    """``out[r] = scale[idx[r]] * src[idx[r] // div]`` if ``0 <= idx[r] < n_valid`` else 0."""
+    """``out[r] = scale[idx[r]] * src[idx[r] // div]`` if ``0 <= idx[r] < n_valid`` else 0.
+
+    ``dense`` (as in :mod:`forge_kernels._rows_torch`) is ignored: the mask is free in here.
+    """
     src = src if src.stride(-1) == 1 else src.contiguous()
     n_rows, d = idx.numel(), src.shape[1]
     out = torch.empty((n_rows, d), dtype=out_dtype or src.dtype, device=src.device)
@@ -294,8 +298,12 @@ def combine_rows(
     num_tokens: int,
     top_k: int,
     out_dtype: torch.dtype | None = None,
+    dense: bool = False,
 ) -> torch.Tensor:
-    """``out[t] = sum_k w[t*K + k] * y[scatter_idx[t*K + k]]`` (w = 1 when None), fp32/fp64 sum."""
+    """``out[t] = sum_k w[t*K + k] * y[scatter_idx[t*K + k]]`` (w = 1 when None), fp32/fp64 sum.
+
+    ``dense`` is ignored (see :func:`gather_rows`).
+    """
     y = y if y.stride(-1) == 1 else y.contiguous()
     d = y.shape[1]
     out = torch.empty((num_tokens, d), dtype=out_dtype or y.dtype, device=y.device)
@@ -364,9 +372,17 @@ def _slot_row_dot_kernel(
 
 @_on_input_device
 def slot_row_dot(
-    g: torch.Tensor, y: torch.Tensor, scatter_idx: torch.Tensor, top_k: int, out_dtype: torch.dtype
+    g: torch.Tensor,
+    y: torch.Tensor,
+    scatter_idx: torch.Tensor,
+    top_k: int,
+    out_dtype: torch.dtype,
+    dense: bool = False,
 ) -> torch.Tensor:
-    """``out[s] = dot(g[s // K], y[scatter_idx[s]])`` in fp32 (fp64 if any is), as ``out_dtype``."""
+    """``out[s] = dot(g[s // K], y[scatter_idx[s]])`` in fp32 (fp64 if any is), as ``out_dtype``.
+
+    ``dense`` is ignored (see :func:`gather_rows`).
+    """
     g = g if g.stride(-1) == 1 else g.contiguous()
     y = y if y.stride(-1) == 1 else y.contiguous()
     n, d = scatter_idx.numel(), y.shape[1]

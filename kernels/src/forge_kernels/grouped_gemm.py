@@ -33,6 +33,11 @@ Notable choices:
 - The Triton path accumulates in fp32; fp32 inputs use IEEE fp32 math there by default (as
   torch's own default, ``allow_tf32=False``); ``fp32_precision="tf32"`` opts into TF32 tensor
   cores. The torch backends accumulate as torch's matmuls do.
+- ``dense=True``: the caller's promise that ``offs[-1] == M`` (every row belongs to a group, as
+  in forge's MoE dispatch). There are then no rows past ``offs[-1]``, and the torch path skips
+  its masked pass over the output and over dX (the Triton kernels' zero segment is empty
+  anyway). Not checked (a check would need a host sync): under a false promise those rows of
+  ``torch._grouped_mm``'s output are uninitialized.
 - Module state: nothing that configures behaviour. The Triton module is imported lazily (so
   ``TRITON_INTERPRET`` is read when the Triton path first runs); two memos record facts of the
   installation (whether triton imports; whether ``torch._grouped_mm`` runs for a (device type,
@@ -199,17 +204,25 @@ def _aligned(t: torch.Tensor, pads: dict[int, int]) -> torch.Tensor:
     return c.clone() if c.data_ptr() % 16 else c
 
 
+def _rows_of(t: torch.Tensor, offs: torch.Tensor, cols: int, dense: bool) -> torch.Tensor:
+    """``t[:, :cols]``, with the rows past ``offs[-1]`` zeroed unless the caller said ``dense``."""
+    return t[:, :cols] if dense else _zero_rows_past_offs(t, offs, cols)
+
+
 class _TorchGroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, dense: bool
+    ) -> torch.Tensor:
         k = x.shape[1]
         n = w.shape[2]
         kp, np_ = _align(k, x.dtype), _align(n, x.dtype)
         ctx.save_for_backward(x, w, offs)
+        ctx.dense = dense
         if x.shape[0] == 0:  # torch._grouped_mm refuses zero rows (its backward strides)
             return x.new_zeros(0, n)
         out = torch._grouped_mm(_aligned(x, {1: kp}), _aligned(w, {1: kp, 2: np_}), offs=offs)
-        return _zero_rows_past_offs(out, offs, n)
+        return _rows_of(out, offs, n, dense)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -218,16 +231,16 @@ class _TorchGroupedMM(torch.autograd.Function):
         n = w.shape[2]
         kp, np_ = _align(k, x.dtype), _align(n, x.dtype)
         if x.shape[0] == 0:
-            return torch.zeros_like(x), torch.zeros_like(w), None
+            return torch.zeros_like(x), torch.zeros_like(w), None, None
         g = _aligned(grad_out.contiguous().to(x.dtype), {1: np_})
         dx = dw = None
         if ctx.needs_input_grad[0]:
             wt = _aligned(w, {1: kp, 2: np_}).transpose(1, 2)
-            dx = _zero_rows_past_offs(torch._grouped_mm(g, wt, offs=offs), offs, k)
+            dx = _rows_of(torch._grouped_mm(g, wt, offs=offs), offs, k, ctx.dense)
         if ctx.needs_input_grad[1]:
             xt = _aligned(x, {1: kp}).t()
             dw = torch._grouped_mm(xt, g, offs=offs)[:, :k, :n].contiguous().to(w.dtype)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,6 +298,7 @@ def grouped_gemm(
     *,
     backend: Backend | None = None,
     fp32_precision: Literal["ieee", "tf32"] = "ieee",
+    dense: bool = False,
 ) -> torch.Tensor:
     """Grouped GEMM: ``out[offs[e-1]:offs[e]] = x[offs[e-1]:offs[e]] @ w[e]``; zeros past offs[-1].
 
@@ -298,6 +312,8 @@ def grouped_gemm(
             as :func:`grouped_gemm_backend` says.
         fp32_precision: Triton path with fp32 inputs on a GPU: ``"ieee"`` (default, exact fp32
             products) or ``"tf32"`` (tensor cores, ~1e-3 relative error). Ignored otherwise.
+        dense: promise that ``offs[-1] == M`` (no rows past the last group), which spares the
+            torch path a masked pass over the output and dX; see the module docstring.
 
     Returns:
         ``[M, N]`` in ``x.dtype``. Differentiable in ``x`` (dX rows past ``offs[-1]`` are zero)
@@ -312,5 +328,5 @@ def grouped_gemm(
     if chosen == "triton":
         return _TritonGroupedGemm.apply(x, w, offs, fp32_precision)
     if chosen == "torch_grouped_mm":
-        return _TorchGroupedMM.apply(x, w, offs)
+        return _TorchGroupedMM.apply(x, w, offs, dense)
     return _reference(x, w, offs)

@@ -24,16 +24,24 @@ Notable choices:
   PyTorch paths (and a native op following the same contract) agree bit for bit.
 - Two backends: ``"triton"`` (default for CUDA tensors; also CPU tensors when
   ``TRITON_INTERPRET=1`` was set before the kernels were first imported) and ``"torch"`` (default
-  on CPU; sync-free PyTorch ops: ``scatter_add_``, stable ``argsort``, ``searchsorted``).
-  :func:`backend_used` resolves the choice; it is a pure function of device and request.
-- ``combine`` gathers each token's K rows and sums them in k order in fp32 (fp64 for fp64
-  rows): deterministic, no atomics; padding rows are never read (NaN there is harmless). Its output has ``y_perm``'s dtype; the weight gradient has ``weights``' dtype.
+  on CPU; sync-free PyTorch ops: ``scatter_add_``, stable ``argsort``, ``searchsorted``,
+  ``index_select``, ``bmm``). :func:`backend_used` resolves the choice; it is a pure function of
+  device and request. Both run the same autograd Functions (row movers from
+  :mod:`forge_kernels._permute_triton` or :mod:`forge_kernels._rows_torch`), and every backward
+  is a gather: no accumulating scatter, no atomics.
+- ``combine`` gathers each token's K rows and sums them in fp32 (fp64 for fp64 rows):
+  deterministic; padding rows never reach the result (NaN there is harmless). Its output has
+  ``y_perm``'s dtype; the weight gradient has ``weights``' dtype.
 - Ids outside ``[0, E)`` are dropped by :func:`routing_layout` (``scatter_idx == capacity``). A
   slot whose ``scatter_idx`` is ``>= y_perm.shape[0]`` (dropped; e.g. over an expert's capacity)
   reads as a zero row in :func:`unpermute` and contributes nothing to :func:`combine` (zero
   weight gradient) on both backends.
-- Under ``torch.compile`` the Triton path is an opaque ``autograd.Function`` (a graph break);
-  the torch path compiles with ``fullgraph=True`` (checked on CPU, torch 2.15).
+- The lean path: masking padding rows and dropped slots costs the PyTorch path a pass over the
+  rows. ``dense=True`` (static, no sync) is the caller's promise that the layout is a
+  permutation of the slots (``align == 1`` and every id in ``[0, E)``, as for a top-k router's
+  dropless dispatch): the passes are skipped. Not checked (a check would sync): a layout with
+  padding or dropped slots under ``dense=True`` reads wrong rows.
+- Under ``torch.compile`` both paths are ``autograd.Function`` s (the Triton one opaque).
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from typing import Literal
 import torch
 from torch.autograd.function import once_differentiable
 
+from . import _rows_torch
 from .routing import RoutingLayout, check_routing_args, routing_capacity, routing_layout_reference
 
 Backend = Literal["triton", "torch"]
@@ -136,67 +145,82 @@ def routing_layout(
     )
 
 
-# --------------------------------------------------------------------------- autograd (triton)
+# --------------------------------------------------------------------------- autograd
+# One set of Functions for both backends: ``on_triton`` picks the kernels of
+# forge_kernels._permute_triton or the PyTorch ops of forge_kernels._rows_torch (same signatures),
+# so both share the same backward structure (gathers only). ``dense`` is the caller's static
+# promise that nothing needs masking (used by the PyTorch ops; the kernels mask for free).
+def _row_ops(on_triton: bool):
+    return _triton_module() if on_triton else _rows_torch
+
+
 class _PermuteFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, gather_idx, scatter_idx, top_k):
+    def forward(ctx, x, gather_idx, scatter_idx, top_k, on_triton, dense):
         ctx.save_for_backward(scatter_idx)
-        ctx.top_k, ctx.num_tokens = top_k, x.shape[0]
-        return _triton_module().gather_rows(x, gather_idx, top_k, scatter_idx.numel())
+        ctx.top_k, ctx.num_tokens, ctx.on_triton, ctx.dense = top_k, x.shape[0], on_triton, dense
+        ops = _row_ops(on_triton)
+        return ops.gather_rows(x, gather_idx, top_k, scatter_idx.numel(), dense=dense)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         (scatter_idx,) = ctx.saved_tensors
-        grad_x = _triton_module().combine_rows(
-            grad_out.contiguous(), scatter_idx, None, ctx.num_tokens, ctx.top_k
+        grad_x = _row_ops(ctx.on_triton).combine_rows(
+            grad_out.contiguous(), scatter_idx, None, ctx.num_tokens, ctx.top_k, dense=ctx.dense
         )
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None, None
 
 
 class _UnpermuteFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_perm, gather_idx, scatter_idx):
+    def forward(ctx, y_perm, gather_idx, scatter_idx, on_triton, dense):
         ctx.save_for_backward(gather_idx)
-        ctx.num_slots = scatter_idx.numel()
-        return _triton_module().gather_rows(y_perm, scatter_idx, 1, y_perm.shape[0])
+        ctx.num_slots, ctx.on_triton, ctx.dense = scatter_idx.numel(), on_triton, dense
+        return _row_ops(on_triton).gather_rows(y_perm, scatter_idx, 1, y_perm.shape[0], dense=dense)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_slots):
         (gather_idx,) = ctx.saved_tensors
-        grad_y = _triton_module().gather_rows(grad_slots.contiguous(), gather_idx, 1, ctx.num_slots)
-        return grad_y, None, None
+        grad_y = _row_ops(ctx.on_triton).gather_rows(
+            grad_slots.contiguous(), gather_idx, 1, ctx.num_slots, dense=ctx.dense
+        )
+        return grad_y, None, None, None, None
 
 
 class _CombineFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_perm, gather_idx, scatter_idx, weights):
+    def forward(ctx, y_perm, gather_idx, scatter_idx, weights, on_triton, dense):
         t, k = weights.shape
         w_flat = weights.contiguous().view(-1)
         ctx.save_for_backward(y_perm, gather_idx, scatter_idx, w_flat)
         ctx.top_k, ctx.w_shape, ctx.w_dtype = k, weights.shape, weights.dtype
-        return _triton_module().combine_rows(y_perm, scatter_idx, w_flat, t, k)
+        ctx.on_triton, ctx.dense = on_triton, dense
+        return _row_ops(on_triton).combine_rows(y_perm, scatter_idx, w_flat, t, k, dense=dense)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         y_perm, gather_idx, scatter_idx, w_flat = ctx.saved_tensors
-        kern, grad_out = _triton_module(), grad_out.contiguous()
+        ops, grad_out = _row_ops(ctx.on_triton), grad_out.contiguous()
         grad_y = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_y = kern.gather_rows(
+            grad_y = ops.gather_rows(
                 grad_out,
                 gather_idx,
                 ctx.top_k,
                 w_flat.numel(),
                 scale=w_flat,
                 out_dtype=y_perm.dtype,
+                dense=ctx.dense,
             )
         if ctx.needs_input_grad[3]:
-            grad_w = kern.slot_row_dot(grad_out, y_perm, scatter_idx, ctx.top_k, ctx.w_dtype)
+            grad_w = ops.slot_row_dot(
+                grad_out, y_perm, scatter_idx, ctx.top_k, ctx.w_dtype, dense=ctx.dense
+            )
             grad_w = grad_w.view(ctx.w_shape)
-        return grad_y, None, None, grad_w
+        return grad_y, None, None, grad_w, None, None
 
 
 # --------------------------------------------------------------------------- row movement
@@ -220,12 +244,18 @@ def _check_capacity_rows(name: str, y_perm: torch.Tensor, layout: RoutingLayout)
 
 
 def permute(
-    x: torch.Tensor, layout: RoutingLayout, top_k: int, *, backend: str | None = None
+    x: torch.Tensor,
+    layout: RoutingLayout,
+    top_k: int,
+    *,
+    backend: str | None = None,
+    dense: bool = False,
 ) -> torch.Tensor:
     """Token rows into expert-major order: ``x [T, D] -> x_perm [capacity, D]``.
 
     Row r is ``x[gather_idx[r] // top_k]``; padding and unused rows are exact zeros.
-    Differentiable in ``x`` (the gradient sums each token's K rows).
+    Differentiable in ``x`` (the gradient sums each token's K rows). ``dense``: see the module
+    docstring (the lean path).
     """
     _check_rows("x", x, layout)
     if x.shape[0] * top_k != layout.scatter_idx.numel():
@@ -233,36 +263,25 @@ def permute(
             f"x has {x.shape[0]} tokens and top_k={top_k}, but the layout routes "
             f"{layout.scatter_idx.numel()} slots; expected T * top_k == T*K of the routing"
         )
-    if backend_used(x, backend) == "triton":
-        return _PermuteFn.apply(x, layout.gather_idx, layout.scatter_idx, top_k)
-    # NOTE: the sentinel T*K maps to token T, an appended zero row: no masking, no sync.
-    x_padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
-    return x_padded[layout.gather_idx // top_k]
-
-
-def _rows_or_zero(y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``y[rows]`` with zero rows where ``rows >= len(y)`` (dropped slots); no host sync."""
-    if y.shape[0] == 0:
-        # Every slot dropped: zeros that stay attached to y, so gradients upstream are zeros
-        # (not None) and optimizer state keeps its shape.
-        return y.sum(0, keepdim=True).expand(rows.numel(), -1)
-    valid = rows < y.shape[0]
-    picked = y[rows.clamp(max=y.shape[0] - 1)]
-    # NOTE: where, not a multiply: the clamped row may hold NaN (uninitialized grouped_mm rows).
-    return torch.where(valid.unsqueeze(-1), picked, picked.new_zeros(()))
+    on_triton = backend_used(x, backend) == "triton"
+    return _PermuteFn.apply(x, layout.gather_idx, layout.scatter_idx, top_k, on_triton, dense)
 
 
 def unpermute(
-    y_perm: torch.Tensor, layout: RoutingLayout, *, backend: str | None = None
+    y_perm: torch.Tensor,
+    layout: RoutingLayout,
+    *,
+    backend: str | None = None,
+    dense: bool = False,
 ) -> torch.Tensor:
     """Expert-major rows back to slot order: ``y_slots[s] = y_perm[scatter_idx[s]]`` [T*K, D].
 
-    Differentiable in ``y_perm`` (padding rows get zero gradient).
+    Dropped slots read as zero rows. Differentiable in ``y_perm`` (padding rows get zero
+    gradient). ``dense``: see the module docstring (the lean path).
     """
     _check_capacity_rows("y_perm", y_perm, layout)
-    if backend_used(y_perm, backend) == "triton":
-        return _UnpermuteFn.apply(y_perm, layout.gather_idx, layout.scatter_idx)
-    return _rows_or_zero(y_perm, layout.scatter_idx)
+    on_triton = backend_used(y_perm, backend) == "triton"
+    return _UnpermuteFn.apply(y_perm, layout.gather_idx, layout.scatter_idx, on_triton, dense)
 
 
 def combine(
@@ -271,19 +290,21 @@ def combine(
     weights: torch.Tensor,
     *,
     backend: str | None = None,
+    dense: bool = False,
 ) -> torch.Tensor:
     """Weighted return to token order: ``out[t] = sum_k weights[t, k] * y_perm[scatter_idx[t*K+k]]``.
 
     Args:
         y_perm: [capacity, D] expert outputs in the layout's expert-major order. Padding rows
-            are never read (they may hold garbage, NaN included).
+            are never read into the result (they may hold garbage, NaN included).
         layout: the :class:`RoutingLayout` the rows were permuted with.
         weights: [T, K] routing weights (any float dtype).
+        dense: see the module docstring (the lean path).
 
     Returns:
-        [T, D] in ``y_perm``'s dtype, summed over k in order in fp32 (fp64 for fp64 inputs);
-        deterministic.
-        Differentiable in ``y_perm`` and ``weights``.
+        [T, D] in ``y_perm``'s dtype, summed over k in fp32 (fp64 for fp64 inputs);
+        deterministic. Differentiable in ``y_perm`` and ``weights`` (a dropped slot gets a
+        zero weight gradient).
     """
     _check_capacity_rows("y_perm", y_perm, layout)
     if weights.dim() != 2 or weights.numel() != layout.scatter_idx.numel():
@@ -293,13 +314,10 @@ def combine(
         )
     if weights.device != y_perm.device:
         raise ValueError(f"weights are on {weights.device} but y_perm is on {y_perm.device}")
-    if backend_used(y_perm, backend) == "triton":
-        return _CombineFn.apply(y_perm, layout.gather_idx, layout.scatter_idx, weights)
-    t, k = weights.shape
-    acc = torch.float64 if y_perm.dtype == torch.float64 else torch.float32
-    y_slots = _rows_or_zero(y_perm, layout.scatter_idx).view(t, k, y_perm.shape[1])
-    out = (y_slots.to(acc) * weights.to(acc).unsqueeze(-1)).sum(1)
-    return out.to(y_perm.dtype)
+    on_triton = backend_used(y_perm, backend) == "triton"
+    return _CombineFn.apply(
+        y_perm, layout.gather_idx, layout.scatter_idx, weights, on_triton, dense
+    )
 
 
 # --------------------------------------------------------------------------- rank -> expert major

@@ -22,6 +22,15 @@ Notable choices: the router weights never cross a collective (the combine happen
 token's own rank), so the router stays in the autograd graph in every mode; experts that get no
 rows get zero gradients from the grouped GEMM (never None); rows of a buffer that hold no token
 are exact zeros and never reach the output.
+
+The lean hot path: both modes lay the experts' rows out so that every row belongs to a group
+(``offs[-1]`` equals the row count: dropless buffers hold exactly the routed rows, capacity
+buffers are ``E x batch x capacity`` rows split evenly), so the experts never pay for zeroing
+rows past ``offs[-1]`` (:data:`ExpertsFn`'s contract). Dropless layouts come from top-k ids,
+always in range, so they are permutations of the slots and permute / combine run ``dense``
+(no masking passes); the capacity mode keeps the masking its empty rows and dropped slots need.
+A permutation of received rows (the EP reorder) is undone by gathering with its inverse, in the
+forward and in the backward, never by an accumulating scatter.
 """
 
 from __future__ import annotations
@@ -49,7 +58,24 @@ __all__ = [
 ]
 
 #: ``experts(x_rows [M, D], offs [E_local]) -> [M, D]``: the grouped SwiGLU over expert-major rows.
+#: Every caller here passes ``offs[-1] == M`` (no row outside a group), so an implementation may
+#: skip zeroing rows past ``offs[-1]`` (``forge_kernels.grouped_gemm(..., dense=True)``).
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _Reorder(torch.autograd.Function):
+    """``x[index]`` for a permutation ``index`` with known ``inverse``: the backward gathers with
+    the inverse instead of running autograd's accumulating scatter (``index_put_``)."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):  # type: ignore[override]
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -97,15 +123,18 @@ def dropless(
 ) -> tuple[torch.Tensor, object]:
     """Exact dispatch: every routed token is computed. Returns ``(out [T, D], overlap())``.
 
-    Without ``group`` the experts are all local (no collective, no host sync). With ``group``
-    (size R, ``num_experts / R`` experts per rank, rank r owning a contiguous range), ``staged``
-    is a ``StagedSplits(2 * R)`` used for the one host wait; ``overlap`` runs while it is pending.
+    ``ids_TK`` must be in ``[0, num_experts)`` (a top-k router's output always is; not checked:
+    the layout is used as a permutation of the slots). Without ``group`` the experts are all
+    local (no collective, no host sync). With ``group`` (size R, ``num_experts / R`` experts per
+    rank, rank r owning a contiguous range), ``staged`` is a ``StagedSplits(2 * R)`` used for
+    the one host wait; ``overlap`` runs while it is pending.
     """
     layout = routing_layout(ids_TK, num_experts)
+    top_k = ids_TK.shape[1]
     if group is None:
         extra = overlap() if overlap is not None else None
-        y = experts(permute(x_TD, layout, ids_TK.shape[1]), layout.offs)
-        return combine(y, layout, weights_TK), extra
+        y = experts(permute(x_TD, layout, top_k, dense=True), layout.offs)
+        return combine(y, layout, weights_TK, dense=True), extra
     ranks = dist.get_world_size(group)
     local_experts = num_experts // ranks
     send_counts = layout.counts
@@ -116,7 +145,7 @@ def dropless(
     splits = torch.cat([send_counts_RE.sum(1), recv_counts_RE.sum(1)])
     staged.start(splits)  # type: ignore[union-attr]
     # NOTE: device work queued while the split sizes travel to the host.
-    x_perm = permute(x_TD, layout, ids_TK.shape[1])
+    x_perm = permute(x_TD, layout, top_k, dense=True)
     extra = overlap() if overlap is not None else None
     host = staged.wait()  # type: ignore[union-attr]  # the layer's one host sync
     in_splits, out_splits = host[:ranks], host[ranks:]
@@ -128,9 +157,9 @@ def dropless(
     inverse = torch.empty_like(index).scatter_(
         0, index, torch.arange(received, device=index.device)
     )
-    y_recv = experts(x_recv[index], offs)[inverse]
+    y_recv = _Reorder.apply(experts(_Reorder.apply(x_recv, index, inverse), offs), inverse, index)
     y_back = all_to_all(y_recv, group, in_splits, out_splits)
-    return combine(y_back, layout, weights_TK), extra
+    return combine(y_back, layout, weights_TK, dense=True), extra
 
 
 # --------------------------------------------------------------------------- capacity

@@ -81,6 +81,9 @@ class Router(nn.Module):
 class GroupedExperts(nn.Module):
     """``E`` SwiGLU experts as stacked weights; ``forward(rows, offs)`` runs grouped GEMMs.
 
+    ``offs[-1]`` must equal the number of rows (every row in an expert's group), as forge's
+    dispatch modes guarantee (``dispatch.ExpertsFn``).
+
     Under expert parallelism the weights are DTensors sharded ``Shard(0)`` over ``ep`` and each
     rank computes with its local ``E / ep`` experts.
     """
@@ -99,8 +102,10 @@ class GroupedExperts(nn.Module):
             x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
         elif x.dtype != w1.dtype:
             x = x.to(w1.dtype)
-        h = F.silu(grouped_gemm(x, w1, offs)) * grouped_gemm(x, w3, offs)
-        return grouped_gemm(h, w2, offs)
+        # NOTE: dense: forge's dispatch puts every row in a group (offs[-1] == rows), so no
+        # masked pass over rows past offs[-1] is needed (dispatch.ExpertsFn).
+        h = F.silu(grouped_gemm(x, w1, offs, dense=True)) * grouped_gemm(x, w3, offs, dense=True)
+        return grouped_gemm(h, w2, offs, dense=True)
 
 
 class MoE(nn.Module):
