@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from .errors import ForgeConfigError, did_you_mean
 from .init import canonical_name, fill_param_
+from .torch_compat import assert_on_device
 
 __all__ = [
     "MOE_DISPATCH_MODES",
@@ -343,7 +344,7 @@ def insert_embeddings(
     if N > S:
         raise ForgeConfigError(f"{N} inserted embeddings per sample do not fit in {S} positions")
     counts = mask_BS.sum(dim=1)
-    torch._assert_async(
+    assert_on_device(
         (counts == N).all(),
         f"insert_mask must mark exactly {N} positions per sample (one per inserted embedding)",
     )

@@ -66,13 +66,14 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def _detected_stages(model: nn.Module) -> list[str]:
     """Stages visible in the module tree even if they were applied without forge."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
+    from .torch_compat import is_checkpoint_wrapper
+
     modules = list(model.modules())
     found = []
-    if any(isinstance(m, CheckpointWrapper) for m in modules):
+    if any(is_checkpoint_wrapper(m) for m in modules):
         found.append("ac")
     if any(isinstance(m, FSDPModule) for m in modules):
         found.append("fsdp2")

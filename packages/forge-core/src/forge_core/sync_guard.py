@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, NoReturn
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from .torch_compat import TorchDispatchMode
 
 __all__ = [
     "SYNC_OPS",

@@ -26,7 +26,7 @@ import torch.nn as nn
 from forge_core.blocks import component_blocks
 from forge_core.errors import ForgeConfigError, did_you_mean
 from forge_core.stages import stage
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from forge_core.torch_compat import checkpoint_wrapper
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,

@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from forge_core import ForgeConfigError, ParallelismConfig
+from forge_core import ParallelismConfig
 from forge_core.mesh_dims import AXES, VIEWS_ATTR, get_dp_mesh, get_tp_mesh, has_dp_mesh
+from forge_core.torch_compat import flatten_mesh, unflatten_mesh_dim
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __version__ = "0.1.0"
@@ -77,13 +78,8 @@ def init_distributed(device_type: str = "cuda") -> None:
 
 
 def _expert_views(mesh: DeviceMesh, ep: int) -> dict[str, DeviceMesh]:
-    if not hasattr(mesh, "_unflatten"):
-        raise ForgeConfigError(
-            f"parallelism.ep={ep} needs DeviceMesh._unflatten (torch >= 2.10); this torch is "
-            f"{torch.__version__}"
-        )
     shard = mesh["dp_shard"].size()
-    sparse = mesh._unflatten("dp_shard", (shard // ep, ep), ("dp_shard_mod_ep", "ep"))
+    sparse = unflatten_mesh_dim(mesh, "dp_shard", (shard // ep, ep), ("dp_shard_mod_ep", "ep"))
     names = sparse.mesh_dim_names or ()
     expert_dp = (
         ("dp_replicate", "dp_shard_mod_ep") if "dp_replicate" in names else ("dp_shard_mod_ep",)
@@ -124,7 +120,7 @@ def build_device_mesh(
     views = {}
     for flat, parts in _FLATTENED.items():
         if all(p in names for p in parts):
-            views[flat] = mesh[parts]._flatten(flat)
+            views[flat] = flatten_mesh(mesh[parts], flat)
     if cfg.ep > 1:
         views.update(_expert_views(mesh, cfg.ep))
     setattr(mesh, VIEWS_ATTR, views)

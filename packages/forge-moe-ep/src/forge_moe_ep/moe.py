@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from forge_core.init import fill_param_
 from forge_core.model import FeedForward, ModelConfig, Transformer
+from forge_core.torch_compat import in_backward_pass
 from forge_kernels.grouped_gemm import grouped_gemm
 from forge_kernels.native import StagedSplits
 from torch.distributed.tensor import DTensor
@@ -47,11 +48,6 @@ __all__ = ["GroupedExperts", "MoE", "Router", "moe_metrics", "moe_transformer"]
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _in_backward() -> bool:
-    """True while the autograd engine runs (e.g. an activation-checkpoint recompute)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class Router(nn.Module):
@@ -156,7 +152,7 @@ class MoE(nn.Module):
         batch, seq_len, dim = x_BSD.shape
         x_TD = x_BSD.reshape(-1, dim)
         weights, ids, scores = self.router(x_TD)
-        record = self.training and not _in_backward()
+        record = self.training and not in_backward_pass()
         if record:
             counts = self.router.tokens_per_expert  # dtype follows module.to(dtype)
             counts.index_add_(0, ids.view(-1), torch.ones_like(ids, dtype=counts.dtype).view(-1))

@@ -193,9 +193,10 @@ class _Interrupted(RuntimeError):
 
 def _launch_local(fn: Callable[[dict, str], Any], cfg_dict: dict, device: str, nproc: int) -> Any:
     """Start ``nproc`` local ranks running ``fn(cfg_dict, device)``; returns rank 0's result."""
+    from forge_core.torch_compat import launch_config
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     if device == "cpu":
@@ -205,7 +206,7 @@ def _launch_local(fn: Callable[[dict, str], Any], cfg_dict: dict, device: str, n
     os.environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])
     )
-    config = LaunchConfig(
+    config = launch_config(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
@@ -216,7 +217,8 @@ def _launch_local(fn: Callable[[dict, str], Any], cfg_dict: dict, device: str, n
         monitor_interval=0.1,
         start_method="spawn",
         # NOTE: on SIGTERM / Ctrl-C the launcher passes the signal to the ranks and kills them
-        # after this many seconds: the time forge train has to finish its step and save.
+        # after this many seconds: the time forge train has to finish its step and save
+        # (torch 2.11: a fixed 30 s, see launch_config).
         shutdown_timeout=300,
     )
     try:

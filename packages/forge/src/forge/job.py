@@ -29,6 +29,7 @@ from forge_core import (
     load_config,
 )
 from forge_core.stages import unwrap
+from forge_core.torch_compat import inductor_cache_dir
 from forge_core.training import (
     compare_runs,
     local_batch,
@@ -249,9 +250,7 @@ def setup_rank(
         # NOTE: inductor's on-disk cache is keyed without the process-group names that compiled
         # collectives bake in (they differ between ranks), so ranks sharing one cache can load
         # each other's code and fail (pytorch #189330 family). One cache per rank avoids it.
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default_cache_dir(), f"rank{rank}")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(inductor_cache_dir(), f"rank{rank}")
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if device_type == "cuda"

@@ -44,6 +44,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from forge_core import ForgeConfig, ForgeConfigError, ParallelismConfig, applied_stages, load_config
 from forge_core.stages import unwrap
+from forge_core.torch_compat import (
+    fsdp_param_groups,
+    fsdp_reshards_root_after_forward,
+    mesh_group_ranks,
+)
 from forge_mesh import build_device_mesh, mesh_layout
 from forge_moe_ep import check_expert_parallel
 from forge_tp_plans import applied_tp_plan, check_transformer_tp
@@ -330,7 +335,7 @@ def _broken_rules(cfg: ForgeConfig, world_size: int) -> list[str]:
 
 def _coordinates(mesh: DeviceMesh, world_size: int) -> torch.Tensor:
     """``[world_size, mesh.ndim]``: every rank's coordinate in ``mesh`` (-1 if not in it)."""
-    groups = mesh._layout.remap_to_tensor(mesh._rank_map).reshape(-1)  # every group's ranks
+    groups = mesh_group_ranks(mesh)  # every group's ranks
     grid = torch.stack(torch.meshgrid(*[torch.arange(n) for n in mesh.shape], indexing="ij"), -1)
     grid = grid.reshape(-1, mesh.ndim)
     coords = torch.full((world_size, mesh.ndim), -1, dtype=torch.long)
@@ -369,7 +374,7 @@ def _per_rank_bytes(model: nn.Module, world_size: int) -> dict[str, torch.Tensor
         id(fp.sharded_param): fp.mesh_info.shard_mesh_dim
         for unit in model.modules()
         if isinstance(unit, FSDPModule)
-        for group in unit._get_fsdp_state()._fsdp_param_groups
+        for group in fsdp_param_groups(unit)
         for fp in group.fsdp_params
     }
     out = {
@@ -426,7 +431,7 @@ def _collectives(
     for name, unit in model.named_modules():
         if not isinstance(unit, FSDPModule):
             continue
-        for group in unit._get_fsdp_state()._fsdp_param_groups:  # one per unit in forge
+        for group in fsdp_param_groups(unit):  # one per unit in forge
             info, fps, what = group.mesh_info, group.fsdp_params, f"FSDP2 unit {_fold(name)}"
             n, axis = info.shard_mesh_size, info.mesh.mesh_dim_names[info.shard_mesh_dim]
             numel = sum(fp.padded_sharded_param_size.numel() for fp in fps)
@@ -435,8 +440,8 @@ def _collectives(
             add("forward all_gather", axis, numel * n * e, acc, what + " params", n)
             # FSDP2 keeps the root's parameters after forward only when its reshard_after_forward
             # was left unset (forge sets it); every other resharded unit is gathered again.
-            post, state = group.post_forward_mesh_info, unit._get_fsdp_state()
-            if post is not None and (name or not state._auto_reshard_after_forward):
+            post = group.post_forward_mesh_info
+            if post is not None and (name or not fsdp_reshards_root_after_forward(unit)):
                 regather = what + " params again"
                 add("backward all_gather", axis, numel * n * e, acc, regather, post.shard_mesh_size)
             add("backward reduce_scatter", axis, grads * n * 4, int(grads > 0), what + " grads", n)

@@ -1,0 +1,136 @@
+"""The private torch APIs forge uses, one small function each, for torch 2.11 through 2.15.
+
+forge runs on torch 2.11 (the lent GPU machines) through 2.15. A few things it needs are private
+in torch (a mesh unflatten, FSDP2's parameter groups, autograd's running-backward flag). Their
+access lives here and nowhere else in the layers, so a torch release that moves one breaks this
+file, and ``tests/core/test_torch_compat.py`` names the function that broke instead of a
+traceback deep in a layer. Where versions differ, the function says which needs which path.
+
+Provides :func:`unflatten_mesh_dim`, :func:`flatten_mesh`, :func:`mesh_group_ranks`,
+:func:`fsdp_param_groups`, :func:`fsdp_reshards_root_after_forward`, :func:`in_backward_pass`,
+:func:`assert_on_device`, :func:`checkpoint_wrapper`, :func:`is_checkpoint_wrapper`,
+:func:`inductor_cache_dir`, :func:`launch_config` and :class:`TorchDispatchMode` (the base of forge's sync guard).
+Modules that are slow to import are imported when first used. (``forge_kernels`` depends on
+torch alone and calls ``torch._grouped_mm`` itself; ``forge_core.contracts`` still edits module
+hook dicts, to be replaced.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "TorchDispatchMode",
+    "assert_on_device",
+    "checkpoint_wrapper",
+    "flatten_mesh",
+    "fsdp_param_groups",
+    "fsdp_reshards_root_after_forward",
+    "in_backward_pass",
+    "inductor_cache_dir",
+    "is_checkpoint_wrapper",
+    "launch_config",
+    "mesh_group_ranks",
+    "unflatten_mesh_dim",
+]
+
+
+def unflatten_mesh_dim(
+    mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]
+) -> DeviceMesh:
+    """``mesh`` with axis ``dim`` split into axes ``names`` of ``sizes`` (row-major).
+
+    NOTE: ``DeviceMesh._unflatten`` (torch >= 2.10). torch 2.11 rejects the axis given by name
+    (its check is inverted: "dim dp_shard specified in `_unflatten` is not in ('dp_shard',)"),
+    so it is passed by index, which 2.11 through 2.15 accept.
+    """
+    index = (mesh.mesh_dim_names or ()).index(dim)
+    return mesh._unflatten(index, sizes, names)
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """The 1-D view of ``mesh`` (a slice of the root mesh) named ``name`` (``_flatten``)."""
+    return mesh._flatten(name)
+
+
+def mesh_group_ranks(mesh: DeviceMesh) -> torch.Tensor:
+    """Every rank of every group this (sub)mesh's layout describes, group by group, flat.
+
+    For a submesh of a world of N ranks that is all N ranks, ordered so that each consecutive
+    ``mesh.size()`` of them form one group in row-major mesh order (``_layout`` / ``_rank_map``,
+    torch >= 2.10).
+    """
+    return mesh._layout.remap_to_tensor(mesh._rank_map).reshape(-1)
+
+
+def fsdp_param_groups(module: nn.Module) -> list[Any]:
+    """The FSDP2 parameter groups of a ``fully_shard`` ed module (empty if it manages none).
+
+    NOTE: torch 2.15 keeps a list (``_fsdp_param_groups``); torch 2.11 keeps one group or None
+    (``_fsdp_param_group``).
+    """
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
+
+
+def fsdp_reshards_root_after_forward(module: nn.Module) -> bool:
+    """Whether FSDP2 decides the root's ``reshard_after_forward`` itself (it was left unset)."""
+    return bool(module._get_fsdp_state()._auto_reshard_after_forward)  # type: ignore[operator]
+
+
+def in_backward_pass() -> bool:
+    """True while the autograd engine runs a backward (e.g. an activation-checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def assert_on_device(condition: torch.Tensor, message: str) -> None:
+    """Check a boolean tensor on its device without a host sync (raises there, asynchronously)."""
+    torch._assert_async(condition, message)
+
+
+def checkpoint_wrapper(module: nn.Module, **kwargs: Any) -> nn.Module:
+    """torch's activation-checkpoint wrapper around ``module`` (kwargs as torch takes them)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper as wrap,
+    )
+
+    return wrap(module, **kwargs)
+
+
+def is_checkpoint_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is torch's activation-checkpoint wrapper."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return isinstance(module, CheckpointWrapper)
+
+
+def launch_config(*, shutdown_timeout: int, **fields: Any) -> Any:
+    """``torch.distributed.launcher.api.LaunchConfig(**fields)`` with a shutdown grace period.
+
+    NOTE: ``shutdown_timeout`` (seconds between passing SIGTERM to the ranks and killing them)
+    is a LaunchConfig field in torch 2.15; torch 2.11 has no such field and always waits 30 s,
+    so there it is left out and the ranks get 30 s.
+    """
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        fields["shutdown_timeout"] = shutdown_timeout
+    return LaunchConfig(**fields)
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's default on-disk cache folder (where ``TORCHINDUCTOR_CACHE_DIR`` points)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return default_cache_dir()

@@ -1,0 +1,122 @@
+"""Every function of forge_core.torch_compat works on the installed torch (2.11 through 2.15).
+
+These are the private torch APIs forge relies on; when a torch release moves one, the test of
+that function fails here by name.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from forge_core import torch_compat as tc
+
+
+def _meshes() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
+    split = tc.unflatten_mesh_dim(mesh, "dp_shard", (2, 2), ("dp_mod_ep", "ep"))
+    ep, outer = split["ep"], split["dp_mod_ep"]
+    flat = tc.flatten_mesh(split[("dp_mod_ep", "ep")], "both")
+    return {
+        "names": split.mesh_dim_names,
+        "ep_ranks": dist.get_process_group_ranks(ep.get_group()),
+        "outer_ranks": dist.get_process_group_ranks(outer.get_group()),
+        "flat_size": flat.size(),
+        "flat_ranks": dist.get_process_group_ranks(flat.get_group()),
+        "ep_groups": tc.mesh_group_ranks(ep).tolist(),
+    }
+
+
+def test_mesh_unflatten_flatten_and_group_ranks(run_on_ranks):
+    results = run_on_ranks(4, _meshes)
+    assert results[0]["names"] == ("dp_mod_ep", "ep")
+    assert [r["ep_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["outer_ranks"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert all(r["flat_size"] == 4 and r["flat_ranks"] == [0, 1, 2, 3] for r in results)
+    assert results[0]["ep_groups"] == [0, 1, 2, 3]  # group {0, 1}, then group {2, 3}
+
+
+def _fsdp_groups() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return {
+        "inner": [len(g.fsdp_params) for g in tc.fsdp_param_groups(model[0])],
+        "root": [len(g.fsdp_params) for g in tc.fsdp_param_groups(model)],
+        "auto": tc.fsdp_reshards_root_after_forward(model),
+    }
+
+
+def test_fsdp_param_groups_and_root_reshard_flag(run_on_ranks):
+    out = run_on_ranks(4, _fsdp_groups)[0]
+    assert out["inner"] == [2] and out["root"] == [2]  # weight and bias of each Linear
+    assert isinstance(out["auto"], bool)
+
+
+class _Probe(torch.autograd.Function):
+    seen: list[bool] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        _Probe.seen.append(tc.in_backward_pass())
+        return grad * 2
+
+
+def test_in_backward_pass_is_true_only_inside_backward():
+    _Probe.seen.clear()
+    x = torch.ones(3, requires_grad=True)
+    assert not tc.in_backward_pass()
+    _Probe.apply(x).sum().backward()
+    assert _Probe.seen == [True] and not tc.in_backward_pass()
+
+
+def test_assert_on_device_passes_true_and_raises_on_false():
+    tc.assert_on_device(torch.tensor(True), "never shown")
+    with pytest.raises(RuntimeError, match="the message"):
+        tc.assert_on_device(torch.tensor(False), "the message")
+
+
+def test_checkpoint_wrapper_is_recognized_and_inductor_cache_dir_is_a_path():
+    wrapped = tc.checkpoint_wrapper(nn.Linear(2, 2))
+    assert tc.is_checkpoint_wrapper(wrapped) and not tc.is_checkpoint_wrapper(nn.Linear(2, 2))
+    x = torch.ones(1, 2, requires_grad=True)
+    wrapped(x).sum().backward()
+    assert x.grad is not None
+    assert os.path.isabs(tc.inductor_cache_dir())
+
+
+def test_launch_config_sets_the_grace_period_where_torch_has_the_field():
+    import dataclasses
+
+    config = tc.launch_config(
+        min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="x", shutdown_timeout=123
+    )
+    assert config.nproc_per_node == 2
+    if "shutdown_timeout" in {f.name for f in dataclasses.fields(config)}:
+        assert config.shutdown_timeout == 123
+
+
+def test_torch_dispatch_mode_sees_aten_ops():
+    seen: list[str] = []
+
+    class Log(tc.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Log():
+        torch.ones(2) + 1
+    assert "aten.add" in seen
