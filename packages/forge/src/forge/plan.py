@@ -246,10 +246,10 @@ def estimate_activations(
     - SwiGLU FFN: w1 out, silu out, w3 out and their product, ``4 b s ffn/t e``;
     - an MoE slot instead (replicated on tp, ``T = b s`` tokens, ``R`` routed rows: ``T k``
       dropless with balanced routing, or ``E b capacity``): scores ``4 T E``, per routed row the
-      permuted input, grouped SwiGLU and gather index ``R (d e + 4 moe_ffn e + 8)``, per
-      (token, choice) the float32 expert output, ids, weight, scatter index and mask
-      ``T k (4 d + 21)``, offsets ``4 E``, the shared expert ``4 T shared_hidden e``, below fp32
-      the router's float32 input and weight ``4 T d + 4 E d``.
+      permuted input, grouped SwiGLU, expert output (kept by the combine) and gather index
+      ``R (2 d e + 4 moe_ffn e + 8)``, per (token, choice) ids, float32 weight and scatter index
+      ``20 T k``, offsets ``4 E``, the shared expert ``4 T shared_hidden e``, below fp32 the
+      router's float32 input and weight ``4 T d + 4 E d``.
 
     Outside the blocks: token ids ``8 b (s+1)`` and targets ``8 b s``, the final norm, the loss's
     float32 log-probabilities ``4 b s V`` (``V/t`` with loss parallel). A VLM adds the adapter,
@@ -272,8 +272,8 @@ def estimate_activations(
     dense = moe = 2 * norm + attn + 4 * b * s * (m.ffn_dim // t) * e
     if m.moe_layers:
         tok, n_exp, hidden = b * s, m.num_experts, m.moe_ffn_dim
-        moe = 2 * norm + attn + 4 * tok * n_exp + 4 * n_exp + tok * m.top_k * (21 + 4 * d)
-        moe += _routed_rows(cfg, b) * (8 + d * e + 4 * hidden * e)
+        moe = 2 * norm + attn + 4 * tok * n_exp + 4 * n_exp + tok * m.top_k * 20
+        moe += _routed_rows(cfg, b) * (8 + 2 * d * e + 4 * hidden * e)
         moe += 4 * d * (tok + n_exp) if low else 0
         moe += 4 * tok * m.num_shared_experts * hidden * e
     blocks = [moe if m.is_moe_layer(i) else dense for i in range(m.n_layers)]
