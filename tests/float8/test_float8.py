@@ -19,7 +19,9 @@ from forge_moe_ep import moe_transformer
 from forge_tp_plans import apply_tensor_parallel
 
 from tests.float8.jobs import all_gather_on_off_and_hook, fp8_and_bf16
+from tests.markers import needs_torchao
 
+pytestmark = needs_torchao
 BOUND = 0.02
 
 

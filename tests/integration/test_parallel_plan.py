@@ -18,6 +18,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import forge.build
 import pytest
 import torch
 import torch.nn as nn
@@ -156,7 +157,9 @@ def test_from_config_equals_build_parallel_model_on_the_reference_transformer(ru
         assert "parallelism.dp_shard=2, parallelism.tp=2" in out["mismatch"]
 
 
-def test_from_config_maps_float8_vlm_training_and_tp_sections(tmp_path):
+def test_from_config_maps_float8_vlm_training_and_tp_sections(tmp_path, monkeypatch):
+    # NOTE: the mapping does not need torchao; whether it imports is checked on its own below.
+    monkeypatch.setattr(forge.build, "check_torchao", lambda: None)
     raw = {
         "model": {"preset": "debug_vlm"},
         "training": {
@@ -216,6 +219,15 @@ def test_from_config_maps_float8_vlm_training_and_tp_sections(tmp_path):
         ParallelPlan.from_config(tmp_path / "missing.toml", None)
     with pytest.raises(ForgeConfigError, match="pass a ForgeConfig, a dict"):
         ParallelPlan.from_config(42, None)  # type: ignore[arg-type]
+
+
+def test_float8_without_torchao_is_refused_by_the_pre_launch_check(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao now raises ImportError
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    fp8 = load_config({"float8": {"enabled": True}}).float8
+    with pytest.raises(ForgeConfigError, match=r"float8.enabled=true needs torchao.*pip install"):
+        check_float8(fp8, 1)
+    check_float8(load_config({}).float8, 1)  # Float8 off: torchao not needed
 
 
 # --- compile scopes -----------------------------------------------------------------------------
@@ -328,18 +340,27 @@ def _flash_kwargs(*, is_causal: bool, softmax_scale: float | None = None, **_: A
     return {"causal": is_causal, "softmax_scale": softmax_scale}
 
 
+class _KwargsFns(tuple):
+    """What ``lazy_import_flash_attention`` returns second, in either shape transformers used:
+    the process-kwargs function itself (5.17) or a pair (process-kwargs, process-kvcache-kwargs)
+    that is unpacked (5.23)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self[0](*args, **kwargs)
+
+
 @pytest.fixture
 def flash_utils(monkeypatch) -> Iterator[Any]:
     """transformers' flash-attention utilities, with the flash kernels replaced by SDPA.
 
     ``lazy_import_flash_attention`` returns ``((flash_fn, varlen_fn, kvcache_fn, pad_fn,
-    unpad_fn), (process_kwargs_fn, process_kvcache_kwargs_fn))``; only ``flash_fn`` and
-    ``process_kwargs_fn`` are reached for an unpadded batch of one without packing.
+    unpad_fn), kwargs_fns)`` (see :class:`_KwargsFns`); only ``flash_fn`` and the
+    process-kwargs function are reached for an unpadded batch of one without packing.
     """
     import transformers.modeling_flash_attention_utils as mfau
 
-    def stub(*_: Any, **__: Any) -> tuple[tuple, tuple]:
-        return (_sdpa_flash, None, None, None, None), (_flash_kwargs, dict)
+    def stub(*_: Any, **__: Any) -> tuple[tuple, _KwargsFns]:
+        return (_sdpa_flash, None, None, None, None), _KwargsFns((_flash_kwargs, dict))
 
     original = mfau._is_packed_sequence
     monkeypatch.setattr(mfau, "lazy_import_flash_attention", stub)

@@ -385,7 +385,9 @@ def test_synthetic_data_slices_one_global_batch():
 
 
 def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT)}
+    # NOTE: prepend: where forge runs from sources (tools/forge_pythonpath.sh) they are there too.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path}
 
 
 def _train_printing(cfg: dict) -> tuple[list[tuple[int, float, float]], str]:
@@ -422,7 +424,7 @@ def test_progress_bar_on_a_terminal_and_ctrl_c_saves_and_exits_cleanly(tmp_path)
 
     pid, fd = pty.fork()
     if pid == 0:  # the child: forge train with a terminal as stdout and stderr
-        os.environ.update(PYTHONPATH=str(ROOT), COLUMNS="160", LINES="24")
+        os.environ.update(PYTHONPATH=_env()["PYTHONPATH"], COLUMNS="160", LINES="24")
         args = ["train", "--nproc", "2", "--set", "training.steps=100000"]
         os.execv(sys.executable, [*FORGE, *args, "--set", f"training.out_dir={tmp_path}"])
     text, interrupted = "", False

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.markers import needs_torchao
 from tests.vlm.jobs import bf16_hand_off, fp8_and_bf16_vlm, vlm_parity
 
 FSDP2 = {"dp_shard": 4}
@@ -118,6 +119,7 @@ def test_vlm_with_an_moe_decoder_and_expert_parallelism_matches_single_device(ru
     assert first["stages"]["decoder"] == ["ep", "fsdp2"]
 
 
+@needs_torchao
 def test_vlm_float8_decoder_trains_within_two_percent_of_bf16(run_on_ranks):
     # The bound of tests/float8 (fp8 rounding averaged over the GEMM reductions, 10 AdamW steps).
     results = run_on_ranks(4, fp8_and_bf16_vlm, FSDP2_TP)

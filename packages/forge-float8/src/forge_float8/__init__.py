@@ -5,12 +5,13 @@
   over (fp8 all-gathers for tensorwise), and registers the per-step scale precompute for FSDP2's
   fp8 all-gather.
 - :func:`float8_report` / :class:`Float8Report`: what was converted, what was skipped and why.
+- :func:`check_torchao`: the pure pre-launch check that torchao imports.
 
 Depends on forge_core, torch and torchao.
 """
 
-from .convert import RECIPES, Float8Report, apply_float8, float8_report
+from .convert import RECIPES, Float8Report, apply_float8, check_torchao, float8_report
 
 __version__ = "0.1.0"
 
-__all__ = ["RECIPES", "Float8Report", "apply_float8", "float8_report"]
+__all__ = ["RECIPES", "Float8Report", "apply_float8", "check_torchao", "float8_report"]

@@ -147,6 +147,19 @@ def _default_emulate() -> bool:
     return True
 
 
+def check_torchao() -> None:
+    """Refuse Float8 up front when torchao does not import here (a pure check, run before any
+    rank starts; the lent GPU machines, for one, come without it)."""
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as exc:
+        raise ForgeConfigError(
+            f"float8.enabled=true needs torchao, which does not import here ({exc}); install a "
+            f"torchao release built for torch {torch.__version__.split('+')[0]} "
+            "(`pip install torchao`), or set float8.enabled=false"
+        ) from None
+
+
 def apply_float8(
     model: nn.Module,
     *,
@@ -198,6 +211,7 @@ def apply_float8(
             f"enable_fsdp_float8_all_gather=True needs recipe='tensorwise' (torchao casts FSDP "
             f"all-gathers with one scale per tensor); got recipe={recipe!r}: set it False"
         )
+    check_torchao()
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     with stage(model, "float8"):

@@ -68,6 +68,9 @@ _REFUSED = {
     # transformers 5.x registers it once an MoE model with expert dispatch is imported
     "ep_dispatch_experts": "dispatches tokens to experts over an EP group: an MoE style, handled by forge-moe-ep",
     "all_reduce": "all-reduces partial MoE expert outputs: an MoE style, handled by forge-moe-ep",
+    # transformers 5.17 (DeepGEMM's fused FP8xFP4 MoE, sm100)
+    "megamoe_experts": "DeepGEMM's fused MoE experts: an MoE style, handled by forge-moe-ep",
+    "megamoe_router": "DeepGEMM's fused MoE router: an MoE style, handled by forge-moe-ep",
     "packed_colwise": "shards fused [gate; up] weights half by half; give an explicit plan",
     "packed_rowwise": "shards fused weights half by half; give an explicit plan",
     "local_packed_rowwise": "shards fused weights half by half; give an explicit plan",

@@ -41,7 +41,7 @@ from forge_core.contracts import model_components
 from forge_core.errors import did_you_mean
 from forge_core.mesh_dims import axis_size, get_dp_mesh, has_dp_mesh
 from forge_domain import FieldNet, apply_domain_parallel
-from forge_float8 import apply_float8
+from forge_float8 import apply_float8, check_torchao
 from forge_fsdp_wrap import (
     AC_MODES,
     apply_ac,
@@ -116,6 +116,8 @@ def check_plan(
 
 def check_float8(float8: Float8Config, tp: int) -> None:
     """Refuse ``[float8]`` settings that cannot work with ``tp`` (pure checks, no process group)."""
+    if float8.enabled:
+        check_torchao()
     if float8.enabled and float8.fsdp_all_gather_flag and tp > 1:
         raise ForgeConfigError(
             "float8.fsdp_float8_all_gather=true with tp > 1: torchao's float8 weight wrapper does "
