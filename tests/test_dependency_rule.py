@@ -6,9 +6,11 @@ import ast
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 #: distribution -> its directory; forge-kernels lives in kernels/ and may import no forge layer.
@@ -78,14 +80,20 @@ def test_layer_sources_import_only_forge_core(dist):
 def test_layer_installs_alone_and_loads_no_other_layer(dist, tmp_path):
     uv, venv = _uv(), tmp_path / "venv"
     env = {
-        k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "UV_PROJECT_ENVIRONMENT")
+        k: v
+        for k, v in os.environ.items()
+        # NOTE: no PYTHONPATH: the GPU-image lane puts every layer's sources there
+        if k not in ("VIRTUAL_ENV", "UV_PROJECT_ENVIRONMENT", "PYTHONPATH")
     }
+    # NOTE: this interpreter and this torch: the GPU-image lane proves the layers install on
+    # Python 3.12 with torch 2.11, the main lane on 3.11 with the locked torch (from uv's cache).
     subprocess.run(
-        [uv, "venv", "-q", "--python", "3.11", str(venv)], check=True, env=env, cwd=tmp_path
+        [uv, "venv", "-q", "--python", sys.executable, str(venv)], check=True, env=env, cwd=tmp_path
     )
     env["VIRTUAL_ENV"] = str(venv)
+    torch_pin = f"torch=={torch.__version__.split('+')[0]}"
     subprocess.run(
-        [uv, "pip", "install", "-q", str(DIST_DIRS[dist])],
+        [uv, "pip", "install", "-q", str(DIST_DIRS[dist]), torch_pin],
         check=True,
         env=env,
         cwd=tmp_path,
