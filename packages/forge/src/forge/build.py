@@ -115,9 +115,8 @@ def check_plan(
 
 
 def check_float8(float8: Float8Config, tp: int) -> None:
-    """Refuse ``[float8]`` settings that cannot work with ``tp`` (pure checks, no process group)."""
-    if float8.enabled:
-        check_torchao()
+    """Refuse ``[float8]`` settings that cannot work with ``tp`` (pure checks, no process group);
+    then, Float8 on, a torchao that does not import (what is wrong in the file comes first)."""
     if float8.enabled and float8.fsdp_all_gather_flag and tp > 1:
         raise ForgeConfigError(
             "float8.fsdp_float8_all_gather=true with tp > 1: torchao's float8 weight wrapper does "
@@ -128,6 +127,8 @@ def check_float8(float8: Float8Config, tp: int) -> None:
             "float8.fsdp_float8_all_gather=true needs float8.recipe='tensorwise', got "
             f"{float8.recipe!r}"
         )
+    if float8.enabled:
+        check_torchao()
 
 
 def _float8_options(float8: Float8Config, *, fsdp_all_gather: bool = True) -> dict[str, Any]:
