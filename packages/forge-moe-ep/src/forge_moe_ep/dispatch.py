@@ -37,9 +37,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from forge_kernels.native import StagedSplits
 from forge_kernels.permute import (
     RoutingLayout,
     combine,
@@ -57,6 +59,8 @@ __all__ = [
     "dropless",
 ]
 
+_R = TypeVar("_R")
+
 #: ``experts(x_rows [M, D], offs [E_local]) -> [M, D]``: the grouped SwiGLU over expert-major rows.
 #: Every caller here passes ``offs[-1] == M`` (no row outside a group), so an implementation may
 #: skip zeroing rows past ``offs[-1]`` (``forge_kernels.grouped_gemm(..., dense=True)``).
@@ -68,12 +72,12 @@ class _Reorder(torch.autograd.Function):
     the inverse instead of running autograd's accumulating scatter (``index_put_``)."""
 
     @staticmethod
-    def forward(ctx, x, index, inverse):  # type: ignore[override]
+    def forward(ctx, x, index, inverse):
         ctx.save_for_backward(inverse)
         return x.index_select(0, index)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
         return grad.index_select(0, inverse), None, None
 
@@ -82,7 +86,7 @@ class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with autograd: the backward sends gradients back the same way."""
 
     @staticmethod
-    def forward(ctx, x, out_rows, out_splits, in_splits, group):  # type: ignore[override]
+    def forward(ctx, x, out_rows, out_splits, in_splits, group):
         ctx.group, ctx.in_rows = group, x.shape[0]
         ctx.out_splits, ctx.in_splits = out_splits, in_splits
         out = x.new_empty((out_rows, *x.shape[1:]))
@@ -90,7 +94,7 @@ class _AllToAll(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         grad_in = grad.new_empty((ctx.in_rows, *grad.shape[1:]))
         dist.all_to_all_single(
             grad_in, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group
@@ -118,9 +122,9 @@ def dropless(
     num_experts: int,
     *,
     group: dist.ProcessGroup | None = None,
-    staged: object | None = None,
-    overlap: Callable[[], object] | None = None,
-) -> tuple[torch.Tensor, object]:
+    staged: StagedSplits | None = None,
+    overlap: Callable[[], _R] | None = None,
+) -> tuple[torch.Tensor, _R | None]:
     """Exact dispatch: every routed token is computed. Returns ``(out [T, D], overlap())``.
 
     ``ids_TK`` must be in ``[0, num_experts)`` (a top-k router's output always is; not checked:
@@ -135,6 +139,8 @@ def dropless(
         extra = overlap() if overlap is not None else None
         y = experts(permute(x_TD, layout, top_k, dense=True), layout.offs)
         return combine(y, layout, weights_TK, dense=True), extra
+    if staged is None:
+        raise ValueError("dropless with an EP group needs staged=StagedSplits(2 * group size)")
     ranks = dist.get_world_size(group)
     local_experts = num_experts // ranks
     send_counts = layout.counts
@@ -143,11 +149,11 @@ def dropless(
     send_counts_RE = send_counts.view(ranks, local_experts)
     recv_counts_RE = recv_counts.view(ranks, local_experts)
     splits = torch.cat([send_counts_RE.sum(1), recv_counts_RE.sum(1)])
-    staged.start(splits)  # type: ignore[union-attr]
+    staged.start(splits)
     # NOTE: device work queued while the split sizes travel to the host.
     x_perm = permute(x_TD, layout, top_k, dense=True)
     extra = overlap() if overlap is not None else None
-    host = staged.wait()  # type: ignore[union-attr]  # the layer's one host sync
+    host = staged.wait()  # the layer's one host sync
     in_splits, out_splits = host[:ranks], host[ranks:]
     received = sum(out_splits)
     x_recv = all_to_all(x_perm, group, out_splits, in_splits)

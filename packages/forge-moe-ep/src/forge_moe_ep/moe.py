@@ -53,6 +53,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class Router(nn.Module):
     """Top-k token-choice router, float32, with an expert bias used only for choosing."""
 
+    expert_bias: torch.Tensor  # buffers (typed for checkers: register_buffer sets them)
+    tokens_per_expert: torch.Tensor
+
     def __init__(self, dim: int, num_experts: int, top_k: int, score: str) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.score = num_experts, top_k, score
@@ -106,6 +109,9 @@ class GroupedExperts(nn.Module):
 
 class MoE(nn.Module):
     """Mixture-of-experts FFN: ``[B, S, dim] -> [B, S, dim]`` (see the module docstring)."""
+
+    tokens_routed: torch.Tensor  # buffers (typed for checkers: register_buffer sets them)
+    tokens_dropped: torch.Tensor
 
     #: Runs eagerly under forge's per-block compile (forge_core.contracts): dropless EP reads
     #: split sizes on the host and the Triton kernels are opaque autograd Functions.
@@ -244,12 +250,11 @@ class MoE(nn.Module):
         depth_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, param in self.named_parameters():
             s = depth_std if name.endswith("w2") or name.endswith("w2.weight") else std
-            fill_param_(
-                param,
-                prefix + name,
-                seed,
-                lambda t, g, s=s: nn.init.trunc_normal_(t, 0.0, s, -3 * s, 3 * s, generator=g),
-            )
+
+            def normal(t: torch.Tensor, g: torch.Generator, s: float = s) -> torch.Tensor:
+                return nn.init.trunc_normal_(t, 0.0, s, -3 * s, 3 * s, generator=g)
+
+            fill_param_(param, prefix + name, seed, normal)
         self.router.expert_bias.zero_()
         self.router.tokens_per_expert.zero_()
         self.tokens_routed.zero_()
