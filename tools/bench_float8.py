@@ -17,7 +17,10 @@ one variant at a time on a fresh model (freed afterwards) so each peak memory is
 a reduced config (dim 256, 4 layers, ffn 1024, vocab 4096, batch 4 x 128) where the fp8 GEMMs run
 through torch's CPU ``_scaled_mm``: the timings only show that each path runs (CPU fp8 is not
 faster than bf16); all variants stay alive and are timed round-robin. Compile variants on CPU
-cost an inductor compile each (tens of seconds); ``--no-compile`` skips them.
+cost an inductor compile each (tens of seconds); ``--no-compile`` skips them. ``--quick`` is a
+smoke run (a small model, eager only, 3 timed steps, on either device); ``--out PATH`` writes the
+page elsewhere. The target is also reported through ``benchlib.record_target``
+(``tools/gpu_check`` gathers those into its summary table).
 """
 
 from __future__ import annotations
@@ -34,7 +37,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from benchlib import machine_facts, sync, time_interleaved  # noqa: E402 - tools/ sibling module
+from benchlib import (  # noqa: E402 - tools/ sibling module
+    machine_facts,
+    record_target,
+    sync,
+    time_interleaved,
+)
 from forge_core import ModelConfig, Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +72,13 @@ class Setup:
         return self.batch * self.seq
 
 
-def _cuda_setup(reps: int | None) -> Setup:
+def _cuda_setup(reps: int | None, quick: bool = False) -> Setup:
+    if quick:
+        # NOTE: big enough for the fp8 GEMMs to run on tensor cores, small enough for seconds.
+        cfg = ModelConfig(
+            vocab_size=8192, dim=1024, n_layers=2, n_heads=8, ffn_dim=4096, max_seq_len=1024
+        )
+        return Setup("smoke", cfg, 2, 1024, 3, reps or 3)
     cfg = ModelConfig(
         vocab_size=32000,
         dim=2048,
@@ -383,6 +397,24 @@ def reading(
     return lines
 
 
+def record_targets(variants: list[Variant], on_cuda: bool) -> None:
+    """The target through ``benchlib.record_target`` (met is None off a GPU or when unmeasured)."""
+    target = f"tensorwise + compile >= {TARGET}x bf16 + compile"
+    tw = next((v for v in variants if v.recipe == "tensorwise" and v.compiled), None)
+    ratio = _speedup(variants, tw) if tw is not None else None
+    eager = next((v for v in variants if v.recipe == "tensorwise" and not v.compiled), None)
+    eager_ratio = _speedup(variants, eager) if eager is not None else None
+    eager_note = "" if eager_ratio is None else f"; eager tensorwise {eager_ratio:.2f}x"
+    if ratio is None:
+        why = "compile variants skipped" if tw is None else "a variant failed"
+        measured, met = f"unmeasured ({why}){eager_note}", None
+    else:
+        measured, met = f"{ratio:.2f}x{eager_note}", ratio >= TARGET
+    if not on_cuda:
+        measured, met = f"no GPU; CPU: {measured}", None
+    record_target("bench_float8", target, measured, met)
+
+
 def write_markdown(
     setup: Setup,
     variants: list[Variant],
@@ -390,6 +422,7 @@ def write_markdown(
     on_cuda: bool,
     compile_skipped: bool,
     write: bool,
+    out_md: Path = OUT_MD,
 ) -> None:
     cfg = setup.config
     where = "GPU" if on_cuda else "CPU (reduced config)"
@@ -445,9 +478,9 @@ def write_markdown(
     text = "\n".join(lines)
     print(text)
     if write:
-        OUT_MD.parent.mkdir(exist_ok=True)
-        OUT_MD.write_text(text)
-        print(f"wrote {OUT_MD.relative_to(ROOT)}")
+        out_md.parent.mkdir(parents=True, exist_ok=True)
+        out_md.write_text(text)
+        print(f"wrote {out_md.relative_to(ROOT) if out_md.is_relative_to(ROOT) else out_md}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -455,9 +488,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--reps", type=int, default=None, help="timed steps (default 7 CPU, 20 GPU)"
     )
-    parser.add_argument("--quick", action="store_true", help="tiny model, eager only (~20 s)")
+    parser.add_argument(
+        "--quick", action="store_true", help="small model, eager only, 3 timed steps (~20 s)"
+    )
     parser.add_argument("--no-compile", action="store_true", help="skip the compile variants")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--out", type=Path, default=OUT_MD, help="the page (markdown) to write")
     parser.add_argument(
         "--threads",
         type=int,
@@ -469,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if on_cuda else "cpu")
     if not on_cuda:
         torch.set_num_threads(args.threads)
-    setup = _cuda_setup(args.reps) if on_cuda else _cpu_setup(args.reps, args.quick)
+    setup = _cuda_setup(args.reps, args.quick) if on_cuda else _cpu_setup(args.reps, args.quick)
     compile_skipped = args.no_compile or args.quick
     variants = [Variant(r, False) for r in RECIPES]
     if not compile_skipped:
@@ -484,7 +520,10 @@ def main(argv: list[str] | None = None) -> int:
     run(setup, variants, device)
     info["load average at end (1/5/15 min)"] = "/".join(f"{x:.1f}" for x in os.getloadavg())
     info["total run time"] = f"{time.perf_counter() - t0:.0f} s"
-    write_markdown(setup, variants, info, on_cuda, compile_skipped, write=not args.no_write)
+    record_targets(variants, on_cuda)
+    write_markdown(
+        setup, variants, info, on_cuda, compile_skipped, write=not args.no_write, out_md=args.out
+    )
     return 0
 
 

@@ -18,7 +18,10 @@ H100 with autotuning; CPU: ~2 minutes on 2 cores).
 
 Routing is random and balanced-ish: every token picks 8 distinct experts, sampled with
 probabilities ``softmax(0.5 * randn(E))`` (a mild, fixed skew), as a trained router would give.
-Prints the tables and rewrites ``benchmarks/grouped_gemm.md``.
+Prints the tables and rewrites ``benchmarks/grouped_gemm.md`` (``--out`` elsewhere, ``--no-write``
+to print only). ``--quick`` is a smoke run (one model, one token count, 3 reps, no sm90 compile
+check: seconds on a GPU after autotuning, ~10 s on CPU). Each target is also reported through
+``benchlib.record_target`` (``tools/gpu_check`` gathers them into its summary table).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ MODELS: dict[str, tuple[int, int, int]] = {
 CPU_SCALE = {"Qwen3-30B-A3B-like": 8, "DeepSeek-V3-like": 16}
 GPU_TOKENS = (4096, 8192, 16384, 32768)
 CPU_TOKENS = (512, 1024, 2048)
+QUICK_MODEL = "Qwen3-30B-A3B-like"
 TARGETS = "Triton >= 1.0x torch._grouped_mm and >= 65% of the dense matmul (fwd and bwd)"
 
 
@@ -145,7 +149,9 @@ def _implementations(x, w, g, offs, on_gpu: bool) -> dict[str, Impl]:
     return impls
 
 
-def bench_shapes(on_gpu: bool, reps: int, tokens_list: tuple[int, ...]) -> list[dict[str, Any]]:
+def bench_shapes(
+    on_gpu: bool, reps: int, tokens_list: tuple[int, ...], models: tuple[str, ...] = tuple(MODELS)
+) -> list[dict[str, Any]]:
     """Time every (model, projection, tokens) on the GPU or the CPU; one row per pass."""
     import torch
 
@@ -153,7 +159,8 @@ def bench_shapes(on_gpu: bool, reps: int, tokens_list: tuple[int, ...]) -> list[
     dtype = torch.bfloat16 if on_gpu else torch.float32
     unit, scale = ("TFLOP/s", 1.0) if on_gpu else ("GFLOP/s", 1e3)
     rows = []
-    for model, (experts, dim, ffn) in MODELS.items():
+    for model in models:
+        experts, dim, ffn = MODELS[model]
         if not on_gpu:
             dim, ffn = dim // CPU_SCALE[model], ffn // CPU_SCALE[model]
         for proj, (k, n) in (("up", (dim, ffn)), ("down", (ffn, dim))):
@@ -189,6 +196,19 @@ def bench_shapes(on_gpu: bool, reps: int, tokens_list: tuple[int, ...]) -> list[
     return rows
 
 
+def _interpreter_fix() -> Any:
+    """tests/kernels' fix for triton 3.6's interpreter under numpy >= 2.4 (triton issue #9171).
+
+    NOTE: imported from the tests, not copied: it patches a private triton function, and one
+    copy fails loudly in one place when triton changes. A no-op where numpy is older.
+    """
+    if str(ROOT) not in sys.path:
+        sys.path.insert(1, str(ROOT))  # NOTE: ahead of site-packages, where a stray `tests` may be
+    from tests.kernels.triton_interpreter import interpreter_index_fix
+
+    return interpreter_index_fix()
+
+
 def bench_interpreter_toy() -> dict[str, Any]:
     """Triton interpreter at a toy shape, checked against float64: correctness, not speed."""
     import torch
@@ -200,8 +220,9 @@ def bench_interpreter_toy() -> dict[str, Any]:
     w = torch.randn(len(offs_list), k, n, generator=gen).requires_grad_(True)
     offs = torch.tensor(offs_list, dtype=torch.int32)
     t = time.perf_counter()
-    out = grouped_gemm(x, w, offs, backend="triton")
-    out.backward(torch.ones_like(out))
+    with _interpreter_fix():
+        out = grouped_gemm(x, w, offs, backend="triton")
+        out.backward(torch.ones_like(out))
     seconds = time.perf_counter() - t
     ref = torch.zeros(m, n, dtype=torch.float64)
     start = 0
@@ -364,6 +385,26 @@ def _ratios(rows: list[dict[str, Any]], ours: str, other: str) -> list[float]:
     return [v[ours] / v[other] for v in by_key.values()]
 
 
+def record_targets(rows: list[dict[str, Any]], on_gpu: bool) -> None:
+    """The two targets through ``benchlib.record_target`` (met is None without a GPU)."""
+    from benchlib import record_target  # tools/ sibling module
+
+    ours = "triton" if on_gpu else "forge (cpu dispatch)"
+    every = "every shape, fwd and bwd"
+    for other, target, bound, show in (
+        ("torch_grouped_mm", f"Triton >= 1.0x torch._grouped_mm ({every})", 1.0, "{:.2f}x"),
+        ("dense", f"Triton >= 65% of the dense matmul ({every})", 0.65, "{:.0%}"),
+    ):
+        ratios = _ratios(rows, ours, other)
+        span = f"{show.format(min(ratios))}-{show.format(max(ratios))}"
+        if on_gpu:
+            measured = f"{span} over {len(ratios)} points"
+            record_target("bench_grouped_gemm", target, measured, min(ratios) >= bound)
+        else:
+            measured = f"no GPU; CPU fp32 {ours} / {other}: {span}"
+            record_target("bench_grouped_gemm", target, measured, None)
+
+
 def _table(rows: list[dict[str, Any]], on_gpu: bool) -> list[str]:
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     unit, scale = ("TFLOP/s", 1.0) if on_gpu else ("GFLOP/s", 1e3)
@@ -522,6 +563,13 @@ def main() -> None:
         help="torch threads on a CPU-only machine (default 1: stable on a shared machine)",
     )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "grouped_gemm.md")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: {QUICK_MODEL} only, the smallest token count, 3 reps, no compile check",
+    )
+    parser.add_argument("--no-compile-check", action="store_true", help="skip the sm90 compile")
     parser.add_argument("--compile-check-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.compile_check_child:
@@ -531,8 +579,11 @@ def main() -> None:
     import torch
 
     on_gpu = torch.cuda.is_available()
-    reps = args.reps or (20 if on_gpu else 7)
+    reps = args.reps or (3 if args.quick else 20 if on_gpu else 7)
     tokens = tuple(args.tokens) if args.tokens else (GPU_TOKENS if on_gpu else CPU_TOKENS)
+    if args.quick and not args.tokens:
+        tokens = tokens[:1]
+    models = (QUICK_MODEL,) if args.quick else tuple(MODELS)
     toy = None
     if not on_gpu:
         # NOTE: one thread by default. On a shared 2-core machine, 2-thread OpenMP pools made
@@ -544,14 +595,22 @@ def main() -> None:
         toy = bench_interpreter_toy()
         print(f"  {toy}", flush=True)
     print(f"Timing on {'GPU' if on_gpu else 'CPU'} ...", flush=True)
-    rows = bench_shapes(on_gpu, reps, tokens)
-    print("sm90 compile check ...", flush=True)
-    compiled, compile_error = compile_check()
+    rows = bench_shapes(on_gpu, reps, tokens, models)
+    compiled: list[dict[str, Any]] = []
+    if args.quick or args.no_compile_check:
+        compile_error = "skipped (--quick / --no-compile-check)"
+    else:
+        print("sm90 compile check ...", flush=True)
+        compiled, compile_error = compile_check()
     text = render(rows, on_gpu, machine_facts(on_gpu), toy, compiled, compile_error, reps, tokens)
-    args.out.write_text(text)
     print()
     print(text)
-    print(f"\nwrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+    record_targets(rows, on_gpu)
+    if not args.no_write:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        where = args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out
+        print(f"\nwrote {where}")
 
 
 if __name__ == "__main__":

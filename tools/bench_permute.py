@@ -14,12 +14,15 @@ Timed: forward, and forward + backward (gradients for ``y_perm`` and ``w``). Med
 ``--reps`` runs after warm-up; CUDA timings use events and synchronize. On a CPU-only machine
 the Triton kernels only run in the Triton interpreter (numpy emulation): that path is timed at a
 tiny size to show it is a correctness path, not a performance number, and the GPU table is
-reported as missing.
+reported as missing. ``--out PATH`` writes the page elsewhere; the target (the fused combine is
+the fastest variant) is also reported through ``benchlib.record_target`` (``tools/gpu_check``
+gathers those into its summary table).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -36,7 +39,11 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from benchlib import machine_facts, time_interleaved  # noqa: E402 - tools/ sibling module
+from benchlib import (  # noqa: E402 - tools/ sibling module
+    machine_facts,
+    record_target,
+    time_interleaved,
+)
 from forge_kernels.permute import (  # noqa: E402
     RoutingLayout,
     combine,
@@ -172,6 +179,19 @@ def bench_layout(shapes, device, reps) -> list[dict]:
     return rows
 
 
+def _interpreter_fix() -> contextlib.AbstractContextManager[None]:
+    """tests/kernels' fix for triton 3.6's interpreter under numpy >= 2.4 (triton issue #9171).
+
+    NOTE: imported from the tests, not copied: it patches a private triton function, and one
+    copy fails loudly in one place when triton changes. A no-op where numpy is older.
+    """
+    if str(ROOT) not in sys.path:
+        sys.path.insert(1, str(ROOT))  # NOTE: ahead of site-packages, where a stray `tests` may be
+    from tests.kernels.triton_interpreter import interpreter_index_fix
+
+    return interpreter_index_fix()
+
+
 def bench_interpreter(reps: int) -> dict | None:
     """Tiny Triton-interpreter timing vs the torch path (CPU only)."""
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
@@ -186,9 +206,9 @@ def bench_interpreter(reps: int) -> dict | None:
     for backend in ("triton", "torch"):
         fns[f"layout_{backend}"] = functools.partial(routing_layout, ids, e, 8, backend=backend)
         fns[f"combine_{backend}"] = functools.partial(combine, y, layout, w, backend=backend)
-    out |= {
-        name: med for name, (med, _) in time_interleaved(fns, torch.device("cpu"), reps).items()
-    }
+    with _interpreter_fix():
+        timed = time_interleaved(fns, torch.device("cpu"), reps)
+    out |= {name: med for name, (med, _) in timed.items()}
     print(f"interpreter {out}", flush=True)
     return out
 
@@ -272,7 +292,28 @@ def _conclusion(rows: list[dict], on_cuda: bool, info: dict[str, str]) -> list[s
     return lines
 
 
-def write_markdown(info, combine_rows, layout_rows, interp, on_cuda, reps) -> None:
+def record_targets(rows: list[dict], on_cuda: bool) -> None:
+    """The question as targets: forge's combine is the fastest variant (min time) at every
+    shape and dtype, forward and forward+backward (met is None on CPU: a GPU question)."""
+    for col, label in (("fwd_min_ms", "forward"), ("fwd_bwd_min_ms", "forward+backward")):
+        best: dict[tuple[str, str], dict] = {}
+        for r in rows:
+            key = (r["shape"], r["dtype"])
+            if key not in best or r[col] < best[key][col]:
+                best[key] = r
+        won = sum(r["variant"].startswith("forge") for r in best.values())
+        measured = f"forge fastest in {won} of {len(best)} (shape, dtype)"
+        if not on_cuda:
+            measured = f"no GPU; CPU torch path: {measured}"
+        record_target(
+            "bench_permute",
+            f"fused combine is the fastest {label} (min time) at every shape and dtype",
+            measured,
+            won == len(best) if on_cuda else None,
+        )
+
+
+def write_markdown(info, combine_rows, layout_rows, interp, on_cuda, reps, out_md=OUT_MD) -> None:
     lines = [
         "# Permute / combine benchmarks",
         "",
@@ -318,9 +359,9 @@ def write_markdown(info, combine_rows, layout_rows, interp, on_cuda, reps) -> No
     if not on_cuda:
         lines += ["## CUDA", "", "Missing: no GPU was available when this page was written.", ""]
     lines += ["## Conclusion", "", *_conclusion(combine_rows, on_cuda, info), ""]
-    OUT_MD.parent.mkdir(exist_ok=True)
-    OUT_MD.write_text("\n".join(lines))
-    print(f"wrote {OUT_MD.relative_to(ROOT)}")
+    out_md.parent.mkdir(parents=True, exist_ok=True)
+    out_md.write_text("\n".join(lines))
+    print(f"wrote {out_md.relative_to(ROOT) if out_md.is_relative_to(ROOT) else out_md}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -328,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="one small shape, 3 reps")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--out", type=Path, default=OUT_MD, help="the page (markdown) to write")
     args = parser.parse_args(argv)
     on_cuda = torch.cuda.is_available()
     device = torch.device("cuda" if on_cuda else "cpu")
@@ -343,8 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     layout_rows = bench_layout(shapes, device, reps)
     interp = bench_interpreter(reps)
     info["load average at end (1/5/15 min)"] = "/".join(f"{x:.1f}" for x in os.getloadavg())
+    record_targets(combine_rows, on_cuda)
     if not args.no_write:
-        write_markdown(info, combine_rows, layout_rows, interp, on_cuda, reps)
+        write_markdown(info, combine_rows, layout_rows, interp, on_cuda, reps, args.out)
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import statistics
@@ -11,7 +12,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["machine_facts", "once_ms", "sync", "time_interleaved"]
+__all__ = ["machine_facts", "once_ms", "record_target", "sync", "time_interleaved"]
+
+#: Environment variable naming a JSON-lines file that :func:`record_target` appends to
+#: (``tools/gpu_check`` sets it and prints the collected targets as its closing table).
+SUMMARY_ENV = "FORGE_BENCH_SUMMARY"
 
 
 def sync(device: torch.device) -> None:
@@ -76,3 +81,19 @@ def machine_facts(packages: Sequence[str] = ("triton",)) -> dict[str, str]:
         "gpu": gpu,
         "load average at start (1/5/15 min)": "/".join(f"{x:.1f}" for x in os.getloadavg()),
     }
+
+
+def record_target(bench: str, target: str, measured: str, met: bool | None) -> None:
+    """Note one benchmark target and what was measured against it.
+
+    Printed as a ``TARGET`` line and, when ``$FORGE_BENCH_SUMMARY`` names a file, appended to
+    it as a JSON line (``tools/gpu_check`` gathers those into its summary table). ``met`` is
+    None when the run could not decide (e.g. a CPU run of a GPU target).
+    """
+    verdict = "n/a" if met is None else ("met" if met else "NOT met")
+    print(f"TARGET {bench} | {target} | {measured} | {verdict}", flush=True)
+    path = os.environ.get(SUMMARY_ENV)
+    if path:
+        with open(path, "a") as f:
+            row = {"bench": bench, "target": target, "measured": measured, "met": met}
+            f.write(json.dumps(row) + "\n")
