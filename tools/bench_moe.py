@@ -1,221 +1,329 @@
-"""Benchmark forge's MoE layer per dispatch mode against a torchtitan-style reference; write ``benchmarks/moe.md``.
+"""forge's MoE layer side by side with torchtitan 0.3.0's real MoE; writes ``benchmarks/moe.md``.
 
-Run from anywhere: ``uv run python tools/bench_moe.py`` (about a minute on 2 CPU cores;
-``--quick`` for a ~10 s smoke run). Question: what does one MoE layer cost per training step
-(forward + backward) and how many times does it make the host wait for the device, for each
-forge dispatch mode, against the torchtitan expert-parallel dropless pattern written here:
+Why: forge's target is "forge/torchtitan median time ratio <= 1.0 in every row" with at most one
+host sync per MoE forward+backward in ``dropless`` mode under expert parallelism (EP) and none in
+``capacity`` mode. This script measures exactly that against the peer itself (not a re-written
+copy of it): ``torchtitan.models.common.moe.MoE`` built from torchtitan's own config helpers and,
+under EP, parallelized by torchtitan's own ``Module.parallelize`` (``AllToAllTokenDispatcher``).
 
-- ``reference (torchtitan-style)``: fp32 softmax top-k router (weights copied from the forge
-  layer), counts by ``torch.histc``, an all-to-all of the counts, a **blocking** device-to-host
-  copy of the split sizes, ``argsort`` permutation, the variable-size all-to-all, a reorder of the
-  received rows to expert-major, ``torch._grouped_mm`` (per-expert loop where it does not run),
-  unpermute by ``index_copy`` and a weighted combine in fp32 (``bmm``).
-- ``forge dropless``: ``moe_dispatch="dropless"`` with an ``ep`` group: the EP path with one
-  deferred host wait (``StagedSplits``).
-- ``forge dropless (local, no EP)``: the same without an ``ep`` group (no collective).
-- ``forge capacity``: ``moe_dispatch="capacity"``, ``capacity_factor=1.25``, with an ``ep`` group.
+Run: ``uv run python tools/bench_moe.py`` (CPU: about 9 minutes on 2 shared cores; needs
+``uv sync --group bench`` for the torchtitan column), ``--quick`` (one tiny shape, seconds),
+``--no-write`` (print only), ``--out PATH`` (the page), ``--reps N`` (default 5 on CPU, 20 on a
+GPU), ``--cpu-bf16-full`` (CPU bf16 rows at 4,096 tokens too and with the capacity column: CPU
+bf16 grouped GEMMs are slow, ~+30 minutes). Without torchtitan it still times forge's rows and
+says the peer column is missing and why.
 
-One process: the ``ep`` group is the 1-rank world group (gloo on CPU, NCCL on CUDA), set on the
-layers by hand because ``apply_expert_parallel`` creates no ``ep`` axis of size 1. The
-all-to-alls then run with one rank, which still exercises the count exchange, the staging and
-the host wait. Timed: forward + backward (input and parameter gradients), variants round-robin,
-medians of ``--reps`` runs after warm-up (CUDA: events, synchronized). Host syncs: one step under
-``forge_core.sync_guard.count_host_syncs`` (on CPU it flags the ops that would sync a GPU; on
-CUDA it counts torch's sync-debug warnings), plus the layer's own count of host waits
-(``moe_metrics``). On a GPU: bf16 parameters and activations (the router computes in fp32), the
-Qwen3-30B-A3B-like and Mixtral-like shapes of the grouped-GEMM benchmark; on CPU: fp32 at
-reduced shapes, where timings are only indicative and the sync counts are the finding.
+What runs, per row (shape x tokens per rank x dtype x pass x layout):
+
+- ``forge dropless``: ``forge_moe_ep.MoE`` with ``moe_dispatch="dropless"``; under EP the ``ep``
+  group comes from ``forge_mesh.build_device_mesh`` + ``forge_moe_ep.apply_expert_parallel``.
+- ``forge capacity``: ``moe_dispatch="capacity"``, ``capacity_factor=1.25`` (an extra column; it
+  shares the dropless layer's router, experts and shared expert).
+- ``torchtitan``: the same weights copied into torchtitan's layout (experts ``w1_EFD``/``w3_EFD``
+  are forge's ``w1``/``w3`` transposed, ``w2_EDF`` is ``w2`` transposed; router gate and shared
+  expert as they are).
+- Layouts: one process without EP, and EP=2 over gloo with 2 processes (``RankPool(2)``, one torch
+  thread each; each rank holds half the experts and routes its own tokens). CUDA: one process
+  only, full-size Qwen3-30B-A3B and DeepSeek-V3 expert shapes in bf16.
+- Passes: the forward of a training step (autograd recording, graph discarded) and
+  forward+backward (input and parameter gradients). All six (variant, pass) functions of a row run
+  round-robin in one ``benchlib.time_interleaved`` call; medians. Under EP every timed call ends
+  with a barrier, and the row reports the larger of the two ranks' medians.
+- Same run, correctness: top-k choices compared token by token (as sets), max abs difference of
+  the outputs, the input gradients and the parameter gradients (forge dropless vs torchtitan),
+  and host syncs per forward+backward under ``forge_core.sync_guard.count_host_syncs`` on every
+  rank.
+
+Router settings both sides support identically: Qwen3-like rows use softmax scores without
+renormalizing the top-k (torchtitan ``route_norm=False``; real Qwen3 renormalizes, forge's softmax
+router does not); DeepSeek-V3-like rows use sigmoid scores normalized over the top-k
+(torchtitan ``route_norm=True``, as forge does for sigmoid) with ``route_scale=1.0`` and no
+node-limited routing (DeepSeek-V3 uses 2.5 and 8 groups / 4; forge has neither). Expert bias
+zero on both sides (present on both: forge's ``router.expert_bias``, torchtitan's
+``expert_bias_E``), and the gate runs in fp32 on both sides.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import gc
+import importlib
 import os
 import sys
+import time
 import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
-import torch.nn.functional as F
-from benchlib import machine_facts, sync, time_interleaved  # noqa: E402 - tools/ sibling module
+from benchlib import machine_facts, record_target, sync, time_interleaved  # noqa: E402 - sibling
 from forge_core import ModelConfig
+from forge_core.harness import RankPool
 from forge_core.sync_guard import count_host_syncs
-from forge_mesh import build_device_mesh
-from forge_moe_ep import MoE, apply_expert_parallel, capacity_per_sequence, moe_metrics
+from forge_moe_ep import MoE
 from torch.distributed.tensor import DTensor
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_MD = ROOT / "benchmarks" / "moe.md"
-REFERENCE = "reference (torchtitan-style)"
-DROPLESS = "forge dropless"
-LOCAL = "forge dropless (local, no EP)"
-CAPACITY = "forge capacity"
-VARIANTS = (REFERENCE, DROPLESS, LOCAL, CAPACITY)
+BENCH = "bench_moe"
+
+DROPLESS, CAPACITY, TITAN = "forge dropless", "forge capacity", "torchtitan"
+FWD, FWDBWD = "forward", "forward+backward"
+PASSES = (FWD, FWDBWD)
 CAPACITY_FACTOR = 1.25
-TARGETS = "0 host syncs per step in capacity mode; forge dropless >= 1.1x the reference on a GPU"
+SINGLE, EP2 = "single process (no EP)", "EP=2 (gloo, 2 processes)"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TARGET_RATIO = "forge/torchtitan median time ratio <= 1.0 in every row (forge dropless)"
+TARGET_DROPLESS_SYNCS = "host syncs per MoE forward+backward under EP=2, forge dropless <= 1"
+TARGET_CAPACITY_SYNCS = "host syncs per MoE forward+backward under EP=2, forge capacity == 0"
 
 
 @dataclass(frozen=True)
 class Shape:
-    """One MoE layer configuration and batch: ``T = batch * seq`` tokens."""
+    """One MoE layer: ``experts`` SwiGLU experts of ``dim -> hidden -> dim``, top-``top_k``."""
 
     name: str
-    batch: int
-    seq: int
     dim: int
+    hidden: int
     experts: int
     top_k: int
-    ffn: int
-    shared: int = 0
+    shared: int
+    score: str  # "softmax" (top-k not renormalized) | "sigmoid" (normalized over the top-k)
+
+    def label(self) -> str:
+        shared = f", {self.shared} shared" if self.shared else ""
+        return (
+            f"{self.name} (D={self.dim}, H={self.hidden}, E={self.experts}, "
+            f"top-{self.top_k}{shared}, {self.score})"
+        )
+
+
+@dataclass(frozen=True)
+class Point:
+    """One row: a shape, ``batch x seq`` tokens per rank, a dtype name."""
+
+    shape: Shape
+    batch: int
+    seq: int
+    dtype: str
 
     @property
     def tokens(self) -> int:
         return self.batch * self.seq
 
-    def label(self) -> str:
-        shared = f" +{self.shared} shared" if self.shared else ""
-        return (
-            f"{self.name}: T={self.tokens} ({self.batch}x{self.seq}) E={self.experts} "
-            f"K={self.top_k} D={self.dim} H={self.ffn}{shared}"
-        )
+
+QWEN_CPU = Shape("Qwen3-30B-A3B-like, reduced", 512, 192, 128, 8, 0, "softmax")
+DSV3_CPU = Shape("DeepSeek-V3-like, reduced", 448, 128, 256, 8, 1, "sigmoid")
+QWEN_CUDA = Shape("Qwen3-30B-A3B-like", 2048, 768, 128, 8, 0, "softmax")
+DSV3_CUDA = Shape("DeepSeek-V3-like", 7168, 2048, 256, 8, 1, "sigmoid")
+SMOKE = Shape("smoke", 64, 32, 8, 2, 1, "sigmoid")
 
 
-# GPU: the grouped-GEMM benchmark's Qwen3-30B-A3B-like layer (E=128, top-8, dim 2048, ffn 768)
-# at 8k and 16k tokens, and a Mixtral-8x7B-like layer (E=8, top-2, dim 4096, ffn 14336) at 8k.
-SHAPES_CUDA = [
-    Shape("Qwen3-30B-A3B-like", 2, 4096, 2048, 128, 8, 768),
-    Shape("Qwen3-30B-A3B-like", 4, 4096, 2048, 128, 8, 768),
-    Shape("Mixtral-like", 2, 4096, 4096, 8, 2, 14336),
-]
-# CPU: small fp32 layers that finish in well under two minutes on 2 cores.
-SHAPES_CPU = [
-    Shape("Mixtral-like, reduced", 4, 512, 256, 8, 2, 512),
-    Shape("fine-grained, reduced", 4, 512, 128, 32, 4, 256, shared=1),
-    Shape("Qwen3-like, reduced", 2, 512, 256, 128, 8, 96),
-]
-SHAPES_QUICK = [Shape("smoke", 2, 128, 64, 8, 2, 128, shared=1)]
+def plan_points(on_cuda: bool, quick: bool, cpu_bf16_full: bool = False) -> list[Point]:
+    """The rows to run (each is run in every layout)."""
+    if quick:
+        return [Point(SMOKE, 2, 64, d) for d in DTYPES]
+    if on_cuda:
+        # NOTE: bf16 only on the GPU (the training dtype); 4k and 16k tokens. DeepSeek-V3's full
+        # expert weights are 22.5 GB in bf16 per copy (forge + torchtitan + gradients): 16k tokens
+        # may not fit an 80 GB GPU; such a row reports the OOM and the others still run.
+        return [Point(s, b, 4096, "bf16") for s in (QWEN_CUDA, DSV3_CUDA) for b in (1, 4)]
+    # NOTE: bf16 torch._grouped_mm on CPU runs at ~2-10 GFLOP/s (fp32: ~60), so one bf16 round
+    # of a 4,096-token row takes over a minute: by default bf16 runs at 1,024 tokens only (and
+    # without the capacity column, see with_capacity), which keeps the whole CPU run near 10
+    # minutes on 2 cores (--cpu-bf16-full adds them back, ~+30 minutes).
+    return [
+        Point(s, b, 512, d)
+        for s in (QWEN_CPU, DSV3_CPU)
+        for b in (2, 8)
+        for d in DTYPES
+        if d == "fp32" or b == 2 or cpu_bf16_full
+    ]
 
 
-# --------------------------------------------------------------------------- process group
-def init_single_rank_group(device: torch.device) -> None:
-    """A world of one rank (gloo on CPU, NCCL on CUDA) unless one is already initialized."""
-    if dist.is_initialized():
-        return
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+def warmup_rounds(on_cuda: bool, dtype: str) -> int:
+    """Untimed rounds before the timed ones (after one checked forward+backward per variant).
+
+    NOTE: on CPU a bf16 round at 1,024 tokens takes ~25 s, and the checked forward+backward
+    already ran every code path once, so bf16 rows take no further warm-up round there.
+    """
+    return 3 if on_cuda else (1 if dtype == "fp32" else 0)
 
 
-# --------------------------------------------------------------------------- the reference
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` (forward and backward) runs for this device and dtype."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
+# --------------------------------------------------------------------------- torchtitan
+def torchtitan_missing() -> str | None:
+    """None when torchtitan imports, else why it does not (the peer column is then missing)."""
     try:
-        x = torch.zeros(16, 16, device=device, dtype=dtype, requires_grad=True)
-        w = torch.zeros(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-        offs = torch.tensor([8, 16], device=device, dtype=torch.int32)
-        torch._grouped_mm(x, w, offs=offs).backward(torch.ones(16, 16, device=device, dtype=dtype))
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
+        importlib.import_module("torchtitan.models.common.moe")
+    except Exception as exc:  # noqa: BLE001 -- any import failure means "no peer column"
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    return None
 
 
-class TorchtitanStyleMoE(nn.Module):
-    """The torchtitan expert-parallel dropless MoE pattern, with its own copy of the weights.
+_TITAN_DIMS: dict[int, Any] = {}
 
-    The one host sync is the blocking copy of the split sizes right after the count exchange;
-    nothing is overlapped with it. ``group=None`` means a 1-rank world group.
+
+def _titan_parallel_dims(ep: int) -> Any:
+    """torchtitan's ``ParallelDims``: ``dp_shard = ep`` ranks, EP over all of them (cached)."""
+    if ep not in _TITAN_DIMS:
+        import torchtitan.distributed.parallel_dims as titan_dims
+        from torchtitan.distributed.parallel_dims import ParallelDims
+
+        if not torch.cuda.is_available():
+            # NOTE: torchtitan's device_type falls back to "cuda" when no accelerator is present
+            # (tools.utils.get_device_info), and ParallelDims.build_mesh would then init CUDA;
+            # on a CPU-only machine its mesh must be a gloo "cpu" mesh.
+            titan_dims.device_type = "cpu"
+        dims = ParallelDims(
+            dp_replicate=1,
+            dp_shard=ep,
+            cp=1,
+            tp=1,
+            pp=1,
+            ep=ep,
+            world_size=dist.get_world_size(),
+            spmd_backend="partial_dtensor",
+        )
+        dims.build_mesh()
+        _TITAN_DIMS[ep] = dims
+    return _TITAN_DIMS[ep]
+
+
+def _keep_dtype(
+    self: torch.Tensor, memory_format: torch.memory_format = torch.preserve_format
+) -> torch.Tensor:
+    return self
+
+
+def _titan_experts_in_input_dtype(experts: nn.Module) -> None:
+    """Make torchtitan's ``GroupedExperts`` compute in its input's dtype (used for fp32 rows).
+
+    NOTE: torchtitan 0.3.0's ``GroupedExperts.forward`` hard-codes ``.bfloat16()`` on the GEMM
+    inputs and weights (no option turns it off), so an fp32 layer would compute its experts in
+    bf16 while forge computes in fp32. While the experts' forward runs, ``Tensor.bfloat16``
+    returns its tensor unchanged (restored when the forward returns, also on error), so both
+    sides do the same fp32 arithmetic; the backward never calls it.
+    """
+    saved: list[Any] = []
+
+    def enter(module: nn.Module, args: Any) -> None:
+        saved.append(torch.Tensor.bfloat16)
+        torch.Tensor.bfloat16 = _keep_dtype  # type: ignore[assignment,method-assign]
+
+    def leave(module: nn.Module, args: Any, out: Any) -> None:
+        torch.Tensor.bfloat16 = saved.pop()  # type: ignore[method-assign]
+
+    experts.register_forward_pre_hook(enter)
+    experts.register_forward_hook(leave, always_call=True)
+
+
+def _titan_gate_in_fp32(gate: nn.Linear) -> None:
+    """Run torchtitan's router gate in fp32 on a CPU bf16 row (weights kept in fp32).
+
+    NOTE: torchtitan computes the gate under ``torch.autocast(dtype=torch.float32)``, which CUDA
+    honours but CPU autocast refuses ("only supports bf16/fp16", it disables itself), so on CPU
+    the bf16 rows would route with bf16 scores. Casting the gate's input to fp32 (its weight
+    holds the same bf16-rounded values as forge's) gives what torchtitan computes on a GPU and
+    what forge's fp32 router computes: the same top-k choices.
     """
 
-    def __init__(self, forge: MoE, group: dist.ProcessGroup | None, use_grouped_mm: bool) -> None:
-        super().__init__()
-        self.num_experts, self.top_k, self.score = (
-            forge.num_experts,
-            forge.top_k,
-            forge.router.score,
+    def to_fp32(module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return (args[0].float(), *args[1:])
+
+    gate.register_forward_pre_hook(to_fp32)
+
+
+def build_torchtitan(
+    shape: Shape, forge: MoE, dtype: torch.dtype, device: torch.device, ep: int
+) -> Any:
+    """torchtitan's MoE with ``forge``'s (unsharded) weights; parallelized over EP when ep > 1."""
+    import spmd_types as spmd
+    from torchtitan.distributed.utils import set_spmd_backend
+    from torchtitan.models.common.config_utils import (
+        make_ffn_config,
+        make_moe_config,
+        make_routed_experts_config,
+        make_router_config,
+    )
+    from torchtitan.models.common.moe_sharding import set_moe_sharding_config
+
+    # NOTE: torchtitan's default SPMD backend ("spmd_types") needs the trainer's SPMD mesh
+    # context: a standalone MoE fails in AllToAllTokenDispatcher.dispatch
+    # (current_spmd_mesh() is None). "partial_dtensor" is the DTensor backend it also supports.
+    set_spmd_backend("partial_dtensor")
+    d, h, e, k = shape.dim, shape.hidden, shape.experts, shape.top_k
+    cfg = make_moe_config(
+        num_experts=e,
+        router=make_router_config(
+            dim=d,
+            num_experts=e,
+            gate_param_init={},
+            top_k=k,
+            score_func=shape.score,
+            route_norm=shape.score == "sigmoid",
+            route_scale=1.0,
+        ),
+        routed_experts=make_routed_experts_config(
+            dim=d, hidden_dim=h, num_experts=e, top_k=k, param_init={}, comm_backend="standard"
+        ),
+        shared_experts=make_ffn_config(
+            dim=d, hidden_dim=h * shape.shared, w1_param_init={}, w2w3_param_init={}
         )
-        self.group = group
-        self.use_grouped_mm = use_grouped_mm
-        self.gate = nn.Parameter(forge.router.gate.weight.detach().clone())
-        self.register_buffer("expert_bias", forge.router.expert_bias.detach().clone())
-        experts = forge.experts
-        self.w1 = nn.Parameter(_local(experts.w1).detach().clone())
-        self.w2 = nn.Parameter(_local(experts.w2).detach().clone())
-        self.w3 = nn.Parameter(_local(experts.w3).detach().clone())
-        self.shared = None if forge.shared_expert is None else copy.deepcopy(forge.shared_expert)
-
-    def _experts(self, x: torch.Tensor, offs: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        if self.use_grouped_mm:
-            h = F.silu(torch._grouped_mm(x, self.w1, offs=offs)) * torch._grouped_mm(
-                x, self.w3, offs=offs
-            )
-            return torch._grouped_mm(h, self.w2, offs=offs)
-        outs = []
-        for e, x_e in enumerate(torch.split(x, counts)):
-            h = F.silu(x_e @ self.w1[e]) * (x_e @ self.w3[e])
-            outs.append(h @ self.w2[e])
-        return torch.cat(outs)
-
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x_BSD.shape
-        x = x_BSD.reshape(-1, dim)
-        t, k, e = x.shape[0], self.top_k, self.num_experts
-        group = dist.group.WORLD if self.group is None else self.group
-        ranks = dist.get_world_size(group)
-        local = e // ranks
-        # Router: fp32, top-k on (scores + bias), unbiased scores as combine weights.
-        with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.gate.float())
-        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
-        ids = torch.topk(scores.detach() + self.expert_bias, k, dim=-1).indices
-        weights = scores.gather(-1, ids)
-        if self.score == "sigmoid" and k > 1:
-            weights = weights / weights.sum(-1, keepdim=True)
-        # Counts, their all-to-all, then the blocking copy of the split sizes.
-        counts = torch.histc(ids.view(-1).float(), bins=e, min=0, max=e).to(torch.int64)
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=group)
-        send_RE, recv_RE = counts.view(ranks, local), recv_counts.view(ranks, local)
-        splits = torch.cat([send_RE.sum(1), recv_RE.sum(1), recv_RE.sum(0)])
-        host = splits.to("cpu", non_blocking=False).tolist()  # the host sync
-        in_splits, out_splits = host[:ranks], host[ranks : 2 * ranks]
-        expert_rows = host[2 * ranks :]
-        received = sum(out_splits)
-        # Permute: slots sorted by expert (stable), token rows gathered.
-        order = torch.argsort(ids.view(-1), stable=True)
-        x_sorted = x[order // k]
-        x_recv = funcol.all_to_all_single_autograd(x_sorted, out_splits, in_splits, group)
-        # Received rows are [source rank, local expert] blocks: reorder them expert-major.
-        block_expert = torch.arange(local, device=x.device).repeat(ranks)
-        row_expert = torch.repeat_interleave(
-            block_expert, recv_RE.reshape(-1), output_size=received
+        if shape.shared
+        else None,
+    )
+    if ep > 1:
+        set_moe_sharding_config(
+            cfg,
+            enable_ep=True,
+            enable_sp=False,
+            expert_param_layout={"w1_EFD": spmd.S(1), "w2_EDF": spmd.S(2), "w3_EFD": spmd.S(1)},
         )
-        perm = torch.argsort(row_expert, stable=True)
-        offs = recv_RE.sum(0).cumsum(0).to(torch.int32)
-        y_e = self._experts(x_recv[perm], offs, expert_rows)
-        y_recv = y_e.new_empty(y_e.shape).index_copy(0, perm, y_e)
-        y_back = funcol.all_to_all_single_autograd(y_recv, in_splits, out_splits, group)
-        # Unpermute to slot order, then the weighted combine in fp32.
-        y_slots = y_back.new_empty(t * k, dim).index_copy(0, order, y_back)
-        out = torch.bmm(weights.view(t, 1, k), y_slots.view(t, k, dim).float())
-        out = out.squeeze(1).to(x.dtype)
-        if self.shared is not None:
-            out = out + self.shared(x)
-        return out.view(batch, seq, dim)
+    with torch.device("meta"):
+        titan = cfg.build()
+    gate_fp32 = device.type == "cpu" and dtype == torch.bfloat16
+    if device.type == "cpu":
+        # NOTE: its router's autocast(float32) warns on CPU at every forward; fp32 rows need no
+        # autocast and bf16 rows get _titan_gate_in_fp32 instead, so the warning is noise here.
+        warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype")
+    for name, p in titan.named_parameters():
+        keep = gate_fp32 and name == "router.gate.weight"
+        p.data = p.data.to(torch.float32 if keep else dtype)
+    titan.to_empty(device=device)
+    with torch.no_grad():
+        for b in titan.buffers():
+            b.zero_()
+        inner = titan.routed_experts.inner_experts
+        inner.w1_EFD.copy_(forge.experts.w1.transpose(1, 2))
+        inner.w2_EDF.copy_(forge.experts.w2.transpose(1, 2))
+        inner.w3_EFD.copy_(forge.experts.w3.transpose(1, 2))
+        titan.router.gate.weight.copy_(forge.router.gate.weight)
+        if shape.shared:
+            for w in ("w1", "w2", "w3"):
+                getattr(titan.shared_experts, w).weight.copy_(
+                    getattr(forge.shared_expert, w).weight
+                )
+    if dtype == torch.float32:
+        _titan_experts_in_input_dtype(inner)
+    if gate_fp32:
+        _titan_gate_in_fp32(titan.router.gate)
+    if ep > 1:
+        titan.parallelize(_titan_parallel_dims(ep))
+    titan.train()
+    return titan
 
 
-# --------------------------------------------------------------------------- building the variants
-def _config(shape: Shape, dispatch: str) -> ModelConfig:
+# --------------------------------------------------------------------------- forge
+_FORGE_MESH: dict[int, Any] = {}
+
+
+def _forge_config(shape: Shape, dispatch: str) -> ModelConfig:
     return ModelConfig(
         vocab_size=256,
         dim=shape.dim,
@@ -224,419 +332,730 @@ def _config(shape: Shape, dispatch: str) -> ModelConfig:
         moe_every=1,
         num_experts=shape.experts,
         top_k=shape.top_k,
-        moe_ffn_dim=shape.ffn,
+        moe_ffn_dim=shape.hidden,
         num_shared_experts=shape.shared,
+        router=shape.score,
         moe_dispatch=dispatch,
         capacity_factor=CAPACITY_FACTOR,
     )
 
 
-def build_variants(
-    shape: Shape, device: torch.device, dtype: torch.dtype
-) -> tuple[dict[str, nn.Module], bool]:
-    """The four layers (forge ones share router, experts and shared expert); grouped_mm used?"""
-    base = MoE(_config(shape, "dropless"), 0)
-    base.init_weights(seed=0)
-    base.to(device)
-    # NOTE: cast the parameters only (as FSDP2's param_dtype does): Module.to(dtype) would also
-    # cast the router's fp32 count buffer and break MoE.forward in training mode.
-    for p in base.parameters():
+def build_forge(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int = 0) -> MoE:
+    """forge's dropless MoE, unsharded, deterministic weights (std 0.02), parameters in ``dtype``.
+
+    NOTE: built on the meta device and materialized in ``dtype``: an fp32 DeepSeek-V3-size layer
+    would need 45 GB for its experts before the cast. Only the parameters are cast (as FSDP2's
+    param_dtype does); the router's fp32 buffers stay fp32.
+    """
+    with torch.device("meta"):
+        moe = MoE(_forge_config(shape, "dropless"), 0)
+    for p in moe.parameters():
         p.data = p.data.to(dtype)
-    mesh = build_device_mesh(
-        {"dp_shard": dist.get_world_size(), "ep": dist.get_world_size()},
-        device.type,
-        num_experts=shape.experts,
-    )
-    apply_expert_parallel(base, mesh)
-    ep_group = base.ep_group or dist.group.WORLD  # no ep axis of size 1: set it by hand
-    base.ep_group = ep_group
-
-    def sharing(dispatch: str, group: dist.ProcessGroup | None) -> MoE:
-        moe = MoE(_config(shape, dispatch), 0)
-        moe.router, moe.experts, moe.shared_expert = base.router, base.experts, base.shared_expert
-        moe.to(device)  # NOTE: after sharing, so only the counters move (no expert-sized copy)
-        moe.ep_group, moe.count_group = group, base.count_group
-        return moe
-
-    use_grouped_mm = grouped_mm_runs(device, dtype)
-    reference = TorchtitanStyleMoE(base, ep_group, use_grouped_mm).to(device)
-    layers: dict[str, nn.Module] = {
-        REFERENCE: reference,
-        DROPLESS: base,
-        LOCAL: sharing("dropless", None),
-        CAPACITY: sharing("capacity", ep_group),
-    }
-    for layer in layers.values():
-        layer.train()
-    return layers, use_grouped_mm
+    moe.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for b in moe.buffers():
+            b.zero_()
+        for _, p in sorted(moe.named_parameters()):
+            p.normal_(0.0, 0.02, generator=gen)
+    moe.train()
+    return moe
 
 
-# --------------------------------------------------------------------------- timing
+def forge_capacity_sharing(shape: Shape, base: MoE, device: torch.device) -> MoE:
+    """A capacity-mode MoE on ``base``'s router, experts, shared expert and EP group."""
+    with torch.device("meta"):
+        moe = MoE(_forge_config(shape, "capacity"), 0)
+    moe.router, moe.experts, moe.shared_expert = base.router, base.experts, base.shared_expert
+    # NOTE: not to_empty(): that would re-materialize the shared modules; only the counters are
+    # the capacity layer's own.
+    moe.tokens_routed = torch.zeros((), dtype=torch.int64, device=device)
+    moe.tokens_dropped = torch.zeros((), dtype=torch.int64, device=device)
+    moe.ep_group, moe.count_group = base.ep_group, base.count_group
+    moe.train()
+    return moe
 
 
-class Step:
-    """One training step of a layer: forward, backward into the input and the parameters."""
+def forge_expert_parallel(moe: MoE, ep: int, num_experts: int) -> None:
+    """Shard ``moe``'s experts over an ``ep`` axis of ``dp_shard = ep`` CPU/CUDA ranks."""
+    from forge_mesh import build_device_mesh
+    from forge_moe_ep import apply_expert_parallel
 
-    def __init__(self, layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
-        self.layer, self.grad = layer, grad
+    if ep not in _FORGE_MESH:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        _FORGE_MESH[ep] = build_device_mesh(
+            {"dp_shard": ep, "ep": ep}, device_type, num_experts=num_experts
+        )
+    apply_expert_parallel(moe, _FORGE_MESH[ep])
+
+
+# --------------------------------------------------------------------------- one row
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _counter(moe: MoE, name: str) -> int:
+    """One of the layer's 0-d counter buffers, read on the host (outside the timed calls)."""
+    return int(getattr(moe, name))
+
+
+def _param_pairs(forge: MoE, titan: Any) -> Iterator[tuple[str, Any, Any]]:
+    """(label, forge parameter, torchtitan parameter in forge's layout) for the gradient check."""
+    inner = titan.routed_experts.inner_experts
+    yield "gate", forge.router.gate.weight, (titan.router.gate.weight, False)
+    for w, tw in (("w1", "w1_EFD"), ("w2", "w2_EDF"), ("w3", "w3_EFD")):
+        yield w, getattr(forge.experts, w), (getattr(inner, tw), True)
+    if forge.shared_expert is not None:
+        for w in ("w1", "w2", "w3"):
+            fw = getattr(forge.shared_expert, w).weight
+            yield f"shared {w}", fw, (getattr(titan.shared_experts, w).weight, False)
+
+
+@contextmanager
+def _capture_topk(router: nn.Module, position: int, into: list[torch.Tensor]) -> Iterator[None]:
+    """Record the top-k expert ids (output ``position`` of ``router``) of each forward."""
+
+    def hook(module: nn.Module, args: Any, out: Any) -> None:
+        ids = _local(out[position]).detach()
+        into.append(ids.reshape(-1, ids.shape[-1]))
+
+    handle = router.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+class Runner:
+    """A layer's timed calls on fixed inputs: ``forward`` and ``train_step`` (forward+backward).
+
+    ``barrier``: end every call with ``dist.barrier()`` (EP: a call is timed until every rank has
+    finished it). Gradients are dropped after each step, so at most one variant holds them.
+    """
+
+    def __init__(
+        self, layer: nn.Module, x: torch.Tensor, grad: torch.Tensor, barrier: bool
+    ) -> None:
+        self.layer, self.grad, self.barrier = layer, grad, barrier
         self.input = x.detach().clone().requires_grad_()
+        self.params = list(layer.parameters())
 
-    def __call__(self) -> torch.Tensor:
-        self.layer.zero_grad(set_to_none=True)
+    def _done(self) -> None:
+        if self.barrier:
+            dist.barrier()
+
+    def forward(self) -> None:
+        self.layer(self.input)
+        self._done()
+
+    def train_step(self) -> None:
+        self.layer(self.input).backward(self.grad)
+        for p in self.params:
+            p.grad = None
         self.input.grad = None
-        out = self.layer(self.input)
-        out.backward(self.grad)
-        return out
+        self._done()
 
-
-def _moe_layers(layer: nn.Module) -> list[MoE]:
-    return [m for m in layer.modules() if isinstance(m, MoE)]
-
-
-def bench_shape(
-    shape: Shape, device: torch.device, dtype: torch.dtype, reps: int, warmup: int
-) -> list[dict[str, Any]]:
-    torch.manual_seed(0)
-    layers, use_grouped_mm = build_variants(shape, device, dtype)
-    g = torch.Generator(device="cpu").manual_seed(1)
-    x = torch.randn(shape.batch, shape.seq, shape.dim, generator=g).to(device, dtype)
-    grad = torch.randn(shape.batch, shape.seq, shape.dim, generator=g).to(device, dtype)
-    steps = {name: Step(layer, x, grad) for name, layer in layers.items()}
-    rows: dict[str, dict[str, Any]] = {}
-    outputs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    # Correctness pass (also the first warm-up): outputs and input gradients.
-    for name, step in list(steps.items()):
-        rows[name] = dict(shape=shape.label(), variant=name, error=None)
-        try:
-            out = step()
-            sync(device)
-            assert step.input.grad is not None
-            outputs[name] = (out.detach().float(), step.input.grad.detach().float())
-        except Exception as exc:  # noqa: BLE001 -- report the failing variant, keep the others
-            traceback.print_exc()
-            rows[name]["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-            del steps[name]
-    ref_out = outputs.get(DROPLESS)
-    for name, (out, dx) in outputs.items():
-        if ref_out is not None:
-            rows[name]["max_out_diff"] = (out - ref_out[0]).abs().max().item()
-            rows[name]["max_dx_diff"] = (dx - ref_out[1]).abs().max().item()
-    del outputs, ref_out
-    timed = time_interleaved(dict(steps), device, reps, warmup)
-    for name, (med, low) in timed.items():
-        rows[name].update(ms=med, min_ms=low, tokens_per_s=shape.tokens / (med * 1e-3))
-    # Host syncs, after the warm-up (no autotuning left): one step each under the guard, and
-    # the layer's own counters around it.
-    for name, step in steps.items():
-        moes = _moe_layers(layers[name])
-        waits0 = sum(m.host_syncs for m in moes)
-        dropped0 = moe_metrics(layers[name])["tokens_dropped"] if moes else 0
-        sync(device)
+    def checked_step(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, str]:
+        """One forward+backward under ``count_host_syncs``: (out, dx, syncs, ops); keeps grads."""
+        self.input.grad = None
         with count_host_syncs(device) as counter:
-            step()  # NOTE: no synchronize inside: on CUDA that would count as a sync itself
-        rows[name]["syncs"] = counter.count
-        rows[name]["sync_ops"] = dict(counter.ops)
-        if moes:
-            rows[name]["layer_waits"] = sum(m.host_syncs for m in moes) - waits0
-            rows[name]["dropped"] = moe_metrics(layers[name])["tokens_dropped"] - dropped0
-    ref_ms = timed.get(REFERENCE, (None,))[0]
-    for name in timed:
-        rows[name]["vs_ref"] = ref_ms / timed[name][0] if ref_ms else None
-        rows[name]["grouped_mm"] = use_grouped_mm
-        rows[name]["slots"] = shape.tokens * shape.top_k
-        print(_row_line(rows[name]), flush=True)
-    if CAPACITY in rows:
-        cap = capacity_per_sequence(shape.seq, shape.top_k, shape.experts, CAPACITY_FACTOR)
-        rows[CAPACITY]["buffer_rows"] = shape.experts * shape.batch * cap
-    del layers, steps
-    if device.type == "cuda":
+            out = self.layer(self.input)
+            out.backward(self.grad)
+        sync(device)
+        assert self.input.grad is not None
+        ops = ", ".join(f"{op} x{n}" for op, n in sorted(counter.ops.items()))
+        return out.detach().float(), self.input.grad.detach().float(), counter.count, ops
+
+    def drop_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.input.grad = None
+
+
+def compare(
+    forge: MoE,
+    titan: Any,
+    ids: dict[str, list[torch.Tensor]],
+    outs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+) -> dict[str, float]:
+    """Forge dropless vs torchtitan after one forward+backward each (gradients still held)."""
+    a = torch.sort(ids[DROPLESS][0], dim=-1).values
+    b = torch.sort(ids[TITAN][0], dim=-1).values
+    res = {
+        "topk_agree": (a == b).all(-1).float().mean().item(),
+        "out_diff": (outs[DROPLESS][0] - outs[TITAN][0]).abs().max().item(),
+        "dx_diff": (outs[DROPLESS][1] - outs[TITAN][1]).abs().max().item(),
+        "out_scale": outs[DROPLESS][0].abs().max().item(),
+        "dw_diff": 0.0,
+    }
+    for _, fp, (tp, transposed) in _param_pairs(forge, titan):
+        fg, tg = _local(fp.grad).float(), _local(tp.grad).float()
+        diff = (fg - (tg.transpose(1, 2) if transposed else tg)).abs().max().item()
+        res["dw_diff"] = max(res["dw_diff"], diff)
+    return res
+
+
+def run_point(
+    point: Point, ep: int, reps: int, warmup: int, with_titan: bool, with_capacity: bool = True
+) -> dict[str, Any]:
+    """Build, check and time one row in this process (every rank runs it under EP)."""
+    on_cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if on_cuda else "cpu")
+    dtype = DTYPES[point.dtype]
+    shape = point.shape
+    rank = dist.get_rank() if ep > 1 else 0
+    forge = build_forge(shape, dtype, device)
+    titan = build_torchtitan(shape, forge, dtype, device, ep) if with_titan else None
+    if ep > 1:
+        forge_expert_parallel(forge, ep, shape.experts)
+    capacity = forge_capacity_sharing(shape, forge, device)
+    layers: dict[str, nn.Module] = {DROPLESS: forge}
+    if titan is not None:
+        layers[TITAN] = titan
+    if with_capacity:
+        layers[CAPACITY] = capacity
+    gen = torch.Generator(device="cpu").manual_seed(1000 + rank)  # EP: each rank its own tokens
+    x = torch.randn(point.batch, point.seq, shape.dim, generator=gen).to(device, dtype)
+    grad = torch.randn(point.batch, point.seq, shape.dim, generator=gen).to(device, dtype)
+    runners = {name: Runner(layer, x, grad, barrier=ep > 1) for name, layer in layers.items()}
+
+    # Correctness, host syncs, and the first warm-up: one checked forward+backward per variant.
+    # NOTE: capacity shares the dropless layer's parameters, so its checked step runs after the
+    # gradient comparison (it would add its gradients to the same .grad tensors).
+    res: dict[str, Any] = {"syncs": {}, "ops": {}}
+    ids: dict[str, list[torch.Tensor]] = {DROPLESS: [], TITAN: []}
+    outs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name in runners:
+        routed0, dropped0 = (
+            _counter(capacity, "tokens_routed"),
+            _counter(capacity, "tokens_dropped"),
+        )
+        router = {DROPLESS: forge.router, TITAN: titan.router if titan else None}.get(name)
+        with _capture_topk(router, 1, ids[name]) if router is not None else nullcontext():
+            out, dx, count, ops = runners[name].checked_step(device)
+        res["syncs"][name], res["ops"][name] = count, ops
+        outs[name] = (out, dx)
+        if name == TITAN:
+            assert titan is not None
+            res.update(compare(forge, titan, ids, outs))
+            runners[DROPLESS].drop_grads()
+        if name == CAPACITY:
+            routed = _counter(capacity, "tokens_routed") - routed0
+            res["dropped"] = (_counter(capacity, "tokens_dropped") - dropped0) / max(routed, 1)
+        if name != DROPLESS or titan is None:  # dropless keeps its gradients for compare()
+            runners[name].drop_grads()
+    del outs, ids
+
+    fns: dict[str, Callable[[], object]] = {}
+    for name, runner in runners.items():
+        fns[f"{name}|{FWD}"] = runner.forward
+        fns[f"{name}|{FWDBWD}"] = runner.train_step
+    timed = time_interleaved(fns, device, reps, warmup)
+    res["ms"] = {key: med for key, (med, _) in timed.items()}
+    return res
+
+
+def run_point_safe(
+    point: Point, ep: int, reps: int, warmup: int, with_titan: bool, with_capacity: bool
+) -> dict[str, Any]:
+    """:func:`run_point`, with a failure (e.g. out of memory) reported in the result instead."""
+    try:
+        return run_point(point, ep, reps, warmup, with_titan, with_capacity)
+    except Exception as exc:  # noqa: BLE001 -- keep the other rows
+        traceback.print_exc()
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    # NOTE: out of the except block, so the traceback's frames (and their tensors) are gone.
+    gc.collect()
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return list(rows.values())
+    return {"error": error}
 
 
-def _row_line(r: dict[str, Any]) -> str:
-    if r.get("error"):
-        return f"{r['shape']} | {r['variant']}: ERROR {r['error']}"
+def merge_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """EP: the larger of the ranks' medians, worst agreement and differences, max sync count."""
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        return {"error": errors[0]}
+    first = results[0]
+    merged: dict[str, Any] = {
+        "ms": {k: max(r["ms"][k] for r in results) for k in first["ms"]},
+        "syncs": {k: max(r["syncs"][k] for r in results) for k in first["syncs"]},
+        "ops": first["ops"],
+        "sync_ranks": {k: [r["syncs"][k] for r in results] for k in first["syncs"]},
+    }
+    if "dropped" in first:
+        merged["dropped"] = sum(r["dropped"] for r in results) / len(results)
+    if "topk_agree" in first:
+        merged["topk_agree"] = min(r["topk_agree"] for r in results)
+        for key in ("out_diff", "dx_diff", "dw_diff", "out_scale"):
+            merged[key] = max(r[key] for r in results)
+    return merged
+
+
+def grouped_mm_layout_probe() -> str:
+    """CPU: one bf16 ``torch._grouped_mm`` with the expert weights laid out as forge's (row-major
+    ``[E, K, N]``) and as torchtitan's (``[E, N, K]`` transposed, column-major), and fp32.
+
+    NOTE: both sides call the same CPU kernel, whose bf16 speed depends on that layout; this
+    explains which pass each side wins on CPU bf16 rows (forge's forward GEMMs and torchtitan's
+    backward dX GEMMs get the row-major operand).
+    """
+    e, m, k, n = 128, 8192, 512, 192  # Qwen3-like reduced, 1,024 tokens x top-8: the w1 GEMM
+    gen = torch.Generator().manual_seed(0)
+    offs = (torch.arange(1, e + 1) * (m // e)).to(torch.int32)
+    times = {}
+    for dtype, name, transposed in (
+        (torch.bfloat16, "bf16 row-major", False),
+        (torch.bfloat16, "bf16 column-major", True),
+        (torch.float32, "fp32 row-major", False),
+    ):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        w = torch.randn(e, n, k, generator=gen).to(dtype).transpose(1, 2)
+        w = w if transposed else w.contiguous()
+        torch._grouped_mm(x, w, offs=offs)
+        t0 = time.perf_counter()
+        torch._grouped_mm(x, w, offs=offs)
+        times[name] = (time.perf_counter() - t0) * 1e3
     return (
-        f"{r['shape']} | {r['variant']:30s} {r['ms']:9.2f} ms (min {r['min_ms']:8.2f})  "
-        f"syncs {r['syncs']}  vs ref {_fmt(r['vs_ref'], '.2f', unit='x')}  "
-        f"max|out diff| {r.get('max_out_diff', float('nan')):.1e}"
+        f"one `torch._grouped_mm` of {m}x{k} rows by {e} experts' {k}x{n} weights on this CPU: "
+        + ", ".join(f"{name} {ms:.0f} ms" for name, ms in times.items())
     )
 
 
 # --------------------------------------------------------------------------- report
-def _fmt(v: Any, spec: str, missing: str = "—", unit: str = "") -> str:
-    return missing if v is None else format(v, spec) + unit
+def _ms(v: float | None) -> str:
+    return "—" if v is None else (f"{v:.1f}" if v >= 10 else f"{v:.2f}")
 
 
-def _ops(r: dict[str, Any]) -> str:
-    ops = r.get("sync_ops") or {}
-    return ", ".join(f"`{k}` x{v}" for k, v in ops.items()) or "none"
-
-
-def results_table(rows: list[dict[str, Any]]) -> list[str]:
+def results_table(rows: list[dict[str, Any]], layout: str, titan_note: str) -> list[str]:
     lines = [
-        "| shape | variant | fwd+bwd median (min) ms | tokens/s | host syncs / step (guard) "
-        "| host waits / step (layer) | speed vs reference | max abs out diff vs forge dropless "
-        "| max abs dx diff | routed slots dropped |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| shape | tokens | dtype | pass | forge dropless ms | torchtitan ms | "
+        "forge/torchtitan | forge capacity ms |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        if r.get("error"):
-            lines.append(f"| {r['shape']} | {r['variant']} | error: {r['error']} |||||||| ")
+    for row in rows:
+        if row["layout"] != layout:
             continue
-        dropped = r.get("dropped")
-        drop = "—" if dropped is None else f"{dropped} ({100 * dropped / r['slots']:.1f}%)"
+        p: Point = row["point"]
+        head = f"| {p.shape.name} | {p.tokens} | {p.dtype}"
+        if "error" in row:
+            lines.append(f"{head} | — | error: {row['error']} | | | | |")
+            continue
+        for pas in PASSES:
+            f = row["ms"].get(f"{DROPLESS}|{pas}")
+            t = row["ms"].get(f"{TITAN}|{pas}")
+            c = row["ms"].get(f"{CAPACITY}|{pas}")
+            ratio = (
+                f"**{f / t:.2f}**"
+                if f and t and f / t > 1.0
+                else (f"{f / t:.2f}" if f and t else "—")
+            )
+            cap = _ms(c) if c else "skipped"
+            lines.append(
+                f"{head} | {pas} | {_ms(f)} | {_ms(t) if t else titan_note} | {ratio} | {cap} |"
+            )
+    return lines
+
+
+def check_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| layout | shape | tokens | dtype | top-k agree | max abs diff out (max abs out) | "
+        "input grad | param grads | capacity dropped |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if "error" in row:
+            continue
+        p: Point = row["point"]
+        head = f"| {row['layout']} | {p.shape.name} | {p.tokens} | {p.dtype}"
+        dropped = f"{100 * row['dropped']:.1f}%" if "dropped" in row else "—"
+        if "topk_agree" not in row:
+            lines.append(f"{head} | — | — | — | — | {dropped} |")
+            continue
         lines.append(
-            f"| {r['shape']} | {r['variant']} | {r['ms']:.2f} ({r['min_ms']:.2f}) | "
-            f"{r['tokens_per_s']:,.0f} | {r['syncs']} | {_fmt(r.get('layer_waits'), 'd')} | "
-            f"{_fmt(r['vs_ref'], '.2f', unit='x')} | {_fmt(r.get('max_out_diff'), '.1e')} | "
-            f"{_fmt(r.get('max_dx_diff'), '.1e')} | {drop} |"
+            f"{head} | {100 * row['topk_agree']:.2f}% | {row['out_diff']:.1e} "
+            f"({row['out_scale']:.2f}) | {row['dx_diff']:.1e} | {row['dw_diff']:.1e} | {dropped} |"
         )
     return lines
 
 
 def sync_table(rows: list[dict[str, Any]]) -> list[str]:
-    """The flagged ops per variant (the same for every shape, so listed once per variant)."""
-    seen: dict[str, str] = {}
-    for r in rows:
-        if not r.get("error"):
-            seen.setdefault(r["variant"], _ops(r))
-    return [
-        "| variant | ops seen by the guard in one fwd+bwd step |",
-        "|---|---|",
-        *[f"| {v} | {ops} |" for v, ops in seen.items()],
+    lines = [
+        "| layout | shape | forge dropless | forge capacity | torchtitan |",
+        "|---|---|---|---|---|",
     ]
+    seen: dict[tuple[str, str], dict[str, set[str]]] = {}
+    for row in rows:
+        if "error" in row:
+            continue
+        cell = seen.setdefault((row["layout"], row["point"].shape.name), {})
+        for name, count in row["syncs"].items():
+            ops = row["ops"][name]
+            ranks = row.get("sync_ranks", {}).get(name)
+            per_rank = f" (ranks {'/'.join(map(str, ranks))})" if ranks else ""
+            cell.setdefault(name, set()).add(f"{count}{per_rank}" + (f": {ops}" if ops else ""))
+    for (layout, shape), cell in seen.items():
+        vals = ["; ".join(sorted(cell.get(v, {"—"}))) for v in (DROPLESS, CAPACITY, TITAN)]
+        lines.append(f"| {layout} | {shape} | " + " | ".join(vals) + " |")
+    return lines
 
 
-def _span(values: list[float]) -> str:
-    return f"{min(values):.2f}-{max(values):.2f}x" if values else "n/a"
+def evaluate(rows: list[dict[str, Any]], titan_missing: str | None) -> dict[str, Any]:
+    """The three targets: (met or None, measured text) each, plus the per-row ratio list."""
+    ratios = []
+    for row in rows:
+        if "error" in row:
+            continue
+        for pas in PASSES:
+            f, t = row["ms"].get(f"{DROPLESS}|{pas}"), row["ms"].get(f"{TITAN}|{pas}")
+            if f and t:
+                p: Point = row["point"]
+                label = f"{row['layout']}, {p.shape.name}, {p.tokens} tokens, {p.dtype}, {pas}"
+                ratios.append((f / t, label, p.dtype, pas))
+    out: dict[str, Any] = {"ratios": ratios}
+    if titan_missing or not ratios:
+        out["ratio"] = (None, f"no torchtitan column ({titan_missing or 'no rows'})")
+    else:
+        worst = max(ratios)
+        meeting = sum(r[0] <= 1.0 for r in ratios)
+        out["ratio"] = (
+            worst[0] <= 1.0,
+            f"worst {worst[0]:.2f} ({worst[1]}); {meeting} of {len(ratios)} rows <= 1.0",
+        )
+    ep_rows = [r for r in rows if r["layout"] == EP2 and "error" not in r]
+    if not ep_rows:
+        out["dropless"] = out["capacity"] = (None, "no EP=2 rows ran")
+    else:
+        dl = max(r["syncs"][DROPLESS] for r in ep_rows)
+        cap = max(r["syncs"][CAPACITY] for r in ep_rows if CAPACITY in r["syncs"])
+        titan = [r["syncs"][TITAN] for r in ep_rows if TITAN in r["syncs"]]
+        peer = f"; torchtitan {max(titan)}" if titan else ""
+        out["dropless"] = (dl <= 1, f"forge dropless {dl} (max over rows and ranks){peer}")
+        out["capacity"] = (cap == 0, f"forge capacity {cap} (max over rows and ranks)")
+    return out
 
 
-def reading(rows: list[dict[str, Any]], on_cuda: bool, info: dict[str, str]) -> list[str]:
-    ok = [r for r in rows if not r.get("error")]
-    by = {v: [r for r in ok if r["variant"] == v] for v in VARIANTS}
+def backward_ratios(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per dtype: forge/torchtitan of (forward+backward median - forward median) per row."""
+    out: dict[str, list[float]] = {}
+    for row in rows:
+        ms = row.get("ms", {})
+        keys = [f"{v}|{p}" for v in (DROPLESS, TITAN) for p in PASSES]
+        if all(k in ms for k in keys):
+            f = ms[f"{DROPLESS}|{FWDBWD}"] - ms[f"{DROPLESS}|{FWD}"]
+            t = ms[f"{TITAN}|{FWDBWD}"] - ms[f"{TITAN}|{FWD}"]
+            if f > 0 and t > 0:
+                out.setdefault(row["point"].dtype, []).append(f / t)
+    return out
+
+
+def reading(
+    rows: list[dict[str, Any]],
+    ev: dict[str, Any],
+    titan_missing: str | None,
+    on_cuda: bool,
+    probe: str | None,
+    info: dict[str, str],
+) -> list[str]:
     lines = []
-    errors = [r for r in rows if r.get("error")]
+    if titan_missing:
+        lines.append(
+            f"- **The torchtitan column is missing**: torchtitan does not import here "
+            f"({titan_missing}); install it with `uv sync --group bench` (on the lent GPU "
+            "machine, carry a virtual environment that has it). The forge rows still ran."
+        )
+    else:
+        met, measured = ev["ratio"]
+        lines.append(f'- Target "{TARGET_RATIO}": **{"met" if met else "not met"}** ({measured}).')
+        groups: dict[tuple[str, str], list[float]] = {}
+        for r, _, dtype, pas in ev["ratios"]:
+            groups.setdefault((dtype, pas), []).append(r)
+        for (dtype, pas), rs in groups.items():
+            lines.append(
+                f"- {dtype} {pas}: {sum(r <= 1.0 for r in rs)} of {len(rs)} rows meet it "
+                f"(ratios {min(rs):.2f} to {max(rs):.2f}, both layouts)."
+            )
+        bad = sorted(((r, lab) for r, lab, _, _ in ev["ratios"] if r > 1.0), reverse=True)
+        if bad:
+            lines.append(
+                "- Rows over 1.0 (forge slower), worst first: "
+                + "; ".join(f"{lab} ({r:.2f})" for r, lab in bad)
+                + "."
+            )
+        backward = backward_ratios(rows)
+        if backward:
+            lines.append(
+                "- The backward alone (forward+backward minus forward, per row): forge/torchtitan "
+                + ", ".join(
+                    f"{dtype} {min(rs):.2f} to {max(rs):.2f}" for dtype, rs in backward.items()
+                )
+                + "."
+            )
+    for key, target in (("dropless", TARGET_DROPLESS_SYNCS), ("capacity", TARGET_CAPACITY_SYNCS)):
+        met, measured = ev[key]
+        verdict = "n/a" if met is None else ("met" if met else "not met")
+        lines.append(f'- Target "{target}": **{verdict}** ({measured}).')
+    errors = [r for r in rows if "error" in r]
     if errors:
         lines.append(
-            "- **Errors**: "
-            + "; ".join(f"{r['variant']} at {r['shape']}: {r['error']}" for r in errors)
+            "- **Rows that failed**: "
+            + "; ".join(
+                f"{r['layout']}, {r['point'].shape.name}, {r['point'].tokens} tokens, "
+                f"{r['point'].dtype}: {r['error']}"
+                for r in errors
+            )
             + "."
         )
-    cap_syncs = sorted({r["syncs"] for r in by[CAPACITY]})
-    cap_ok = cap_syncs == [0]
-    lines.append(
-        f"- Target 1, 0 host syncs per step in capacity mode: "
-        f"{'**met**' if cap_ok else '**not met**'} (guard counted {cap_syncs} per step)."
-    )
-    dl_syncs = sorted({r["syncs"] for r in by[DROPLESS]})
-    dl_waits = sorted({r.get("layer_waits") for r in by[DROPLESS]})
-    ref_syncs = sorted({r["syncs"] for r in by[REFERENCE]})
-    local_syncs = sorted({r["syncs"] for r in by[LOCAL]})
-    backward_note = (
-        " Both backwards add none: the one sync of the step is the forward's split-size read "
-        "(the all-to-all backwards reuse the split lists)."
-        if ref_syncs == [1] and dl_syncs == [1]
-        else ""
-    )
-    lines.append(
-        f"- Host syncs per fwd+bwd step: reference {ref_syncs}, forge dropless (EP) {dl_syncs} "
-        f"(the layer counted {dl_waits} deferred waits), forge dropless local {local_syncs}, "
-        f"forge capacity {cap_syncs}.{backward_note}"
-    )
-    if on_cuda:
-        lines.append(
-            "- On CUDA the guard counts torch's sync-debug warnings: a blocking copy "
-            "(`.to('cpu')`, `.item()`) warns, but forge's deferred wait is "
-            "`torch.cuda.Event.synchronize()`, which the sync debug mode may not report; the "
-            "layer's own counter (`moe_metrics()['host_syncs']`) is the reliable count there."
-        )
-    speed = {v: [r["vs_ref"] for r in by[v] if r.get("vs_ref")] for v in VARIANTS[1:]}
-    lines.append(
-        "- Speed vs the reference (reference time / variant time, >1 is faster): "
-        + ", ".join(f"{v} {_span(s)}" for v, s in speed.items())
-        + "."
-    )
-    if on_cuda:
-        fast = speed[DROPLESS] and min(speed[DROPLESS]) >= 1.1
-        lines.append(
-            f"- Target 2, forge dropless >= 1.1x the reference on the GPU: "
-            f"{'**met**' if fast else '**not met**'} ({_span(speed[DROPLESS])})."
-        )
-
-    def worst(variant: str, key: str) -> str:
-        vals = [r[key] for r in by[variant] if r.get(key) is not None]
-        return f"{max(vals):.1e}" if vals else "n/a"
-
-    lines.append(
-        f"- Equivalence ({'bf16: different rounding points' if on_cuda else 'fp32'}): against "
-        f"forge dropless (EP), the reference differs by at most {worst(REFERENCE, 'max_out_diff')}"
-        f" in the output and {worst(REFERENCE, 'max_dx_diff')} in the input gradient; forge "
-        f"dropless local by {worst(LOCAL, 'max_out_diff')} / {worst(LOCAL, 'max_dx_diff')}. "
-        "Capacity differs where it drops slots (those get no routed output)."
-    )
-    drops = [
-        f"{r['shape'].split(':')[0]} {100 * r['dropped'] / r['slots']:.1f}%"
-        for r in by[CAPACITY]
-        if r.get("dropped") is not None
-    ]
-    if drops:
-        lines.append(
-            f"- Capacity factor {CAPACITY_FACTOR} dropped {', '.join(drops)} of the routed "
-            "slots with a freshly initialized router on random inputs (per-sequence capacity)."
-        )
-    pads = [
-        f"{r['buffer_rows'] / r['slots']:.2f}x"
-        for r in by[CAPACITY]
-        if r.get("buffer_rows") is not None
-    ]
-    if pads:
-        lines.append(
-            "- Capacity computes its whole fixed buffer: the expert GEMMs run over E x batch x "
-            f"capacity rows, {', '.join(pads)} the routed slots at these shapes (empty rows "
-            "included), which is most of its gap to dropless; what it buys is no host sync at all."
-        )
     if not on_cuda:
-        lines += [
-            "- Where forge's CPU time goes beyond the reference (torch.profiler at the "
-            "Qwen3-like reduced shape): the expert GEMMs are the same `torch._grouped_mm` calls "
-            "in both; forge adds the grouped-GEMM wrapper's tail masks (a `masked_fill` over "
-            "every GEMM output and dX, 6 per step, although dropless layouts have no tail rows: "
-            "they keep the contract that rows past `offs[-1]` are zeros), the rank-major reorder "
-            "and its inverse gather, and in the EP path the counts all-to-all and the staging.",
-            "- **GPU numbers are missing**: this session had no GPU. CPU timings are only "
-            "indicative: the grouped GEMM on CPU is `torch._grouped_mm`'s per-group loop, the "
-            "all-to-alls are gloo copies within one process, and a host sync costs nothing "
-            "because the CPU never runs ahead of a device queue. What the CPU run does prove is "
-            "the sync counts (the ops that would sync a GPU) and the numerical equivalence.",
+        lines.append(
             f"- Noise: a shared 2-core machine (load average "
             f"{info.get('load average at start (1/5/15 min)', '?')} at the start, "
-            f"{info.get('load average at end (1/5/15 min)', '?')} at the end); variants run "
-            "round-robin so they share the disturbance; read ratios within ~1.2x as ties.",
-            "- Rerun `uv run python tools/bench_moe.py` (or `bash tools/gpu_check`) on an "
-            "H100/H200 to fill the GPU table and settle target 2.",
-        ]
+            f"{info.get('load average at end (1/5/15 min)', '?')} at the end). The variants run "
+            "round-robin, so they share the disturbance, but with this few rounds read ratios "
+            "within ~0.9 to 1.1 as ties."
+        )
+        lines.append(
+            "- CPU caveats: both sides run their expert GEMMs through the same "
+            "`torch._grouped_mm` CPU kernel, so fp32 ratios measure the layer around the GEMMs "
+            "(router, permutation, all-to-alls, combine) plus GEMM noise. A host sync costs "
+            "nothing on CPU (no device queue to drain): the sync counts are the ops that *would* "
+            "sync a GPU."
+        )
+        lines.append(
+            "- **GPU rows are missing**: this run had no GPU. On one, the script runs the "
+            "full-size expert shapes in bf16 in one process: "
+            + "; ".join(
+                f"{p.shape.label()} at {p.tokens} tokens"
+                for p in plan_points(on_cuda=True, quick=False)
+            )
+            + "."
+        )
+    else:
+        lines.append(
+            "- EP=2 is not run on a single GPU (it needs two devices); the EP sync counts and "
+            "EP timings come from the CPU run."
+        )
+    if probe:
+        lines.append(
+            f"- CPU bf16 rows are dominated by the GEMM kernel's weight layout ({probe}). "
+            "forge's expert weights are `[E, K, N]` row-major, so its forward GEMMs take the "
+            "slow path and its backward dX GEMMs (`w.T`) the fast one; torchtitan's "
+            "`[E, N, K]` weights are the reverse. That, not the MoE plumbing, decides the "
+            "CPU bf16 forward and forward+backward ratios; it says nothing about a GPU."
+        )
     return lines
 
 
 def write_markdown(
-    info: dict[str, str], rows: list[dict[str, Any]], on_cuda: bool, reps: int, warmup: int
+    out: Path,
+    info: dict[str, str],
+    rows: list[dict[str, Any]],
+    layouts: list[str],
+    titan_missing: str | None,
+    on_cuda: bool,
+    reps: int,
+    wall_s: float,
+    ev: dict[str, Any],
+    probe: str | None,
 ) -> list[str]:
-    dtype = "bf16 parameters and activations" if on_cuda else "fp32"
-    gmm = sorted({r.get("grouped_mm") for r in rows if r.get("grouped_mm") is not None})
-    gmm_text = (
-        "`torch._grouped_mm`"
-        if gmm == [True]
-        else "a per-expert loop (`torch._grouped_mm` does not run here)"
-        if gmm == [False]
-        else "mixed"
-    )
+    titan_note = "missing" if titan_missing else "—"
+    method = [
+        '- Variants: `forge dropless` (`moe_dispatch="dropless"`), `forge capacity` '
+        f"(`capacity_factor={CAPACITY_FACTOR}`, sharing the dropless layer's weights), and "
+        "`torchtitan`: `torchtitan.models.common.moe.MoE` built with torchtitan's own "
+        "`make_moe_config` / `make_router_config` / `make_routed_experts_config` / "
+        '`make_ffn_config` (`comm_backend="standard"`), holding the same weights (experts '
+        "transposed into torchtitan's `w1_EFD` / `w2_EDF` / `w3_EFD` layout).",
+        "- Router settings both support identically: Qwen3-like: softmax, top-k weights not "
+        "renormalized (torchtitan `route_norm=False`; real Qwen3 renormalizes, forge's softmax "
+        "router does not). DeepSeek-V3-like: sigmoid, normalized over the top-k "
+        "(`route_norm=True`), `route_scale=1.0`, no node-limited routing (DeepSeek-V3 uses 2.5 "
+        "and 8 groups / 4 limited; forge has neither). Expert bias present and zero on both; the "
+        "gate in fp32 on both.",
+        "- EP=2: 2 gloo processes (`forge_core.harness.RankPool(2)`, one torch thread each); "
+        "forge's `ep` group from `forge_mesh.build_device_mesh({dp_shard: 2, ep: 2})` + "
+        "`forge_moe_ep.apply_expert_parallel`; torchtitan's from `set_moe_sharding_config("
+        "enable_ep=True)` + `MoE.parallelize(ParallelDims(dp_shard=2, ep=2, "
+        'spmd_backend="partial_dtensor"))` (its `AllToAllTokenDispatcher`; the default '
+        "`spmd_types` backend needs the trainer's SPMD mesh context and fails standalone). Each "
+        "rank holds half the experts and routes its own tokens. Every timed call ends with a "
+        "barrier; a row shows the larger of the two ranks' medians.",
+        "- Patches to torchtitan (in this script, each with a NOTE): fp32 rows make "
+        "`Tensor.bfloat16` a no-op while `GroupedExperts.forward` runs, because it hard-codes "
+        "bf16 expert GEMMs (no option); CPU bf16 rows feed its router gate fp32 (weight kept in "
+        "fp32 with the same bf16-rounded values), because its `autocast(dtype=float32)` "
+        "disables itself on CPU; on a CPU-only machine its `ParallelDims` mesh is made a `cpu` "
+        "mesh (it falls back to `cuda`).",
+        "- Passes: `forward` is the forward of a training step (input requires grad, autograd "
+        "records, the graph is dropped); `forward+backward` adds the backward into the input "
+        "and all parameters (gradients dropped after each call). The six (variant, pass) calls "
+        f"of a row run round-robin in one `time_interleaved` call: medians of {reps} rounds, "
+        "after one checked forward+backward per variant (correctness and host syncs) and "
+        + (
+            "3 warm-up rounds. "
+            if on_cuda
+            else "1 warm-up round for fp32 rows (none for bf16 rows: a CPU bf16 round takes "
+            "~25 s and the checked step already ran every path). "
+        )
+        + ("CUDA events, synchronized." if on_cuda else "`time.perf_counter`."),
+        "- Correctness (same run, forge dropless vs torchtitan): top-k expert sets per token, "
+        "max abs difference of the output, the input gradient and every parameter gradient; "
+        "host syncs: `forge_core.sync_guard.count_host_syncs` around the checked "
+        "forward+backward on every rank.",
+        f"- Wall time of this run: {wall_s / 60:.1f} min.",
+    ]
+    cap_skipped = any("ms" in r and f"{CAPACITY}|{FWD}" not in r["ms"] for r in rows)
+    if not on_cuda and cap_skipped:
+        method.insert(
+            -1,
+            "- CPU bf16 rows run at 1,024 tokens only and without the capacity column (no "
+            "target; ~40% of a bf16 round): CPU bf16 grouped GEMMs are slow, and a 4,096-token "
+            "bf16 round takes minutes. `--cpu-bf16-full` runs both (~+30 min).",
+        )
     lines = [
-        "# MoE layer benchmark: forge dispatch modes vs a torchtitan-style reference",
+        "# MoE layer: forge vs torchtitan " + (info.get("torchtitan", "")),
         "",
         "Written by `uv run python tools/bench_moe.py`; rerun it to refresh this page.",
         "",
         "## Machine",
         "",
         *[f"- {k}: {v}" for k, v in info.items()],
-        f"- medians of {reps} runs after {warmup} warm-up runs (plus one correctness run), "
-        "variants round-robin, "
-        + ("CUDA events, synchronized" if on_cuda else "`time.perf_counter`"),
         "",
-        "## Question",
+        "## Method",
         "",
-        "What does one MoE layer cost per training step (forward + backward into the input and "
-        "the parameters) and how often does it make the host wait for the device, for each forge "
-        "dispatch mode (`dropless` with expert parallelism, `dropless` local, `capacity` with "
-        f"factor {CAPACITY_FACTOR}), against the torchtitan expert-parallel dropless pattern? "
-        "The reference (in `tools/bench_moe.py`) copies the forge layer's weights: fp32 softmax "
-        "top-k router, `torch.histc` counts, all-to-all of the counts, a blocking device-to-host "
-        "copy of the split sizes, `argsort` permutation, variable-size all-to-all, reorder to "
-        f"expert-major, {gmm_text}, unpermute by `index_copy`, weighted combine in fp32. "
-        f"The EP group is a 1-rank world group, so the all-to-alls run but move nothing between "
-        f"devices. Dtype: {dtype} (the router computes in fp32 everywhere).",
+        *method,
         "",
-        f"Targets: {TARGETS}.",
+    ]
+    for layout in layouts:
+        lines += [
+            f"## {layout}: median ms per call",
+            "",
+            *results_table(rows, layout, titan_note),
+            "",
+        ]
+    lines += [
+        "## Correctness (forge dropless vs torchtitan, same run)",
         "",
-        "Columns: *host syncs (guard)*: `forge_core.sync_guard.count_host_syncs` around one step; "
-        "*host waits (layer)*: `moe_metrics()['host_syncs']` delta (forge's deferred split-size "
-        "waits); *speed vs reference*: reference median / variant median; diffs: max abs "
-        "difference of the output and the input gradient against forge dropless (EP); "
-        "*dropped*: routed (token, expert) slots dropped in one step.",
+        *check_table(rows),
         "",
-        f"## Results on {'CUDA (' + info['gpu'] + ')' if on_cuda else 'CPU (reduced shapes)'}",
-        "",
-        *results_table(rows),
-        "",
-        "## What the guard flagged",
+        "## Host syncs per MoE forward+backward (`count_host_syncs`, every rank)",
         "",
         *sync_table(rows),
         "",
+        "## Reading",
+        "",
+        *reading(rows, ev, titan_missing, on_cuda, probe, info),
+        "",
     ]
-    if not on_cuda:
-        lines += [
-            "## CUDA",
-            "",
-            "Missing: no GPU was available when this page was written (shapes planned: "
-            + "; ".join(s.label() for s in SHAPES_CUDA)
-            + ", bf16).",
-            "",
-        ]
-    lines += ["## Reading", "", *reading(rows, on_cuda, info), ""]
-    OUT_MD.parent.mkdir(exist_ok=True)
-    OUT_MD.write_text("\n".join(lines))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines))
     return lines
+
+
+# --------------------------------------------------------------------------- main
+def _progress(t_start: float, layout: str, point: Point, res: dict[str, Any]) -> None:
+    ms = res.get("ms", {})
+    times = ", ".join(f"{k} {v:.1f}" for k, v in ms.items()) or res.get("error", "")
+    print(
+        f"[{time.perf_counter() - t_start:5.0f} s] {layout} | {point.shape.name} | "
+        f"{point.tokens} tokens | {point.dtype}: {times}",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--reps", type=int, default=None, help="timed runs (default 9 CPU, 20 GPU)")
-    parser.add_argument("--quick", action="store_true", help="one tiny shape, 3 reps (~10 s)")
+    parser.add_argument(
+        "--reps", type=int, default=None, help="timed rounds (default 5 CPU, 20 GPU)"
+    )
+    parser.add_argument("--quick", action="store_true", help="one tiny shape, 3 reps (seconds)")
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument(
-        "--cpu-threads",
-        type=int,
-        default=1,
-        help="torch threads on a CPU-only machine (default 1: stable on a shared machine)",
+        "--out", type=Path, default=OUT_MD, help=f"the page to write (default {OUT_MD.name})"
+    )
+    parser.add_argument(
+        "--cpu-bf16-full",
+        action="store_true",
+        help="CPU: bf16 rows at 4,096 tokens too and with capacity (slow CPU bf16 GEMMs: ~+30 min)",
     )
     args = parser.parse_args(argv)
+    t_start = time.perf_counter()
     on_cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if on_cuda else "cpu")
-    dtype = torch.bfloat16 if on_cuda else torch.float32
     if not on_cuda:
-        torch.set_num_threads(args.cpu_threads)
-    shapes = SHAPES_CUDA if on_cuda else SHAPES_CPU
-    reps, warmup = args.reps or (20 if on_cuda else 9), 3 if on_cuda else 2
-    if args.quick:
-        shapes, reps, warmup = SHAPES_QUICK, args.reps or 3, 1
-    init_single_rank_group(device)
-    info = machine_facts()
-    info["process group"] = f"{dist.get_backend()} world of 1 rank (ep group = the world group)"
+        torch.set_num_threads(1)  # NOTE: as each EP rank; stable on a shared machine
+    titan_missing = torchtitan_missing()
+    with_titan = titan_missing is None
+    points = plan_points(on_cuda, args.quick, args.cpu_bf16_full)
+    reps = args.reps or (3 if args.quick else 20 if on_cuda else 5)
+
+    def with_capacity(point: Point) -> bool:
+        # NOTE: the capacity column is an extra (no target); on CPU a bf16 capacity call costs
+        # ~40% of a bf16 round, so CPU bf16 rows skip it unless --cpu-bf16-full.
+        return on_cuda or args.quick or point.dtype == "fp32" or args.cpu_bf16_full
+
+    # NOTE: EP=2 needs two devices; on one GPU the single-process rows are what can be measured.
+    layouts = [SINGLE] if on_cuda else [SINGLE, EP2]
+    info = machine_facts(("triton", "torchtitan"))
+    if titan_missing:
+        info["torchtitan"] = f"missing ({titan_missing})"
     print(info, flush=True)
+
     rows: list[dict[str, Any]] = []
-    try:
-        for shape in shapes:
-            try:
-                rows += bench_shape(shape, device, dtype, reps, warmup)
-            except Exception as exc:  # noqa: BLE001 -- e.g. out of memory: keep the other shapes
-                traceback.print_exc()
-                error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-                rows.append(dict(shape=shape.label(), variant="(all)", error=error))
-                if on_cuda:
-                    torch.cuda.empty_cache()
-    finally:
-        dist.destroy_process_group()
+    for point in points:
+        warmup = warmup_rounds(on_cuda, point.dtype)
+        res = run_point_safe(point, 1, reps, warmup, with_titan, with_capacity(point))
+        rows.append({"layout": SINGLE, "point": point, **res})
+        _progress(t_start, SINGLE, point, res)
+    if EP2 in layouts:
+        with RankPool(2) as pool:
+            for point in points:
+                warmup = warmup_rounds(on_cuda, point.dtype)
+                try:
+                    per_rank = pool.run(
+                        run_point_safe,
+                        point,
+                        2,
+                        reps,
+                        warmup,
+                        with_titan,
+                        with_capacity(point),
+                        timeout=900.0,
+                    )
+                    res = merge_ranks(per_rank)
+                except Exception as exc:  # noqa: BLE001 -- e.g. a hang: the pool restarts
+                    res = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+                rows.append({"layout": EP2, "point": point, **res})
+                _progress(t_start, EP2, point, res)
+    probe = None if on_cuda or args.quick else grouped_mm_layout_probe()
     info["load average at end (1/5/15 min)"] = "/".join(f"{x:.1f}" for x in os.getloadavg())
-    if args.no_write:
-        print("\n".join(results_table(rows) + [""] + reading(rows, on_cuda, info)))
-        return 0
-    lines = write_markdown(info, rows, on_cuda, reps, warmup)
-    start = lines.index("## Question")
-    print("\n".join(lines[start:]))
-    print(f"wrote {OUT_MD.relative_to(ROOT)}")
+    wall_s = time.perf_counter() - t_start
+
+    ev = evaluate(rows, titan_missing)
+    titan_note = "missing" if titan_missing else "—"
+    for layout in layouts:
+        print(f"\n{layout}: median ms per call")
+        print("\n".join(results_table(rows, layout, titan_note)))
+    print("\n" + "\n".join(check_table(rows)))
+    print("\n" + "\n".join(sync_table(rows)))
+    print("\n" + "\n".join(reading(rows, ev, titan_missing, on_cuda, probe, info)))
+    print(f"\nwall time {wall_s:.0f} s")
+    for key, target in (
+        ("ratio", TARGET_RATIO),
+        ("dropless", TARGET_DROPLESS_SYNCS),
+        ("capacity", TARGET_CAPACITY_SYNCS),
+    ):
+        met, measured = ev[key]
+        record_target(BENCH, target, measured, met)
+    if not args.no_write:
+        write_markdown(
+            args.out, info, rows, layouts, titan_missing, on_cuda, reps, wall_s, ev, probe
+        )
+        print(f"wrote {args.out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # NOTE: run main() from this file imported as ``bench_moe`` (tools/ is on sys.path as the
+    # script's folder): RankPool's workers unpickle run_point_safe and Point by module name, and
+    # names of __main__ would not resolve in them.
+    sys.exit(importlib.import_module("bench_moe").main())
