@@ -244,16 +244,20 @@ def nan_tail_grouped_mm(monkeypatch):
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
 @pytest.mark.parametrize("m,k,n,offs", CASES)
+# NOTE: 16-bit dtypes take the CPU column-major operand layouts (_CPU_COLUMN_MAJOR_FWD / _DX),
+# with their own row, K and N padding.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_torch_grouped_mm_path_matches_reference_and_zeroes_rows_past_offs(
-    nan_tail_grouped_mm, m, k, n, offs
+    nan_tail_grouped_mm, m, k, n, offs, dtype
 ):
-    x, w, offs_t, dout = _inputs(m, k, n, offs, torch.float32)
+    x, w, offs_t, dout = _inputs(m, k, n, offs, dtype)
     x, w, offs_t, dout = x.cpu(), w.cpu(), offs_t.cpu(), dout.cpu()
     out, dx, dw = _run_autograd(x, w, offs_t, dout, "torch_grouped_mm")
     ref_out, ref_dx, ref_dw = _reference(x, w, offs_t, dout)
-    _assert_close(out, ref_out, torch.float32, "out")
-    _assert_close(dx, ref_dx, torch.float32, "dX")
-    _assert_close(dw, ref_dw, torch.float32, "dW")
+    assert out.dtype == dx.dtype == dw.dtype == dtype
+    _assert_close(out, ref_out, dtype, "out")
+    _assert_close(dx, ref_dx, dtype, "dX")
+    _assert_close(dw, ref_dw, dtype, "dW")
     _check_zeros_past_offs(out, offs_t, "out")
     _check_zeros_past_offs(dx, offs_t, "dX")
     assert dw.shape == w.shape and dx.shape == x.shape
@@ -277,11 +281,12 @@ def test_torch_grouped_mm_path_copies_unaligned_strides_and_accepts_stride0_grad
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
-def test_dense_promise_skips_the_tail_mask_and_changes_no_number():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_promise_skips_the_tail_mask_and_changes_no_number(dtype):
     """offs[-1] == M (forge's MoE dispatch): dense=True gives bit-identical out, dX and dW and
     runs no masked fill; without the promise the torch path masks (so the check can fail)."""
     m, k, n, offs = 37, 40, 24, [5, 5, 20, 37]
-    x, w, offs_t, dout = _inputs(m, k, n, offs, torch.float32, seed=5)
+    x, w, offs_t, dout = _inputs(m, k, n, offs, dtype, seed=5)
     x, w, offs_t, dout = x.cpu(), w.cpu(), offs_t.cpu(), dout.cpu()
 
     def run(dense: bool):
@@ -303,9 +308,9 @@ def test_dense_promise_skips_the_tail_mask_and_changes_no_number():
         assert torch.equal(a, b)
     assert "aten.masked_fill" in masked_ops and "aten.masked_fill" not in lean_ops
     ref_out, ref_dx, ref_dw = _reference(x, w, offs_t, dout)
-    _assert_close(lean[0], ref_out, torch.float32, "out")
-    _assert_close(lean[1], ref_dx, torch.float32, "dX")
-    _assert_close(lean[2], ref_dw, torch.float32, "dW")
+    _assert_close(lean[0], ref_out, dtype, "out")
+    _assert_close(lean[1], ref_dx, dtype, "dX")
+    _assert_close(lean[2], ref_dw, dtype, "dW")
 
 
 @pytest.mark.parametrize("m,k,n,offs", CASES)

@@ -12,6 +12,14 @@ what plain indexing's autograd would run).
   None), summed in fp32 (fp64 for fp64 operands); a slot with ``scatter_idx >= len(y)`` adds 0.
 - :func:`slot_row_dot`: ``out[s] = <g[s // K], y[scatter_idx[s]]>``, 0 for such slots.
 
+Two backward shortcuts of this path only (the kernels need neither; on CPU, every [T*K, D]
+tensor a step materializes costs more than the arithmetic on it):
+
+- :func:`combine_backward`: both gradients of ``combine`` from one gather of dOut into expert
+  order (the dot products then read ``y`` in place instead of a gathered copy of it).
+- :func:`token_sum`: ``permute``'s backward (each token's K rows summed) as an ``index_add_``
+  into ``[T, D]`` instead of a gather into ``[T*K, D]`` (CPU, fp32/fp64).
+
 Masking: an out-of-range index (a sentinel row, a dropped slot) reads a clamped row whose value
 never reaches a result: gathered rows are zeroed in place (one pass over the output), dot
 products are replaced by zeros with ``torch.where``, so NaN in a row nobody owns stays harmless.
@@ -24,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["combine_rows", "gather_rows", "slot_row_dot"]
+__all__ = ["combine_backward", "combine_rows", "gather_rows", "slot_row_dot", "token_sum"]
 
 
 def _acc(*tensors: torch.Tensor) -> torch.dtype:
@@ -111,3 +119,79 @@ def slot_row_dot(
     if valid is not None:
         dots = torch.where(valid, dots, 0)  # NOTE: where, not a product: a clamped row may be NaN
     return dots.to(out_dtype)
+
+
+def combine_backward(
+    g: torch.Tensor,
+    y: torch.Tensor,
+    gather_idx: torch.Tensor,
+    scatter_idx: torch.Tensor,
+    weights: torch.Tensor,
+    top_k: int,
+    need_y: bool,
+    need_w: bool,
+    dense: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of :func:`combine_rows` (with weights) as ``(dY, dW)``, each when asked for.
+
+    ``g_perm[r] = g[gather_idx[r] // K]`` (0 for a row without a slot) is gathered once; then
+    ``dW[s] = <g_perm[r], y[r]>`` at ``r = scatter_idx[s]`` (0 for a dropped slot) and
+    ``dY[r] = w[gather_idx[r]] * g_perm[r]``: the same values as :func:`slot_row_dot` and
+    :func:`gather_rows` with ``scale``, in fp32 (fp64 if any operand is), without a gathered
+    copy of ``y``. ``dY`` has ``y``'s dtype, ``dW`` ``weights``' dtype.
+    """
+    rows, num_slots = gather_idx.numel(), weights.numel()
+    acc = _acc(g, y, weights)
+    g_perm = gather_rows(g, gather_idx, top_k, num_slots, dense=dense)
+    grad_w = None
+    if need_w:
+        if rows == 0:
+            grad_w = weights.new_zeros(num_slots)
+        else:
+            d = y.shape[1]
+            dots = torch.bmm(
+                y.contiguous().view(rows, 1, d).to(acc), g_perm.view(rows, d, 1).to(acc)
+            ).view(rows)
+            if dense:
+                grad_w = dots.index_select(0, scatter_idx)
+            else:
+                # NOTE: where, not a product: a row without a slot may hold NaN (its g_perm row
+                # is 0, y's row is whatever the expert GEMM left there).
+                picked = dots.index_select(0, scatter_idx.clamp(max=rows - 1))
+                grad_w = torch.where(scatter_idx < rows, picked, 0)
+            grad_w = grad_w.to(weights.dtype)
+    grad_y = None
+    if need_y:
+        safe = gather_idx if dense else gather_idx.clamp(max=max(num_slots - 1, 0))
+        w_perm = weights.index_select(0, safe).to(acc).unsqueeze(1) if num_slots else 0.0
+        # NOTE: in place when it can: g_perm is this function's own fresh tensor.
+        grad_y = g_perm.mul_(w_perm) if g_perm.dtype == acc else g_perm.to(acc) * w_perm
+        grad_y = grad_y.to(y.dtype)
+    return grad_y, grad_w
+
+
+def token_sum(
+    src: torch.Tensor,
+    gather_idx: torch.Tensor,
+    num_tokens: int,
+    top_k: int,
+    num_slots: int,
+    dense: bool = False,
+) -> torch.Tensor | None:
+    """``out[gather_idx[r] // K] += src[r]`` over the rows that have a slot
+    (``gather_idx[r] < num_slots``): a ``[T, D]`` sum of each token's K expert rows; or None
+    where this shortcut does not apply (the caller then gathers with :func:`combine_rows`).
+
+    Applies on CPU to fp32/fp64 ``src``: CPU ``index_add_`` adds rows one after another in index
+    order (deterministic) in ``src``'s dtype, which is why 16-bit dtypes (summed in fp32 by the
+    gather) are left out. A token's rows are summed in expert order, not top-k order. Rows
+    without a slot (not ``dense``) go to a scratch row past the end, dropped.
+    """
+    if src.device.type != "cpu" or src.dtype not in (torch.float32, torch.float64):
+        return None
+    tokens = gather_idx // top_k
+    if dense:
+        return src.new_zeros(num_tokens, src.shape[1]).index_add_(0, tokens, src)
+    tokens = torch.where(gather_idx < num_slots, tokens, num_tokens)
+    out = src.new_zeros(num_tokens + 1, src.shape[1]).index_add_(0, tokens, src)
+    return out[:num_tokens]

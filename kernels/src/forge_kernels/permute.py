@@ -157,7 +157,7 @@ def _row_ops(on_triton: bool):
 class _PermuteFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gather_idx, scatter_idx, top_k, on_triton, dense):
-        ctx.save_for_backward(scatter_idx)
+        ctx.save_for_backward(gather_idx, scatter_idx)
         ctx.top_k, ctx.num_tokens, ctx.on_triton, ctx.dense = top_k, x.shape[0], on_triton, dense
         ops = _row_ops(on_triton)
         return ops.gather_rows(x, gather_idx, top_k, scatter_idx.numel(), dense=dense)
@@ -165,10 +165,17 @@ class _PermuteFn(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        (scatter_idx,) = ctx.saved_tensors
-        grad_x = _row_ops(ctx.on_triton).combine_rows(
-            grad_out.contiguous(), scatter_idx, None, ctx.num_tokens, ctx.top_k, dense=ctx.dense
-        )
+        gather_idx, scatter_idx = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_x = None
+        if not ctx.on_triton:
+            grad_x = _rows_torch.token_sum(
+                grad_out, gather_idx, ctx.num_tokens, ctx.top_k, scatter_idx.numel(), ctx.dense
+            )
+        if grad_x is None:
+            grad_x = _row_ops(ctx.on_triton).combine_rows(
+                grad_out, scatter_idx, None, ctx.num_tokens, ctx.top_k, dense=ctx.dense
+            )
         return grad_x, None, None, None, None, None
 
 
@@ -204,6 +211,20 @@ class _CombineFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         y_perm, gather_idx, scatter_idx, w_flat = ctx.saved_tensors
         ops, grad_out = _row_ops(ctx.on_triton), grad_out.contiguous()
+        if not ctx.on_triton:
+            grad_y, grad_w = _rows_torch.combine_backward(
+                grad_out,
+                y_perm,
+                gather_idx,
+                scatter_idx,
+                w_flat,
+                ctx.top_k,
+                ctx.needs_input_grad[0],
+                ctx.needs_input_grad[3],
+                dense=ctx.dense,
+            )
+            grad_w = None if grad_w is None else grad_w.view(ctx.w_shape)
+            return grad_y, None, None, grad_w, None, None
         grad_y = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_y = ops.gather_rows(
