@@ -593,25 +593,28 @@ def merge_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def grouped_mm_layout_probe() -> str:
-    """CPU: one bf16 ``torch._grouped_mm`` with the expert weights laid out as forge's (row-major
-    ``[E, K, N]``) and as torchtitan's (``[E, N, K]`` transposed, column-major), and fp32.
+    """CPU: one ``torch._grouped_mm`` of the same bf16 operands in three memory layouts, and fp32.
 
-    NOTE: both sides call the same CPU kernel, whose bf16 speed depends on that layout; this
-    explains which pass each side wins on CPU bf16 rows (forge's forward GEMMs and torchtitan's
-    backward dX GEMMs get the row-major operand).
+    NOTE: both sides call the same CPU kernel, whose bf16 speed depends on the layout:
+    torchtitan passes its ``[E, N, K]`` weights as stored (forward: a column-major weight;
+    dX: a row-major one, both with row-major activations); forge's torch path copies the rows
+    into a column-major operand for 16-bit GEMMs on CPU (forge_kernels.grouped_gemm,
+    ``_CPU_COLUMN_MAJOR_FWD`` / ``_DX``). This explains the CPU bf16 ratios.
     """
     e, m, k, n = 128, 8192, 512, 192  # Qwen3-like reduced, 1,024 tokens x top-8: the w1 GEMM
     gen = torch.Generator().manual_seed(0)
     offs = (torch.arange(1, e + 1) * (m // e)).to(torch.int32)
     times = {}
-    for dtype, name, transposed in (
-        (torch.bfloat16, "bf16 row-major", False),
-        (torch.bfloat16, "bf16 column-major", True),
-        (torch.float32, "fp32 row-major", False),
+    for dtype, name, x_col, w_col in (
+        (torch.bfloat16, "bf16 rows x row-major weights", False, False),
+        (torch.bfloat16, "bf16 rows x column-major weights", False, True),
+        (torch.bfloat16, "bf16 column-major rows x row-major weights", True, False),
+        (torch.float32, "fp32 rows x row-major weights", False, False),
     ):
         x = torch.randn(m, k, generator=gen).to(dtype)
+        x = x.t().contiguous().t() if x_col else x
         w = torch.randn(e, n, k, generator=gen).to(dtype).transpose(1, 2)
-        w = w if transposed else w.contiguous()
+        w = w if w_col else w.contiguous()
         torch._grouped_mm(x, w, offs=offs)
         t0 = time.perf_counter()
         torch._grouped_mm(x, w, offs=offs)
@@ -837,11 +840,12 @@ def reading(
         )
     if probe:
         lines.append(
-            f"- CPU bf16 rows are dominated by the GEMM kernel's weight layout ({probe}). "
-            "forge's expert weights are `[E, K, N]` row-major, so its forward GEMMs take the "
-            "slow path and its backward dX GEMMs (`w.T`) the fast one; torchtitan's "
-            "`[E, N, K]` weights are the reverse. That, not the MoE plumbing, decides the "
-            "CPU bf16 forward and forward+backward ratios; it says nothing about a GPU."
+            f"- CPU bf16 rows are decided by the GEMM kernel's operand layout ({probe}). "
+            "forge's torch path gives 16-bit GEMMs on CPU the fast layout (a column-major copy "
+            "of the rows: forward and dX); torchtitan passes its `[E, N, K]` weights as "
+            "stored, so its forward gets the column-major weight and its dX GEMMs the "
+            "row-major one, the slowest. That, not the MoE plumbing, decides the CPU bf16 "
+            "ratios; it says nothing about a GPU."
         )
     return lines
 
