@@ -22,8 +22,8 @@ def test_forge_config_error_is_a_value_error():
             {"dp_replicate": -1},
             r"parallelism\.dp_replicate=-1 is invalid: it must be a positive integer",
         ),
-        ({"tp": 2.0}, r"parallelism\.tp=2\.0 is invalid"),
-        ({"cp": True}, r"parallelism\.cp=True is invalid"),
+        ({"tp": 2.0}, r"parallelism\.tp=2\.0 must be an integer"),
+        ({"cp": True}, r"parallelism\.cp=True must be an integer"),
         ({"ep": 0}, r"parallelism\.ep=0"),
         ({"pp": -2}, r"parallelism\.pp=-2"),
         ({"domain": "2"}, r"parallelism\.domain='2'"),
@@ -85,6 +85,23 @@ def test_credit_style_dict_and_mixed_keys():
         ForgeConfigError, match=r"unknown parallelism key 'dp_shards' \(did you mean 'dp_shard'\?\)"
     ):
         ParallelismConfig.from_any({"dp_shards": 2})
+
+
+def test_credit_style_errors_name_the_credit_key():
+    """A CREDIT-style dict hears about 'tensor', the key it wrote, not forge's 'tp'."""
+    cfg = ParallelismConfig.from_any({"data": "fsdp2", "tensor": 3})
+    with pytest.raises(ForgeConfigError, match=r"not divisible by .*x tensor=3 x") as err:
+        cfg.resolve(8)
+    assert "tp=" not in str(err.value)
+    with pytest.raises(ForgeConfigError, match=r"^parallelism\.tensor=0 is invalid"):
+        ParallelismConfig.from_any({"tensor": 0})
+    with pytest.raises(ForgeConfigError, match=r"^parallelism\.tensor='2' must be an integer"):
+        load_config({"parallelism": {"tensor": "2"}})
+    with pytest.raises(ForgeConfigError, match=r"raise tensor/cp/domain"):
+        ParallelismConfig.from_any({"data": "none", "tensor": 2}).resolve(4)
+    # forge's own names keep forge's words
+    with pytest.raises(ForgeConfigError, match=r"x tp=3 x"):
+        ParallelismConfig(tp=3).resolve(8)
 
 
 def test_validation_happens_before_any_process_group():

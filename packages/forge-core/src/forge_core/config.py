@@ -18,7 +18,14 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import ForgeConfigError, auto_flag, check_auto_flag, did_you_mean
+from .errors import (
+    ForgeConfigError,
+    auto_flag,
+    check_auto_flag,
+    check_field_types,
+    did_you_mean,
+    parse_bool_word,
+)
 from .model import ModelConfig
 from .vlm_config import VLM_PRESETS, AdapterConfig, VisionEncoderConfig, VLMConfig
 
@@ -84,6 +91,7 @@ class ParallelismConfig:
     data: str = "fsdp2"
 
     def __post_init__(self) -> None:
+        check_field_types(self, "parallelism")
         for name in _AXIS_FIELDS:
             _check_positive_int(name, getattr(self, name), allow_infer=name in ("dp_shard", "ep"))
         if self.data not in DATA_MODES:
@@ -119,7 +127,16 @@ class ParallelismConfig:
                     f"parallelism mixes CREDIT-style key 'tensor' with {sorted(unknown)}; use either "
                     "{data, tensor, domain} or ParallelismConfig field names (tp instead of tensor)"
                 )
-            return cls(data=obj.get("data", "fsdp2"), tp=obj["tensor"], domain=obj.get("domain", 1))
+            try:
+                cfg = cls(
+                    data=obj.get("data", "fsdp2"), tp=obj["tensor"], domain=obj.get("domain", 1)
+                )
+            except ForgeConfigError as err:  # NOTE: in the user's words: their key is 'tensor'
+                raise ForgeConfigError(
+                    str(err).replace("parallelism.tp=", "parallelism.tensor=")
+                ) from None
+            object.__setattr__(cfg, "_credit", True)  # NOTE: not a field: resolve() reads it
+            return cfg
         names = {f.name for f in fields(cls)}
         for key in obj:
             if key not in names:
@@ -144,7 +161,9 @@ class ParallelismConfig:
         if not isinstance(world_size, int) or world_size < 1:
             raise ForgeConfigError(f"world_size={world_size!r} must be a positive integer")
         fixed = self.dp_replicate * self.cp * self.tp * self.pp * self.domain
-        parts = f"dp_replicate={self.dp_replicate} x cp={self.cp} x tp={self.tp} x pp={self.pp} x domain={self.domain}"
+        # NOTE: a CREDIT-style dict ({data, tensor, domain}) hears about its own key names.
+        tp = "tensor" if getattr(self, "_credit", False) else "tp"
+        parts = f"dp_replicate={self.dp_replicate} x cp={self.cp} x {tp}={self.tp} x pp={self.pp} x domain={self.domain}"
         if self.dp_shard == -1:
             if world_size % fixed:
                 raise ForgeConfigError(
@@ -166,7 +185,7 @@ class ParallelismConfig:
         if resolved.data == "none" and resolved.dp_degree > 1:
             raise ForgeConfigError(
                 f"data='none' but {resolved.dp_degree} of the {world_size} ranks are left for data "
-                "parallelism; set data='fsdp2' or 'ddp', or raise tp/cp/domain to use them"
+                f"parallelism; set data='fsdp2' or 'ddp', or raise {tp}/cp/domain to use them"
             )
         if resolved.ep == -1:
             experts_split = resolved.data == "fsdp2" and num_experts > 0
@@ -224,6 +243,7 @@ class TrainingConfig:
     log_every: int = 1
 
     def __post_init__(self) -> None:
+        check_field_types(self, "training")
         for name in ("steps", "global_batch_size", "seq_len", "grad_accum", "log_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -273,6 +293,7 @@ class DataConfig:
     dtype: str = "uint16"
 
     def __post_init__(self) -> None:
+        check_field_types(self, "data")
         if self.dtype not in TOKEN_DTYPES:
             raise ForgeConfigError(
                 f"data.dtype={self.dtype!r} is invalid: choose one of {list(TOKEN_DTYPES)}"
@@ -301,6 +322,7 @@ class CheckpointConfig:
     save_at_end: bool = True
 
     def __post_init__(self) -> None:
+        check_field_types(self, "checkpoint")
         if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 0:
             raise ForgeConfigError(f"checkpoint.every={self.every!r} must be an integer >= 0")
         if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 1:
@@ -336,6 +358,7 @@ class TPConfig:
     loss_parallel: bool = False
 
     def __post_init__(self) -> None:
+        check_field_types(self, "tp")
         check_auto_flag("tp.sequence_parallel", self.sequence_parallel)
         _freeze_strings(self, "allow_import", "tp.allow_import", "module prefixes")
         if self.plan is not None and not isinstance(self.plan, str):
@@ -366,6 +389,7 @@ class Float8Config:
     filter_fqns: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        check_field_types(self, "float8")
         if self.recipe not in FLOAT8_RECIPES:
             raise ForgeConfigError(
                 f"float8.recipe={self.recipe!r} is invalid: choose one of {list(FLOAT8_RECIPES)}"
@@ -400,6 +424,7 @@ class FieldConfig:
     groups: int = 4
 
     def __post_init__(self) -> None:
+        check_field_types(self, "field")
         for name in ("channels", "hidden", "height", "width", "n_blocks", "groups"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -492,7 +517,13 @@ EMBEDDED_DEFAULT: dict[str, dict[str, Any]] = {
 
 
 def _parse_value(text: str) -> Any:
-    """Parse an override value as TOML (``2``, ``true``, ``"x"``, ``1e-3``), else keep the string."""
+    """Parse an override value as TOML (``2``, ``true``, ``"x"``, ``1e-3``), else keep the string.
+
+    The words true and false count in any case (``False`` is false, not the string "False").
+    """
+    word = parse_bool_word(text)
+    if word is not None:
+        return word
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:

@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import ForgeConfigError, did_you_mean
+from .errors import ForgeConfigError, check_field_types, did_you_mean
 from .init import canonical_name, fill_param_
 from .torch_compat import assert_on_device
 
@@ -103,6 +103,7 @@ class ModelConfig:
     moe_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
+        check_field_types(self, "model")
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -187,6 +188,10 @@ class ModelConfig:
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
         """A named preset (see ``PRESETS``) with field overrides."""
+        if not isinstance(name, str):
+            raise ForgeConfigError(
+                f"model.preset={name!r} must be a preset name (a string): one of {sorted(PRESETS)}"
+            )
         if name not in PRESETS:
             raise ForgeConfigError(
                 f"unknown model preset '{name}'{did_you_mean(name, PRESETS)}; presets: {sorted(PRESETS)}"

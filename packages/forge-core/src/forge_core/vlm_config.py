@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ForgeConfigError, auto_flag, check_auto_flag, did_you_mean
+from .errors import ForgeConfigError, auto_flag, check_auto_flag, check_field_types, did_you_mean
 from .model import ModelConfig
 
 __all__ = [
@@ -75,6 +75,7 @@ class VisionEncoderConfig:
     backend: str = "forge"
 
     def __post_init__(self) -> None:
+        check_field_types(self, "vision")
         for name in ("image_size", "patch_size", "in_channels", "dim", "n_layers", "n_heads"):
             _positive_int("vision", self, name)
         if self.mlp_dim is None:
@@ -121,6 +122,7 @@ class AdapterConfig:
     out_dim: int | None = None
 
     def __post_init__(self) -> None:
+        check_field_types(self, "adapter")
         _positive_int("adapter", self, "pool")
         for name in ("hidden_dim", "out_dim"):
             if getattr(self, name) is not None:
@@ -154,6 +156,7 @@ class VLMConfig:
     ac_scope: str = "all"
 
     def __post_init__(self) -> None:
+        check_field_types(self, "vlm")
         _choice("vlm.design", self.design, VLM_DESIGNS)
         _choice("vlm.ac_scope", self.ac_scope, AC_SCOPES)
         check_auto_flag("vlm.shard_frozen_encoder", self.shard_frozen_encoder)
