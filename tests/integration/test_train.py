@@ -319,6 +319,52 @@ def test_clip_grad_norm_matches_torch_on_plain_tensors():
         torch.testing.assert_close(p.grad, q.grad)
 
 
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clip_grad_norm_takes_norm_type_and_returns_the_grads_dtype_as_torch(norm_type, dtype):
+    torch.manual_seed(1)
+    a = [nn.Parameter(torch.randn(4, 3, dtype=dtype)) for _ in range(3)]
+    b = [nn.Parameter(p.detach().clone()) for p in a]
+    for p, q in zip(a, b, strict=True):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    ours = clip_grad_norm_(a, 0.5, norm_type=norm_type)
+    theirs = torch.nn.utils.clip_grad_norm_(b, 0.5, norm_type=norm_type)
+    assert ours.dtype == theirs.dtype == dtype and ours.device == theirs.device
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert abs(float(ours) - float(theirs)) <= tol * float(theirs)
+    for p, q in zip(a, b, strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    with pytest.raises(ForgeConfigError, match="norm_type=0"):
+        clip_grad_norm_(a, 0.5, norm_type=0)
+
+
+def _sharded_norms() -> list[tuple[float, float]]:
+    """TP-sharded (DTensor) and plain gradients on 2 ranks: forge's norms vs torch's on the
+    gathered full gradients, for each norm type."""
+    from forge_mesh import build_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = build_device_mesh({"tp": 2, "data": "none"}, "cpu")["tp"]
+    torch.manual_seed(2)  # same on both ranks: the full tensors agree
+    full = [torch.randn(6, 4), torch.randn(5)]
+    out = []
+    for norm_type in (1.0, 2.0, float("inf")):
+        sharded = nn.Parameter(distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)]))
+        sharded.grad = distribute_tensor(full[0].clone(), mesh, [Shard(0)])
+        plain = nn.Parameter(torch.zeros(5))
+        plain.grad = full[1].clone()
+        ours = clip_grad_norm_([sharded, plain], 0.0, norm_type=norm_type)  # 0: measure only
+        theirs = torch.nn.utils.get_total_norm([g.clone() for g in full], norm_type)
+        out.append((float(ours), float(theirs)))
+    return out
+
+
+def test_clip_grad_norm_p_norms_of_sharded_gradients(run_on_ranks):
+    for ours, theirs in run_on_ranks(2, _sharded_norms)[0]:
+        assert abs(ours - theirs) <= 1e-6 * theirs
+
+
 def test_flops_per_token_and_no_mfu_on_cpu():
     cfg = load_config({"training": {"seq_len": 32}})
     m = cfg.model
