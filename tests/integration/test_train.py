@@ -22,10 +22,21 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from forge.checkpoint import SafeFileSystemReader, find_latest, read_train_state
+from forge.checkpoint import (
+    SafeFileSystemReader,
+    find_latest,
+    load_model_weights,
+    read_train_state,
+)
 from forge.data import SyntheticData, TokenFile
 from forge.export import export_checkpoint, from_hf_llama, hf_llama_config, load_safetensors
-from forge.train import _loss_and_backward, peak_flops, run_train, train_flops_per_token
+from forge.train import (
+    _loss_and_backward,
+    _nonfinite_values,
+    peak_flops,
+    run_train,
+    train_flops_per_token,
+)
 from forge_core import ForgeConfigError, ModelConfig, Transformer, load_config
 from forge_core.training import clip_grad_norm_, warmup_cosine
 
@@ -300,6 +311,44 @@ def test_loss_is_token_weighted_across_data_parallel_ranks(run_on_ranks):
     weighted, naive = run_on_ranks(2, _token_weighted_grads)[0]
     assert max(weighted) < 1e-5
     assert max(naive) > 1e-2  # the test can tell the two apart
+
+
+def _train_until_divergence(cfg: dict) -> str:
+    try:
+        run_train(cfg, "cpu")
+    except FloatingPointError as err:
+        return str(err)
+    return "no divergence"
+
+
+def test_a_diverging_run_stops_before_the_bad_step_and_publishes_only_finite_checkpoints(
+    run_on_ranks, tmp_path
+):
+    """lr 1e36 (no clipping): step 1 is finite (huge weights), step 2's loss is NaN. The run
+    stops before step 2's optimizer step; the only checkpoint is step 1, finite throughout (a
+    resume=latest would load a usable model)."""
+    cfg = _cfg(tmp_path, steps=6, training={"lr": 1e36, "max_grad_norm": 0.0, "warmup_steps": 0})
+    cfg["checkpoint"].update(every=1, keep=10)
+    message = run_on_ranks(2, _train_until_divergence, cfg)[0]
+    assert message.startswith("loss is nan at step 2; stopped before the optimizer step"), message
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001"]
+    model = Transformer(ModelConfig.preset("debug"))
+    load_model_weights(root / "step-00000001", model)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert max(p.abs().max() for p in model.parameters()) > 1e30  # it did blow up
+
+
+def test_nonfinite_values_counts_parameters_and_optimizer_state():
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    assert _nonfinite_values(model, optimizer) == 0
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    optimizer.state[model.bias]["exp_avg"][1] = float("inf")
+    assert _nonfinite_values(model, optimizer) == 2
 
 
 # ---- pieces ----------------------------------------------------------------------------------

@@ -274,6 +274,18 @@ def _field_step(
     return reduce_over_dp(loss_sum, mesh), count
 
 
+def _nonfinite_values(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """How many NaN/inf values this rank holds in its parameters and optimizer state tensors."""
+    tensors = [p for p in model.parameters()]
+    tensors += [v for state in optimizer.state.values() for v in state.values()]
+    counts = [
+        (~torch.isfinite(t.to_local() if isinstance(t, DTensor) else t)).sum().cpu()
+        for t in tensors
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
+    return int(torch.stack(counts).sum()) if counts else 0
+
+
 def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummary:
     """One rank's part of ``forge train``; rank 0's summary holds the steps and the report."""
     cfg = load_config(cfg_dict)
@@ -361,6 +373,16 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
 
     def save(step: int) -> None:
         nonlocal last_saved
+        # NOTE: finite loss and gradients can still overflow a parameter (a huge lr); count the
+        # non-finite values of every rank's shards first, and write nothing if there are any.
+        bad = torch.tensor([_nonfinite_values(model, optimizer)], dtype=torch.int64)
+        dist.all_reduce(bad, group=control)
+        if int(bad):
+            raise FloatingPointError(
+                f"{int(bad)} non-finite values in the parameters or optimizer state at step "
+                f"{step}; not saving that checkpoint (the last one written is intact; lower "
+                f"training.lr={t.lr})"
+            )
         train_state = {
             "step": step,
             "data_position": step,  # the data is indexed by step: resume reads batch `step` next
@@ -387,16 +409,22 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
                     model, data.batch(step), mesh, device, t.grad_accum, ignore
                 )
             grad_norm = float(clip_grad_norm_(trainable, t.max_grad_norm))
+            loss = float(loss_sum / global_count)
+            # NOTE: before optimizer.step(): a non-finite loss or gradient norm (both reduced
+            # over every rank, so every rank stops here together) never reaches the parameters,
+            # so the last checkpoint written stays the last good state.
+            for what, value in (("loss", loss), ("gradient norm", grad_norm)):
+                if not math.isfinite(value):
+                    raise FloatingPointError(
+                        f"{what} is {value} at step {step + 1}; stopped before the optimizer "
+                        "step, no checkpoint of it is written (lower "
+                        f"training.lr={t.lr}, raise training.warmup_steps or set "
+                        "training.max_grad_norm)"
+                    )
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            loss = float(loss_sum / global_count)
-            if not math.isfinite(loss):  # the same on every rank: the loss is all-reduced
-                raise FloatingPointError(
-                    f"loss is {loss} at step {step + 1}; not saving a checkpoint of a diverged "
-                    f"model (lower training.lr={t.lr} or raise training.warmup_steps)"
-                )
             elapsed = time.perf_counter() - begin
             # One host-side collective per step: every rank's peak memory and its stop vote.
             mine = torch.tensor([_peak_memory(device), 1 if stop.signal else 0], dtype=torch.int64)
