@@ -12,6 +12,7 @@ Exit status: 0 PASS, 1 FAIL (parity or a rank error), 2 bad config or arguments.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -23,6 +24,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 # torch warns at import when NumPy is absent; forge does not use NumPy. Set before torch loads.
@@ -43,9 +45,11 @@ def _under_launcher() -> bool:
 
 
 def _prepare(args: argparse.Namespace, command: str) -> tuple[dict, int] | int:
-    """Load and check the config before any rank starts: (config dict, nproc) or exit status 2."""
+    """Load and check the config before any rank starts: (config dict, nproc) or an exit status
+    (2: config error, 3: damaged checkpoint)."""
     from forge_core import ForgeConfigError, load_config
 
+    from .checkpoint import CheckpointDamaged
     from .job import check_config
 
     try:
@@ -71,15 +75,86 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple[dict, int] | int:
             )
         if command == "train" and cfg.data.path is not None and not os.path.isfile(cfg.data.path):
             raise ForgeConfigError(f"data.path={cfg.data.path!r} does not exist or is not a file")
-        resume = cfg.checkpoint.resume
-        if command == "train" and resume not in ("latest", "none"):
-            from .checkpoint import read_train_state
-
-            read_train_state(resume)  # a path: it must be a forge checkpoint, checked here
+        if command == "train" and cfg.checkpoint.resume != "none":
+            cfg = _checked_resume(cfg)
+    except CheckpointDamaged as e:
+        print(f"forge {command}: damaged checkpoint: {e}", file=sys.stderr)
+        return EXIT_DAMAGED
     except ForgeConfigError as e:
         print(f"forge {command}: config error: {e}", file=sys.stderr)
         return 2
     return dataclasses.asdict(cfg), nproc
+
+
+#: Exit status of forge's commands (README "Failures and recovery").
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_DAMAGED = 0, 1, 2, 3
+
+#: ModelConfig fields that decide the shapes a checkpoint holds.
+_SHAPE_FIELDS = (
+    "vocab_size",
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "tie_embeddings",
+    "moe_every",
+    "num_experts",
+    "moe_ffn_dim",
+    "num_shared_experts",
+)
+
+
+def _checked_resume(cfg: Any) -> Any:
+    """Pick and verify the checkpoint ``forge train`` resumes from, before any rank starts.
+
+    ``resume = "latest"`` becomes the newest checkpoint that verifies (damaged newer ones are
+    reported and skipped), so every rank loads the same one; a path must verify. Either way the
+    saved model must have this config's shapes. Raises CheckpointDamaged / ForgeConfigError.
+    """
+    from forge_core import ForgeConfigError
+
+    from .checkpoint import CheckpointDamaged, latest_intact, read_train_state, verify_checkpoint
+
+    resume = cfg.checkpoint.resume
+    if resume == "latest":
+        chosen, skipped = latest_intact(cfg.checkpoint_dir)
+        for line in skipped:
+            print(f"forge train: skipping damaged checkpoint {line}", file=sys.stderr)
+        if chosen is None:
+            if skipped:
+                raise CheckpointDamaged(
+                    f"no intact checkpoint in {str(cfg.checkpoint_dir)!r} ({len(skipped)} "
+                    "damaged); set checkpoint.resume=none to start over"
+                )
+            return cfg  # nothing saved yet: a fresh start
+        print(f"forge train: resuming from {chosen}", file=sys.stderr)
+    else:
+        chosen = Path(resume)
+        read_train_state(chosen)  # a path: it must be a forge checkpoint
+        verify_checkpoint(chosen)
+    saved = read_train_state(chosen).get("config", {})
+    saved_model = saved.get("model", {}) if isinstance(saved, dict) else {}
+    mine = dataclasses.asdict(cfg.model)
+    differ = [
+        f"{k}={saved_model[k]!r} there, {mine[k]!r} here"
+        for k in _SHAPE_FIELDS
+        if k in saved_model and saved_model[k] != mine[k]
+    ]
+    for section in ("field", "vision", "adapter"):
+        theirs, ours = saved.get(section), getattr(cfg, section)
+        if (theirs is None) != (ours is None) or (
+            ours is not None and theirs != dataclasses.asdict(ours)
+        ):
+            differ.append(f"[{section}] differs")
+    if differ:
+        raise ForgeConfigError(
+            f"checkpoint {chosen.name} was saved for another model ({'; '.join(differ[:3])}); "
+            "resume with the config that saved it, or set checkpoint.resume=none"
+        )
+    return dataclasses.replace(
+        cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=str(chosen))
+    )
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -109,18 +184,22 @@ def _build(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from forge_core import ForgeConfigError, load_config
 
-    from .checkpoint import find_latest
+    from .checkpoint import checkpoint_lock, find_latest
     from .train import run_train
 
     prepared = _prepare(args, "train")
     if isinstance(prepared, int):
         return prepared
     cfg_dict, nproc = prepared
+    # NOTE: the launcher (or torchrun's rank 0) holds the checkpoint directory for the run.
+    owner = not _under_launcher() or os.environ.get("RANK") == "0"
+    ckpt_dir = load_config(cfg_dict).checkpoint_dir
     try:
-        if _under_launcher():
-            summary = run_train(cfg_dict, args.device)
-        else:
-            summary = _launch_local(_train_rank, cfg_dict, args.device, nproc)
+        with checkpoint_lock(ckpt_dir) if owner else contextlib.nullcontext():
+            if _under_launcher():
+                summary = run_train(cfg_dict, args.device)
+            else:
+                summary = _launch_local(_train_rank, cfg_dict, args.device, nproc)
     except ForgeConfigError as e:
         print(f"forge train: config error: {e}", file=sys.stderr)
         return 2
@@ -173,10 +252,14 @@ def _plan(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from forge_core import ForgeConfigError
 
+    from .checkpoint import CheckpointDamaged
     from .export import export_checkpoint
 
     try:
         written = export_checkpoint(args.checkpoint, args.out, layout=args.format)
+    except CheckpointDamaged as e:
+        print(f"forge export: damaged checkpoint: {e}", file=sys.stderr)
+        return EXIT_DAMAGED
     except ForgeConfigError as e:
         print(f"forge export: {e}", file=sys.stderr)
         return 2

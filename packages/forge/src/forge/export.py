@@ -242,11 +242,12 @@ def export_checkpoint(
     from forge_core import load_config
 
     from .build import materialize, model_from_config
-    from .checkpoint import load_model_weights, read_train_state
+    from .checkpoint import load_model_weights, read_train_state, verify_checkpoint
 
     if layout not in ("safetensors", "hf"):
         raise ForgeConfigError(f"layout={layout!r}: choose 'safetensors' or 'hf'")
     state = read_train_state(checkpoint)
+    verify_checkpoint(checkpoint)  # NOTE: a flipped byte in a shard would otherwise load silently
     cfg = load_config(state["config"])
     if layout == "hf" and (cfg.is_vlm or cfg.is_field):
         raise ForgeConfigError(

@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
 from .build import ParallelPlan, model_from_config
-from .checkpoint import Checkpointer, find_latest, optimizer_hyperparameters
+from .checkpoint import Checkpointer, latest_intact, optimizer_hyperparameters
 from .data import Batch, FieldBatch, make_data
 from .job import setup_rank
 
@@ -315,13 +315,15 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
         process_group=dist.new_group(backend="gloo"),
     )
     summary = TrainSummary()
-    resume = (
-        None
-        if ck.resume == "none"
-        else find_latest(ckpt_root)
-        if ck.resume == "latest"
-        else Path(ck.resume)
-    )
+    resume: Path | None = None
+    if ck.resume == "latest":
+        # NOTE: `forge train` already picked and verified it (the ranks get a path); this is the
+        # Python API's way in: every rank verifies the same files and picks the same one.
+        resume, skipped = latest_intact(ckpt_root)
+        if rank == 0 and skipped:
+            print("\n".join(f"skipping damaged checkpoint {s}" for s in skipped), file=sys.stderr)
+    elif ck.resume != "none":
+        resume = Path(ck.resume)
     if resume is not None:
         state = checkpointer.load(resume, model, optimizer)
         scheduler.load_state_dict(state["scheduler"])

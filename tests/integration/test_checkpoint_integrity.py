@@ -1,0 +1,199 @@
+"""Checkpoint integrity: a manifest written last, verified before a resume or an export.
+
+One real checkpoint directory (2 ranks, FSDP2, steps 1-3 saved) is made once; each case copies
+it, damages step 3 one way, and checks the refusal names the file, that ``resume = "latest"``
+falls back to step 2 saying why, and that the CLI exits 3 with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from forge.checkpoint import (
+    MANIFEST,
+    CheckpointDamaged,
+    checkpoint_lock,
+    latest_intact,
+    verify_checkpoint,
+)
+from forge.cli import EXIT_DAMAGED, _checked_resume
+from forge.export import export_checkpoint
+from forge.train import run_train
+from forge_core import ForgeConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+FORGE = [sys.executable, "-m", "forge.cli"]
+
+
+def _train(cfg: dict) -> int:
+    return len(run_train(cfg, "cpu").steps)
+
+
+@pytest.fixture(scope="module")
+def saved(run_on_ranks, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("saved")
+    cfg = {
+        "model": {"preset": "debug"},
+        "parallelism": {"tp": 1},
+        "training": {"steps": 3, "out_dir": str(out), "seq_len": 16},
+        "checkpoint": {"every": 1, "keep": 10, "resume": "none", "save_at_end": False},
+    }
+    assert run_on_ranks(2, _train, cfg) == [3, 0]
+    return out / "checkpoints"
+
+
+@pytest.fixture
+def copy(saved: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "checkpoints"
+    shutil.copytree(saved, root)
+    return root
+
+
+def _shard(step_dir: Path) -> Path:
+    return sorted(step_dir.glob("*.distcp"))[0]
+
+
+def _truncate(f: Path) -> None:
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _flip(f: Path) -> None:
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit inside tensor data: the file still parses
+    f.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "truncated shard": (lambda d: _truncate(_shard(d)), lambda d: _shard(d).name),
+    "flipped bit in a shard": (lambda d: _flip(_shard(d)), lambda d: _shard(d).name),
+    "deleted shard": (lambda d: _shard(d).unlink(), lambda d: "distcp is missing"),
+    "truncated .metadata": (lambda d: _truncate(d / ".metadata"), lambda d: ".metadata"),
+    "corrupt train_state.json": (
+        lambda d: (d / "train_state.json").write_text('{"step": 3, '),
+        lambda d: "train_state.json",
+    ),
+    "deleted rng file": (
+        lambda d: (d / "rng" / "rank00001.pt").unlink(),
+        lambda d: "rng/rank00001.pt is missing",
+    ),
+    "unreadable manifest": (lambda d: (d / MANIFEST).write_text("{"), lambda d: MANIFEST),
+}
+
+
+def test_every_checkpoint_has_a_manifest_of_all_its_files(saved: Path):
+    for step_dir in sorted(saved.iterdir()):
+        files = json.loads((step_dir / MANIFEST).read_text())["files"]
+        on_disk = {
+            f.relative_to(step_dir).as_posix()
+            for f in step_dir.rglob("*")
+            if f.is_file() and f.name != MANIFEST
+        }
+        assert set(files) == on_disk and {".metadata", "train_state.json"} <= on_disk
+        assert verify_checkpoint(step_dir) is True
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_damage_is_named_and_latest_falls_back_to_the_newest_intact(copy: Path, kind: str):
+    step3 = copy / "step-00000003"
+    damage, names = DAMAGE[kind]
+    expected = names(step3)
+    damage(step3)
+    with pytest.raises(CheckpointDamaged) as err:
+        verify_checkpoint(step3)
+    assert str(err.value).startswith("step-00000003: ") and expected in str(err.value)
+    chosen, skipped = latest_intact(copy)
+    assert chosen == copy / "step-00000002"
+    assert len(skipped) == 1 and expected in skipped[0]
+
+
+def test_junk_step_directories_are_skipped_or_ignored(copy: Path):
+    (copy / "step-abc").mkdir()  # not step-<digits>: ignored
+    (copy / "step-00000099").mkdir()  # looks newest, holds nothing
+    (copy / "step-00000099" / "notes.txt").write_text("x")
+    chosen, skipped = latest_intact(copy)
+    assert chosen == copy / "step-00000003"
+    assert skipped == ["step-00000099: train_state.json is missing (not a complete checkpoint)"]
+
+
+def test_resume_latest_picks_the_intact_checkpoint_for_every_rank(copy: Path, capsys):
+    _flip(_shard(copy / "step-00000003"))
+    cfg = load_config({"checkpoint": {"dir": str(copy)}})
+    resumed = _checked_resume(cfg)
+    assert resumed.checkpoint.resume == str(copy / "step-00000002")  # a path: ranks agree
+    err = capsys.readouterr().err
+    assert "skipping damaged checkpoint step-00000003" in err and "resuming from" in err
+
+
+def test_resume_with_every_checkpoint_damaged_is_refused(copy: Path):
+    for step_dir in copy.iterdir():
+        _truncate(step_dir / ".metadata")
+    with pytest.raises(CheckpointDamaged, match=r"no intact checkpoint .*3 damaged"):
+        _checked_resume(load_config({"checkpoint": {"dir": str(copy)}}))
+
+
+def test_resume_into_another_model_shape_is_refused_before_launch(saved: Path):
+    cfg = load_config(
+        {"model": {"dim": 128}, "checkpoint": {"resume": str(saved / "step-00000002")}}
+    )
+    with pytest.raises(ForgeConfigError, match=r"saved for another model \(dim=64 there, 128 here"):
+        _checked_resume(cfg)
+
+
+def test_export_verifies_the_checkpoint(copy: Path, tmp_path: Path):
+    _flip(_shard(copy / "step-00000003"))
+    with pytest.raises(CheckpointDamaged, match="changed since it was written"):
+        export_checkpoint(copy / "step-00000003", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def _env() -> dict:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path}
+
+
+@pytest.mark.parametrize("command", ["train", "export"])
+def test_the_cli_exits_3_with_one_line_naming_the_file(copy: Path, tmp_path: Path, command):
+    step3 = copy / "step-00000003"
+    _truncate(_shard(step3))
+    args = (
+        ["train", "--nproc", "2", "--set", f"checkpoint.resume='{step3}'"]
+        if command == "train"
+        else ["export", str(step3), "--out", str(tmp_path / "out")]
+    )
+    proc = subprocess.run(
+        [*FORGE, *args], capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=120
+    )
+    assert proc.returncode == EXIT_DAMAGED, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{_shard(step3).name} has" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_second_run_on_a_locked_checkpoint_directory_is_refused(tmp_path: Path):
+    root = tmp_path / "checkpoints"
+    with checkpoint_lock(root):
+        with (
+            pytest.raises(
+                ForgeConfigError, match=rf"in use by another forge train \(pid {os.getpid()}\)"
+            ),
+            checkpoint_lock(root),
+        ):
+            pass  # NOTE: flock is per open file: a second open conflicts even in-process
+        proc = subprocess.run(
+            [*FORGE, "train", "--nproc", "2", "--set", f"checkpoint.dir='{root}'"],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            cwd=tmp_path,
+            timeout=120,
+        )
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.count("\n") == 1 and "in use by another forge train" in proc.stderr
+    with checkpoint_lock(root):  # released at the end of the first run
+        pass
