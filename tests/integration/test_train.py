@@ -25,6 +25,7 @@ import torch.nn as nn
 from forge.checkpoint import (
     SafeFileSystemReader,
     find_latest,
+    latest_intact,
     load_model_weights,
     read_train_state,
 )
@@ -144,11 +145,12 @@ def test_async_save_and_resume_latest(run_on_ranks, tmp_path):
 _KILLED_SAVE = textwrap.dedent(
     """
     import sys, time, torch
+    import forge.checkpoint as fc
     from torch.distributed.checkpoint import FileSystemWriter
     from forge.checkpoint import Checkpointer, optimizer_hyperparameters
     from forge_core import ModelConfig, Transformer
 
-    root = sys.argv[1]
+    root, phase = sys.argv[1], sys.argv[2]
     model = Transformer(ModelConfig.preset("debug"))
     model.init_weights(0)
     opt = torch.optim.AdamW(model.parameters())
@@ -158,29 +160,48 @@ _KILLED_SAVE = textwrap.dedent(
         for p in model.parameters():
             p.add_(1.0)
 
-    def stall(self, *args, **kwargs):  # the shards are written; .metadata and the rename are not
-        print("WRITTEN", flush=True)
+    def stall(*args, **kwargs):
+        print("STALLED", flush=True)
         time.sleep(120)
 
-    FileSystemWriter.finish = stall
+    def then_stall(fn):
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            stall()
+            return out
+        return wrapped
+
+    if phase == "before shards":  # the JSON and RNG files exist, no tensor data
+        FileSystemWriter.write_data = stall
+    elif phase == "after shards":  # shards written; DCP's .metadata not yet
+        FileSystemWriter.finish = stall
+    elif phase == "before the manifest":  # every DCP file written
+        fc._write_manifest = stall
+    elif phase == "before the rename":  # manifest written and fsynced, not yet published
+        fc._write_manifest = then_stall(fc._write_manifest)
     ckpt.save(4, model, opt, {"step": 4, "param_groups": optimizer_hyperparameters(opt), "world_size": 1})
     """
 )
 
 
-def test_a_save_killed_half_way_leaves_the_previous_checkpoint_intact(tmp_path):
+@pytest.mark.parametrize(
+    "phase", ["before shards", "after shards", "before the manifest", "before the rename"]
+)
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint_intact(tmp_path, phase):
     root = tmp_path / "ckpt"
     proc = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_SAVE, str(root)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _KILLED_SAVE, str(root), phase], stdout=subprocess.PIPE, text=True
     )
-    assert proc.stdout.readline().strip() == "WRITTEN"
+    assert proc.stdout.readline().strip() == "STALLED"
     proc.kill()  # SIGKILL: no cleanup runs
     proc.wait()
-    leftovers = [p.name for p in root.iterdir()]
-    assert ".tmp-step-00000004" in leftovers and "step-00000004" not in leftovers
-    assert any((root / ".tmp-step-00000004").glob("*.distcp")), "the kill came after shard writes"
-    latest = find_latest(root)
-    assert latest is not None and latest.name == "step-00000002"
+    leftovers = sorted(p.name for p in root.iterdir())
+    assert leftovers == [".tmp-step-00000004", "step-00000002"]
+    tmp = root / ".tmp-step-00000004"
+    assert any(tmp.glob("*.distcp")) == (phase != "before shards"), "the kill came where planned"
+    assert (tmp / "manifest.json").is_file() == (phase == "before the rename")
+    latest, skipped = latest_intact(root)
+    assert latest is not None and latest.name == "step-00000002" and not skipped
     from forge.checkpoint import Checkpointer, optimizer_hyperparameters
 
     model = Transformer(ModelConfig.preset("debug"))
