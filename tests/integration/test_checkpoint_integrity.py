@@ -22,7 +22,7 @@ from forge.checkpoint import (
     latest_intact,
     verify_checkpoint,
 )
-from forge.cli import EXIT_DAMAGED, _checked_resume
+from forge.cli import EXIT_DAMAGED, _checked_resume, _failure_line
 from forge.export import export_checkpoint
 from forge.train import run_train
 from forge_core import ForgeConfigError, load_config
@@ -197,3 +197,42 @@ def test_a_second_run_on_a_locked_checkpoint_directory_is_refused(tmp_path: Path
         assert proc.stderr.count("\n") == 1 and "in use by another forge train" in proc.stderr
     with checkpoint_lock(root):  # released at the end of the first run
         pass
+
+
+@pytest.mark.slow
+def test_a_failed_rank_is_one_line_with_its_reason_and_log(tmp_path: Path):
+    overrides = {
+        "training.lr": "1e36",
+        "training.max_grad_norm": "0",
+        "training.warmup_steps": "0",
+        "training.steps": "4",
+        "training.out_dir": f"'{tmp_path / 'run'}'",
+    }
+    sets = [a for k, v in overrides.items() for a in ("--set", f"{k}={v}")]
+    proc = subprocess.run(
+        [*FORGE, "train", "--nproc", "2", *sets],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = lines[0]
+    assert line.startswith("forge train: FAIL: rank ") and "exited with code 1: Floating" in line
+    assert "loss is nan at step 2" in line
+    where = Path(line.rsplit(": ", 1)[1].split(")")[0].split(";")[0])
+    assert where.is_file() and where.is_relative_to(tmp_path / "run" / "logs")
+
+
+def test_a_killed_rank_names_the_signal_and_its_log(tmp_path: Path):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    log = tmp_path / "forge-x_abc" / "attempt_0" / "1" / "stderr.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("...")
+    killed = ProcessFailure(local_rank=1, pid=123, exitcode=-9, error_file="<N/A>")
+    line = _failure_line({1: killed}, tmp_path)
+    assert line == f"rank 1 was killed by SIGKILL (its log: {log})"

@@ -169,9 +169,9 @@ def _build(args: argparse.Namespace) -> int:
         report = run_build(cfg_dict, args.device)
     else:
         try:
-            report = _launch_local(run_build, cfg_dict, args.device, nproc)
+            report = _launch_local(run_build, cfg_dict, args.device, nproc, _log_dir(cfg_dict))
         except _RankFailed as e:
-            print(f"forge build: FAIL: a rank failed:\n{e}", file=sys.stderr)
+            print(f"forge build: FAIL: {e}", file=sys.stderr)
             return 1
     if report.text:
         print(
@@ -199,7 +199,9 @@ def _train(args: argparse.Namespace) -> int:
             if _under_launcher():
                 summary = run_train(cfg_dict, args.device)
             else:
-                summary = _launch_local(_train_rank, cfg_dict, args.device, nproc)
+                summary = _launch_local(
+                    _train_rank, cfg_dict, args.device, nproc, _log_dir(cfg_dict)
+                )
     except ForgeConfigError as e:
         print(f"forge train: config error: {e}", file=sys.stderr)
         return 2
@@ -218,7 +220,7 @@ def _train(args: argparse.Namespace) -> int:
         )
         return 0 if latest else 1
     except _RankFailed as e:
-        print(f"forge train: FAIL: a rank failed:\n{e}", file=sys.stderr)
+        print(f"forge train: FAIL: {e}", file=sys.stderr)
         return 1
     if summary.text:
         print(summary.text)
@@ -267,6 +269,11 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _log_dir(cfg_dict: dict) -> Path:
+    """Where the ranks other than 0 write their output: ``<training.out_dir>/logs``."""
+    return Path(cfg_dict["training"]["out_dir"]) / "logs"
+
+
 class _RankFailed(RuntimeError):
     pass
 
@@ -275,14 +282,46 @@ class _Interrupted(RuntimeError):
     pass
 
 
-def _launch_local(fn: Callable[[dict, str], Any], cfg_dict: dict, device: str, nproc: int) -> Any:
-    """Start ``nproc`` local ranks running ``fn(cfg_dict, device)``; returns rank 0's result."""
+def _failure_line(failures: dict[int, Any], log_root: Path) -> str:
+    """One line for a failed launch: the rank that failed first, its exit code or signal, its
+    message, and where its full output is (``failures``: ChildFailedError.failures)."""
+    rank, first = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    if first.exitcode < 0:
+        what = f"rank {rank} was killed by {first.signal_name()}"
+    else:
+        message = first.message
+        text = message.get("message", "") if isinstance(message, dict) else str(message)
+        what = f"rank {rank} exited with code {first.exitcode}" + (f": {text}" if text else "")
+    logs = sorted(log_root.glob(f"*/attempt_*/{rank}/stderr.log"))
+    if logs:
+        where = f"its log: {logs[-1]}"
+    elif first.error_file and Path(first.error_file).is_file():
+        where = f"its traceback: {first.error_file}"
+    else:
+        where = "its output is above"
+    others = f"; {len(failures) - 1} other rank(s) stopped after it" if len(failures) > 1 else ""
+    return f"{what} ({where}{others})"
+
+
+def _launch_local(
+    fn: Callable[[dict, str], Any], cfg_dict: dict, device: str, nproc: int, log_dir: Path
+) -> Any:
+    """Start ``nproc`` local ranks running ``fn(cfg_dict, device)``; returns rank 0's result.
+
+    Rank 0 keeps this terminal (progress, report); the other ranks' output goes to
+    ``log_dir/<run id>/attempt_0/<rank>/{stdout,stderr}.log``. A failed rank becomes one line
+    (:func:`_failure_line`) instead of the launcher's tracebacks.
+    """
     from forge_core.torch_compat import launch_config
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # NOTE: the launcher logs each failure with its traceback (ERROR) and each rank it stops
+    # (WARNING); forge prints its own line instead.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
     if device == "cpu":
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Ranks are fresh interpreters: give them the working directory on the import path, as the
@@ -308,11 +347,14 @@ def _launch_local(fn: Callable[[dict, str], Any], cfg_dict: dict, device: str, n
         # after this many seconds: the time forge train has to finish its step and save
         # (torch 2.11: a fixed 30 s, see launch_config).
         shutdown_timeout=300,
+        logs_specs=DefaultLogsSpecs(
+            log_dir=str(log_dir), redirects={r: Std.ALL for r in range(1, nproc)}, tee={}
+        ),
     )
     try:
         results = elastic_launch(config, fn)(cfg_dict, device)
     except ChildFailedError as e:
-        raise _RankFailed(str(e)) from None
+        raise _RankFailed(_failure_line(e.failures, log_dir)) from None
     except SignalException as e:
         raise _Interrupted(signal.Signals(e.sigval).name) from None
     return results[0]
