@@ -147,3 +147,24 @@ def test_unsupported_opt_in_leaves_are_refused_with_path_and_type(run_on_ranks):
     assert "'0.conv'" in bad_conv and "only nn.Linear and 1x1 nn.Conv2d" in bad_conv
     assert "'0.emb' is a Embedding" in bad_emb
     assert "'0.layers.5' is not a submodule" in bad_path
+
+
+def _half_applicable_plan() -> tuple[str, bool]:
+    """An explicit plan whose second entry cannot apply (colwise on a Conv2d)."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = build_device_mesh({"tp": 2, "data": "none"}, "cpu")
+    model = nn.Sequential(nn.Linear(4, 4), nn.Conv2d(4, 4, 1))
+    try:
+        apply_tensor_parallel(model, mesh, plan={"0": "colwise", "1": "colwise"})
+        message = "no error"
+    except ForgeConfigError as e:
+        message = str(e)
+    return message, isinstance(model[0].weight, DTensor)
+
+
+def test_a_plan_entry_that_cannot_apply_is_refused_before_anything_is_split(run_on_ranks):
+    message, split = run_on_ranks(2, _half_applicable_plan)[0]
+    assert message.startswith("tp plan entry '1' gives ColwiseParallel to a Conv2d"), message
+    assert "nothing was split" in message
+    assert not split  # the Linear before it is untouched

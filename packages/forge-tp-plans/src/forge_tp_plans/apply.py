@@ -137,6 +137,17 @@ def _validate(model: nn.Module, plan: Mapping[str, ParallelStyle | None], tp: in
         _check_divides(tp, sizes)
     for name, style in plan.items():
         module = model.get_submodule(name)
+        # NOTE: torch's Colwise/RowwiseParallel split only Linear and Embedding weights and
+        # raise NotImplementedError for anything else, after earlier entries were split: check
+        # every entry first, so a refusal leaves the model untouched.
+        splits = isinstance(style, ColwiseParallel | RowwiseParallel)
+        if splits and not isinstance(module, nn.Linear | nn.Embedding):
+            raise ForgeConfigError(
+                f"tp plan entry {name!r} gives {type(style).__name__} to a "
+                f"{type(module).__name__}; it splits nn.Linear or nn.Embedding weights only. "
+                "Give that module a style for its type (1x1 convolutions: ColwiseConv1x1 / "
+                "RowwiseConv1x1) or leave it out of the plan; nothing was split"
+            )
         if isinstance(module, nn.Linear) and isinstance(style, ColwiseParallel):
             _check_divides(tp, {f"{name}.out_features": module.out_features})
         elif isinstance(module, nn.Linear) and isinstance(style, RowwiseParallel):
