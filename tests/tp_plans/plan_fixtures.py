@@ -14,3 +14,23 @@ def ffn_only_plan() -> dict:
 
 
 NOT_A_PLAN = ["layers.*.feed_forward.w1"]
+
+# Wrong plans, each refused before launch (tests/integration/test_plan_checks.py).
+A_NUMBER = 3
+
+
+def returns_none(model, ctx):
+    return None
+
+
+def one_argument(model):
+    return dict(FFN_ONLY)
+
+
+def raises_inside(model, ctx):
+    raise RuntimeError("the plan function broke")
+
+
+UNKNOWN_STYLE = {"layers.*.feed_forward.w1": "colwize"}
+MATCHES_NOTHING = {"layers.*.mlp.up_proj": "colwise"}
+COLWISE_ON_A_NORM = {"layers.*.attention_norm": "colwise"}

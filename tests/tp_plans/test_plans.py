@@ -171,7 +171,7 @@ def test_explicit_and_imported_plans(run_on_ranks):
     assert out["import_fn"] == "explicit (imported)" and out["import_dict"] == 6
     assert "importing 'tests.tp_plans.plan_fixtures' runs its code" in out["not_allowed"]
     assert "imports are off by default" in out["other_prefix"]
-    assert "cannot be imported" in out["missing"]
+    assert "importing 'tests.tp_plans.nope' failed: ModuleNotFoundError" in out["missing"]
     assert "must look like 'package.module:NAME'" in out["bad_path"]
     assert "gave a list; it must be a dict" in out["wrong_type"]
     assert "plan pattern 'layers.*.mlp.up' matches no module of Transformer" in out["no_match"]

@@ -3,6 +3,8 @@ and any model that opts in with class attributes.
 
 - :func:`apply_tensor_parallel` chooses a plan (explicit > registered > Hugging Face > opt-in),
   validates it, shards with DTensor and records what it did (:func:`describe_tp_plan`)
+- :func:`check_tensor_parallel` runs every check of that choice without a mesh (a launcher
+  checks a plan on a meta-device model before any rank starts)
 - :func:`translate_parallel_style` maps transformers 4.x / 5.x style strings to torch styles
 - :func:`register_tp_plan` adds a plan for a model class
 - ``ColwiseConv1x1`` / ``RowwiseConv1x1`` shard 1x1 convolutions on channels
@@ -15,6 +17,7 @@ from .apply import (
     AppliedPlan,
     applied_tp_plan,
     apply_tensor_parallel,
+    check_tensor_parallel,
     check_transformer_tp,
     describe_tp_plan,
 )
@@ -30,6 +33,7 @@ __all__ = [
     "applied_tp_plan",
     "apply_tensor_parallel",
     "check_plan_import",
+    "check_tensor_parallel",
     "check_transformer_tp",
     "describe_tp_plan",
     "reference_plan",

@@ -233,6 +233,54 @@ def _check_sequence_length(tp: int):  # noqa: ANN202
     return hook
 
 
+def _checked_plan(
+    model: nn.Module,
+    tp: int,
+    plan: Mapping[str, Style] | str | None,
+    sequence_parallel: bool | None,
+    loss_parallel: bool,
+    allow_import: bool | Sequence[str],
+) -> tuple[str, bool, dict[str, ParallelStyle | None]]:
+    """Everything :func:`apply_tensor_parallel` decides and checks before it splits anything:
+    ``(source, sequence_parallel, {module name: style})``; raises ForgeConfigError."""
+    has_registered = plan is None and registered_plan_fn(model) is not None
+    sp = _default_sequence_parallel(model, sequence_parallel, plan is not None, has_registered)
+    if loss_parallel and not has_registered and plan is None:
+        raise ForgeConfigError(
+            "loss_parallel=True needs a plan whose output head keeps vocab-sharded logits: use a registered plan "
+            "(the reference Transformer's) or an explicit plan"
+        )
+    ctx = PlanContext(tp_size=tp, sequence_parallel=sp, loss_parallel=loss_parallel)
+    source, raw = resolve_plan(model, plan, ctx, allow_import=allow_import)
+    concrete = expand_plan(model, raw)
+    _validate(model, concrete, tp)
+    return source, sp, concrete
+
+
+def check_tensor_parallel(
+    model: nn.Module,
+    tp: int,
+    *,
+    plan: Mapping[str, Style] | str | None = None,
+    sequence_parallel: bool | None = None,
+    loss_parallel: bool = False,
+    allow_import: bool | Sequence[str] = False,
+) -> str:
+    """Check, without a mesh or a process group, that :func:`apply_tensor_parallel` would accept
+    this plan for ``model`` at ``tp`` ranks (``model`` may live on the meta device): the plan
+    resolves (an import path is imported), every style is known, every pattern matches a module,
+    every style fits its module's type and sizes. Returns a one-line description; raises
+    ForgeConfigError with the reason. Nothing is modified.
+    """
+    source, sp, concrete = _checked_plan(
+        model, tp, plan, sequence_parallel, loss_parallel, allow_import
+    )
+    return (
+        f"{source} plan over {tp} ranks, {len(concrete)} modules, sequence_parallel={sp}, "
+        f"loss_parallel={loss_parallel}"
+    )
+
+
 def apply_tensor_parallel(
     model: nn.Module,
     device_mesh: DeviceMesh,
@@ -257,17 +305,9 @@ def apply_tensor_parallel(
         return model
     tp = tp_mesh.size()
     with stage(model, "tp"):
-        has_registered = plan is None and registered_plan_fn(model) is not None
-        sp = _default_sequence_parallel(model, sequence_parallel, plan is not None, has_registered)
-        if loss_parallel and not has_registered and plan is None:
-            raise ForgeConfigError(
-                "loss_parallel=True needs a plan whose output head keeps vocab-sharded logits: use a registered plan "
-                "(the reference Transformer's) or an explicit plan"
-            )
-        ctx = PlanContext(tp_size=tp, sequence_parallel=sp, loss_parallel=loss_parallel)
-        source, raw = resolve_plan(model, plan, ctx, allow_import=allow_import)
-        concrete = expand_plan(model, raw)
-        _validate(model, concrete, tp)
+        source, sp, concrete = _checked_plan(
+            model, tp, plan, sequence_parallel, loss_parallel, allow_import
+        )
         tied = _shared_parameters(model)
         # Applied one module at a time and recorded (forge_core.contracts), so a later stage
         # (Float8) can swap a module's style.

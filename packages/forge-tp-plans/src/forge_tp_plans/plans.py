@@ -187,14 +187,30 @@ def _import_plan(
     module_name = check_plan_import(path, allow_import)
     attr = path.partition(":")[2]
     try:
-        obj = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ForgeConfigError(f"plan={path!r} cannot be imported: {e}") from None
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 -- any failure of the user's module at import
+        raise ForgeConfigError(
+            f"plan={path!r}: importing '{module_name}' failed: {type(e).__name__}: {e}"
+        ) from None
+    if not hasattr(module, attr):
+        raise ForgeConfigError(f"plan={path!r}: module '{module_name}' has no name '{attr}'")
+    obj = getattr(module, attr)
     if callable(obj) and not isinstance(obj, Mapping):
         # A plan function takes (model, ctx) or nothing; decided by its signature so that a
         # TypeError raised inside it is not mistaken for a signature mismatch.
-        takes_args = len(inspect.signature(obj).parameters) >= 2
-        obj = obj(model, ctx) if takes_args else obj()
+        try:
+            n_params = len(inspect.signature(obj).parameters)
+        except (TypeError, ValueError):
+            n_params = 2
+        if n_params == 1:
+            raise ForgeConfigError(
+                f"plan={path!r} is a function of one argument; a plan function takes "
+                "(model, ctx) or nothing"
+            )
+        try:
+            obj = obj(model, ctx) if n_params >= 2 else obj()
+        except Exception as e:  # noqa: BLE001 -- the user's plan function failed
+            raise ForgeConfigError(f"plan={path!r} raised {type(e).__name__}: {e}") from None
     if not isinstance(obj, Mapping):
         raise ForgeConfigError(
             f"plan={path!r} gave a {type(obj).__name__}; it must be a dict of module pattern -> style"

@@ -67,6 +67,10 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple[dict, int] | int:
 
             nproc = torch.cuda.device_count() if args.device == "cuda" else 4
         world_size = int(os.environ["WORLD_SIZE"]) if _under_launcher() else nproc
+        # NOTE: the ranks import tp.plan with the working directory on their path
+        # (_launch_local); the checks here import it the same way.
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
         check_config(cfg, world_size)
         if command == "build" and cfg.is_field:
             raise ForgeConfigError(

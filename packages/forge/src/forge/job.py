@@ -28,6 +28,7 @@ from forge_core import (
     count_host_syncs,
     load_config,
 )
+from forge_core.contracts import model_components
 from forge_core.stages import unwrap
 from forge_core.torch_compat import inductor_cache_dir
 from forge_core.training import (
@@ -40,7 +41,12 @@ from forge_core.training import (
 from forge_float8 import float8_report
 from forge_mesh import build_device_mesh, init_distributed, mesh_layout
 from forge_moe_ep import check_expert_parallel, moe_metrics
-from forge_tp_plans import check_plan_import, check_transformer_tp, describe_tp_plan
+from forge_tp_plans import (
+    check_plan_import,
+    check_tensor_parallel,
+    check_transformer_tp,
+    describe_tp_plan,
+)
 from forge_vlm import ac_components, check_vlm, num_image_tokens
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -90,6 +96,8 @@ def check_config(cfg: ForgeConfig, world_size: int) -> None:
     t = cfg.training
     if cfg.tp.plan is not None:
         _check_importable("tp.plan", cfg.tp.plan, cfg.tp.allow_import)
+        if par.tp > 1:
+            _check_explicit_plan(cfg, par.tp)
     if cfg.is_vlm:
         check_vlm(cfg.model, cfg.vision, cfg.adapter, cfg.vlm, seq_len=t.seq_len, tp=par.tp)
         ac_components(cfg.vlm.ac_scope, cfg.vlm.freeze_encoder)
@@ -129,6 +137,26 @@ def _check_field(cfg: ForgeConfig, par: ParallelismConfig) -> None:
             f"field.height={cfg.field.height} gives fewer rows than parallelism.domain="
             f"{par.domain} ranks; lower domain or raise the height"
         )
+
+
+def _check_explicit_plan(cfg: ForgeConfig, tp: int) -> None:
+    """Import ``tp.plan`` here and check it against a meta-device copy of the model, so that a
+    wrong plan is one line before launch instead of a traceback from every rank."""
+    from .build import model_from_config
+
+    model = model_from_config(cfg)
+    decoder = dict(model_components(model)).get("decoder", model)
+    try:
+        check_tensor_parallel(
+            decoder,
+            tp,
+            plan=cfg.tp.plan,
+            sequence_parallel=cfg.tp.sequence_parallel_flag,
+            loss_parallel=cfg.tp.loss_parallel,
+            allow_import=cfg.tp.allow_import,
+        )
+    except ForgeConfigError as e:
+        raise ForgeConfigError(f"tp.plan: {e}") from None
 
 
 def _check_importable(key: str, path: str, allow_import: tuple[str, ...]) -> None:
