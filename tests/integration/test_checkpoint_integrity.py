@@ -152,9 +152,13 @@ def test_export_verifies_the_checkpoint(copy: Path, tmp_path: Path):
     assert not (tmp_path / "out").exists()
 
 
-def _env() -> dict:
+def _forge(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m forge.cli *args`` with this checkout first on the import path."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path}
+    env = {**os.environ, "PYTHONPATH": path}
+    return subprocess.run(
+        [*FORGE, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout
+    )
 
 
 @pytest.mark.parametrize("command", ["train", "export"])
@@ -166,9 +170,7 @@ def test_the_cli_exits_3_with_one_line_naming_the_file(copy: Path, tmp_path: Pat
         if command == "train"
         else ["export", str(step3), "--out", str(tmp_path / "out")]
     )
-    proc = subprocess.run(
-        [*FORGE, *args], capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=120
-    )
+    proc = _forge(args, tmp_path)
     assert proc.returncode == EXIT_DAMAGED, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"{_shard(step3).name} has" in lines[0], proc.stderr
@@ -185,14 +187,7 @@ def test_a_second_run_on_a_locked_checkpoint_directory_is_refused(tmp_path: Path
             checkpoint_lock(root),
         ):
             pass  # NOTE: flock is per open file: a second open conflicts even in-process
-        proc = subprocess.run(
-            [*FORGE, "train", "--nproc", "2", "--set", f"checkpoint.dir='{root}'"],
-            capture_output=True,
-            text=True,
-            env=_env(),
-            cwd=tmp_path,
-            timeout=120,
-        )
+        proc = _forge(["train", "--nproc", "2", "--set", f"checkpoint.dir='{root}'"], tmp_path)
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert proc.stderr.count("\n") == 1 and "in use by another forge train" in proc.stderr
     with checkpoint_lock(root):  # released at the end of the first run
@@ -209,14 +204,7 @@ def test_a_failed_rank_is_one_line_with_its_reason_and_log(tmp_path: Path):
         "training.out_dir": f"'{tmp_path / 'run'}'",
     }
     sets = [a for k, v in overrides.items() for a in ("--set", f"{k}={v}")]
-    proc = subprocess.run(
-        [*FORGE, "train", "--nproc", "2", *sets],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        cwd=tmp_path,
-        timeout=300,
-    )
+    proc = _forge(["train", "--nproc", "2", *sets], tmp_path, timeout=300)
     assert proc.returncode == 1, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

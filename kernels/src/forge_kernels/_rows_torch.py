@@ -1,16 +1,15 @@
-"""PyTorch-op versions of the three row movers of :mod:`forge_kernels._permute_triton` (private).
+"""PyTorch-op versions of the row movers of :mod:`forge_kernels._permute_triton` (private).
 
 :mod:`forge_kernels.permute` runs one set of autograd Functions on both backends: on CUDA they
-call the Triton kernels, elsewhere these functions, which have the same signatures and the same
-meaning (plus ``dense``). So the PyTorch path gets the kernels' backward structure too: every
-backward is a gather, never an accumulating scatter (``index_put_(accumulate=True)``, which is
-what plain indexing's autograd would run).
+call the Triton kernels, elsewhere these functions (same meaning, plus ``dense``). The kernels'
+``slot_row_dot`` has no counterpart here: :func:`combine_backward` computes those dot products
+from a gather it needs anyway. No backward here uses ``index_put_(accumulate=True)`` (what plain
+indexing's autograd would run).
 
 - :func:`gather_rows`: ``out[r] = scale[idx[r]] * src[idx[r] // div]``, or 0 when
   ``idx[r] >= n_valid``.
 - :func:`combine_rows`: ``out[t] = sum_k w[t*K + k] * y[scatter_idx[t*K + k]]`` (w = 1 when
   None), summed in fp32 (fp64 for fp64 operands); a slot with ``scatter_idx >= len(y)`` adds 0.
-- :func:`slot_row_dot`: ``out[s] = <g[s // K], y[scatter_idx[s]]>``, 0 for such slots.
 
 Two backward shortcuts of this path only (the kernels need neither; on CPU, every [T*K, D]
 tensor a step materializes costs more than the arithmetic on it):
@@ -32,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["combine_backward", "combine_rows", "gather_rows", "slot_row_dot", "token_sum"]
+__all__ = ["combine_backward", "combine_rows", "gather_rows", "token_sum"]
 
 
 def _acc(*tensors: torch.Tensor) -> torch.dtype:
@@ -100,27 +99,6 @@ def combine_rows(
     return torch.bmm(w_T1K, slots_TKD.to(acc)).view(num_tokens, d).to(out_dtype)
 
 
-def slot_row_dot(
-    g: torch.Tensor,
-    y: torch.Tensor,
-    scatter_idx: torch.Tensor,
-    top_k: int,
-    out_dtype: torch.dtype,
-    dense: bool = False,
-) -> torch.Tensor:
-    """``out[s] = dot(g[s // K], y[scatter_idx[s]])`` in fp32 (fp64 if any is), as ``out_dtype``."""
-    num_slots, d = scatter_idx.numel(), y.shape[1]
-    num_tokens = num_slots // top_k if top_k else 0
-    acc = _acc(g, y)
-    slots, valid = _take_rows(y, scatter_idx, y.shape[0], dense)
-    dots = torch.bmm(
-        slots.view(num_tokens, top_k, d).to(acc), g.reshape(num_tokens, d, 1).to(acc)
-    ).view(num_slots)
-    if valid is not None:
-        dots = torch.where(valid, dots, 0)  # NOTE: where, not a product: a clamped row may be NaN
-    return dots.to(out_dtype)
-
-
 def combine_backward(
     g: torch.Tensor,
     y: torch.Tensor,
@@ -136,8 +114,8 @@ def combine_backward(
 
     ``g_perm[r] = g[gather_idx[r] // K]`` (0 for a row without a slot) is gathered once; then
     ``dW[s] = <g_perm[r], y[r]>`` at ``r = scatter_idx[s]`` (0 for a dropped slot) and
-    ``dY[r] = w[gather_idx[r]] * g_perm[r]``: the same values as :func:`slot_row_dot` and
-    :func:`gather_rows` with ``scale``, in fp32 (fp64 if any operand is), without a gathered
+    ``dY[r] = w[gather_idx[r]] * g_perm[r]``: the same values as the kernels' ``slot_row_dot``
+    and :func:`gather_rows` with ``scale``, in fp32 (fp64 if any operand is), without a gathered
     copy of ``y``. ``dY`` has ``y``'s dtype, ``dW`` ``weights``' dtype.
     """
     rows, num_slots = gather_idx.numel(), weights.numel()

@@ -86,7 +86,7 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple[dict, int] | int:
         return EXIT_DAMAGED
     except ForgeConfigError as e:
         print(f"forge {command}: config error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     return dataclasses.asdict(cfg), nproc
 
 
@@ -176,13 +176,13 @@ def _build(args: argparse.Namespace) -> int:
             report = _launch_local(run_build, cfg_dict, args.device, nproc, _log_dir(cfg_dict))
         except _RankFailed as e:
             print(f"forge build: FAIL: {e}", file=sys.stderr)
-            return 1
+            return EXIT_FAILED
     if report.text:
         print(
             report.text
             + f"\n(total wall time with {nproc} rank(s): {time.perf_counter() - start:.1f}s)"
         )
-    return 0 if report.passed else 1
+    return EXIT_OK if report.passed else EXIT_FAILED
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -208,7 +208,7 @@ def _train(args: argparse.Namespace) -> int:
                 )
     except ForgeConfigError as e:
         print(f"forge train: config error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     except _Interrupted as e:
         # The launcher got the signal and passed it to the ranks, which finished their step and
         # saved before exiting; their return values are lost with the launcher's exception.
@@ -222,13 +222,13 @@ def _train(args: argparse.Namespace) -> int:
             ),
             file=sys.stderr,
         )
-        return 0 if latest else 1
+        return EXIT_OK if latest else EXIT_FAILED
     except _RankFailed as e:
         print(f"forge train: FAIL: {e}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     if summary.text:
         print(summary.text)
-    return 0
+    return EXIT_OK
 
 
 def _train_rank(cfg_dict: dict, device: str) -> Any:
@@ -268,9 +268,9 @@ def _export(args: argparse.Namespace) -> int:
         return EXIT_DAMAGED
     except ForgeConfigError as e:
         print(f"forge export: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     print(f"forge export: wrote {written}")
-    return 0
+    return EXIT_OK
 
 
 def _log_dir(cfg_dict: dict) -> Path:
