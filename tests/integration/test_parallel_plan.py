@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-import forge.build
+import forge_float8.checks
 import pytest
 import torch
 import torch.nn as nn
@@ -159,7 +159,7 @@ def test_from_config_equals_build_parallel_model_on_the_reference_transformer(ru
 
 def test_from_config_maps_float8_vlm_training_and_tp_sections(tmp_path, monkeypatch):
     # NOTE: the mapping does not need torchao; whether it imports is checked on its own below.
-    monkeypatch.setattr(forge.build, "check_torchao", lambda: None)
+    monkeypatch.setattr(forge_float8.checks, "check_torchao", lambda: None)
     raw = {
         "model": {"preset": "debug_vlm"},
         "training": {

@@ -176,9 +176,9 @@ _KILLED_SAVE = textwrap.dedent(
     elif phase == "after shards":  # shards written; DCP's .metadata not yet
         FileSystemWriter.finish = stall
     elif phase == "before the manifest":  # every DCP file written
-        fc._write_manifest = stall
+        fc.write_manifest = stall
     elif phase == "before the rename":  # manifest written and fsynced, not yet published
-        fc._write_manifest = then_stall(fc._write_manifest)
+        fc.write_manifest = then_stall(fc.write_manifest)
     ckpt.save(4, model, opt, {"step": 4, "param_groups": optimizer_hyperparameters(opt), "world_size": 1})
     """
 )

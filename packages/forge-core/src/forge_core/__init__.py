@@ -9,28 +9,76 @@
 - contracts between layers (:mod:`forge_core.contracts`: optimizer hooks, auxiliary losses,
   expert-parallel parameters) and the host-sync guard (:mod:`forge_core.sync_guard`)
 
-Depends on torch only.
+Depends on torch only; the config modules (``config``, ``model_config``, ``vlm_config``,
+``errors``) import without it.
 """
 
-from .blocks import find_block_container, find_blocks
-from .config import ForgeConfig, ParallelismConfig, TPConfig, TrainingConfig, load_config
-from .contracts import attach_optimizer_hooks, pop_aux_losses
-from .errors import ForgeConfigError
-from .mesh_dims import (
-    AXES,
-    axis_size,
-    dp_rank_and_size,
-    get_dp_mesh,
-    get_ep_mesh,
-    get_expert_dp_mesh,
-    get_tp_mesh,
-    has_axis,
-    has_dp_mesh,
-    sub_mesh,
-)
-from .model import PRESETS, ModelConfig, Transformer, TransformerBlock
-from .stages import ORDER_TEXT, applied_stages, check_stage, record_stage, stage
-from .sync_guard import HostSyncError, count_host_syncs, no_host_sync
+from typing import TYPE_CHECKING
+
+from .lazy import lazy_exports
+
+# NOTE: names are imported when first used (PEP 562), so that ``forge_core.config`` and
+# ``forge_core.errors`` load without torch: the launcher checks a config in a fraction of a second
+# before it imports torch (seconds) to start ranks.
+_EXPORTS = {
+    "find_block_container": "blocks",
+    "find_blocks": "blocks",
+    "ForgeConfig": "config",
+    "ParallelismConfig": "config",
+    "TPConfig": "config",
+    "TrainingConfig": "config",
+    "load_config": "config",
+    "attach_optimizer_hooks": "contracts",
+    "pop_aux_losses": "contracts",
+    "ForgeConfigError": "errors",
+    "AXES": "mesh_dims",
+    "axis_size": "mesh_dims",
+    "dp_rank_and_size": "mesh_dims",
+    "get_dp_mesh": "mesh_dims",
+    "get_ep_mesh": "mesh_dims",
+    "get_expert_dp_mesh": "mesh_dims",
+    "get_tp_mesh": "mesh_dims",
+    "has_axis": "mesh_dims",
+    "has_dp_mesh": "mesh_dims",
+    "sub_mesh": "mesh_dims",
+    "PRESETS": "model_config",
+    "ModelConfig": "model_config",
+    "Transformer": "model",
+    "TransformerBlock": "model",
+    "ORDER_TEXT": "stages",
+    "applied_stages": "stages",
+    "check_stage": "stages",
+    "record_stage": "stages",
+    "stage": "stages",
+    "HostSyncError": "sync_guard",
+    "count_host_syncs": "sync_guard",
+    "no_host_sync": "sync_guard",
+}
+
+if TYPE_CHECKING:
+    from .blocks import find_block_container, find_blocks
+    from .config import ForgeConfig, ParallelismConfig, TPConfig, TrainingConfig, load_config
+    from .contracts import attach_optimizer_hooks, pop_aux_losses
+    from .errors import ForgeConfigError
+    from .mesh_dims import (
+        AXES,
+        axis_size,
+        dp_rank_and_size,
+        get_dp_mesh,
+        get_ep_mesh,
+        get_expert_dp_mesh,
+        get_tp_mesh,
+        has_axis,
+        has_dp_mesh,
+        sub_mesh,
+    )
+    from .model import Transformer, TransformerBlock
+    from .model_config import PRESETS, ModelConfig
+    from .stages import ORDER_TEXT, applied_stages, check_stage, record_stage, stage
+    from .sync_guard import HostSyncError, count_host_syncs, no_host_sync
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __version__ = "0.1.0"
 

@@ -26,7 +26,7 @@ from .errors import (
     did_you_mean,
     parse_bool_word,
 )
-from .model import ModelConfig
+from .model_config import ModelConfig
 from .vlm_config import VLM_PRESETS, AdapterConfig, VisionEncoderConfig, VLMConfig
 
 __all__ = [
@@ -312,6 +312,8 @@ class CheckpointConfig:
     of the newest checkpoints to keep. ``async_save``: write in the background while training
     goes on. ``resume``: ``"latest"`` continues from the newest checkpoint in ``dir`` if there is
     one, ``"none"`` starts fresh, anything else is the path of a ``step-N`` directory.
+    ``verify``: check the checkpoint's files against its manifest before loading it (one read
+    of every file; forge's launcher verifies before starting ranks and turns it off for them).
     """
 
     dir: str | None = None
@@ -320,6 +322,7 @@ class CheckpointConfig:
     async_save: bool = False
     resume: str = "latest"
     save_at_end: bool = True
+    verify: bool = True
 
     def __post_init__(self) -> None:
         check_field_types(self, "checkpoint")

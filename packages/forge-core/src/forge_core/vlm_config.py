@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import ForgeConfigError, auto_flag, check_auto_flag, check_field_types, did_you_mean
-from .model import ModelConfig
+from .model_config import ModelConfig
 
 __all__ = [
     "AC_SCOPES",

@@ -5,13 +5,39 @@
   over (fp8 all-gathers for tensorwise), and registers the per-step scale precompute for FSDP2's
   fp8 all-gather.
 - :func:`float8_report` / :class:`Float8Report`: what was converted, what was skipped and why.
-- :func:`check_torchao`: the pure pre-launch check that torchao imports.
+- :func:`check_float8` / :func:`check_torchao`: the pre-launch checks (settings that cannot
+  work together; torchao importable here), in :mod:`forge_float8.checks` (no torch import).
 
 Depends on forge_core, torch and torchao.
 """
 
-from .convert import RECIPES, Float8Report, apply_float8, check_torchao, float8_report
+from typing import TYPE_CHECKING
+
+from forge_core.lazy import lazy_exports
+
+# NOTE: imported on first use, so that the checks (forge_float8.checks) load without torch.
+_EXPORTS = {
+    "RECIPES": "convert",
+    "Float8Report": "convert",
+    "apply_float8": "convert",
+    "float8_report": "convert",
+    "check_float8": "checks",
+    "check_torchao": "checks",
+}
+
+if TYPE_CHECKING:
+    from .checks import check_float8, check_torchao
+    from .convert import RECIPES, Float8Report, apply_float8, float8_report
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __version__ = "0.1.0"
 
-__all__ = ["RECIPES", "Float8Report", "apply_float8", "check_torchao", "float8_report"]
+__all__ = [
+    "RECIPES",
+    "Float8Report",
+    "apply_float8",
+    "check_float8",
+    "check_torchao",
+    "float8_report",
+]

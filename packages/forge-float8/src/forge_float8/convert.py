@@ -61,6 +61,8 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
 )
 
+from .checks import check_torchao
+
 __all__ = ["RECIPES", "Float8Report", "apply_float8", "float8_report"]
 
 log = logging.getLogger(__name__)
@@ -145,19 +147,6 @@ def _default_emulate() -> bool:
         stacklevel=3,
     )
     return True
-
-
-def check_torchao() -> None:
-    """Refuse Float8 up front when torchao does not import here (a pure check, run before any
-    rank starts; the lent GPU machines, for one, come without it)."""
-    try:
-        import torchao.float8  # noqa: F401
-    except ImportError as exc:
-        raise ForgeConfigError(
-            f"float8.enabled=true needs torchao, which does not import here ({exc}); install a "
-            f"torchao release built for torch {torch.__version__.split('+')[0]} "
-            "(`pip install torchao`), or set float8.enabled=false"
-        ) from None
 
 
 def apply_float8(

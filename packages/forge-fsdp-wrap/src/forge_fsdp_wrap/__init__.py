@@ -16,21 +16,44 @@ Every ``apply_*`` goes through forge_core's stage-order contract. Gradient accum
 Depends on forge_core and torch only.
 """
 
-from .ac import AC_MODES, apply_ac
-from .compile import apply_compile
-from .data_parallel import (
-    apply_ddp,
-    apply_fsdp2,
-    default_mp_policy,
-    enable_autocast,
-    frozen_bytes_rule,
-    unshard_fsdp2_model,
-)
+from typing import TYPE_CHECKING
+
+from forge_core.lazy import lazy_exports
+
+# NOTE: imported on first use, so that the pure checks (forge_fsdp_wrap.checks) load without torch.
+_EXPORTS = {
+    "AC_MODES": "checks",
+    "check_ac_mode": "checks",
+    "apply_ac": "ac",
+    "apply_compile": "compile",
+    "apply_ddp": "data_parallel",
+    "apply_fsdp2": "data_parallel",
+    "default_mp_policy": "data_parallel",
+    "enable_autocast": "data_parallel",
+    "frozen_bytes_rule": "data_parallel",
+    "unshard_fsdp2_model": "data_parallel",
+}
+
+if TYPE_CHECKING:
+    from .ac import apply_ac
+    from .checks import AC_MODES, check_ac_mode
+    from .compile import apply_compile
+    from .data_parallel import (
+        apply_ddp,
+        apply_fsdp2,
+        default_mp_policy,
+        enable_autocast,
+        frozen_bytes_rule,
+        unshard_fsdp2_model,
+    )
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __version__ = "0.1.0"
 __all__ = [
     "AC_MODES",
     "apply_ac",
+    "check_ac_mode",
     "apply_compile",
     "apply_ddp",
     "apply_fsdp2",

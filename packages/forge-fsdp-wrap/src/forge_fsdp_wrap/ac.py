@@ -24,7 +24,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 from forge_core.blocks import component_blocks
-from forge_core.errors import ForgeConfigError, did_you_mean
+from forge_core.errors import ForgeConfigError
 from forge_core.stages import stage
 from forge_core.torch_compat import checkpoint_wrapper
 from torch.utils.checkpoint import (
@@ -33,9 +33,10 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from .checks import AC_MODES, check_ac_mode
+
 __all__ = ["AC_MODES", "apply_ac"]
 
-AC_MODES = ("none", "full", "selective", "op")
 _ATTENTION_NAMES = ("attention", "self_attn", "attn")
 
 
@@ -98,11 +99,7 @@ def apply_ac(
     For a model made of components (a VLM), ``components`` names those whose blocks are
     checkpointed (None: all that have blocks).
     """
-    if mode not in AC_MODES:
-        raise ForgeConfigError(
-            f"ac_mode={mode!r} is invalid: choose one of {list(AC_MODES)}"
-            + did_you_mean(str(mode), AC_MODES)
-        )
+    check_ac_mode(mode)
     if mode == "none":  # nothing is wrapped, so nothing is recorded: a later mode may still run
         return model
     with stage(model, "ac"):

@@ -12,9 +12,29 @@
 Depends on forge_core, forge_kernels and torch.
 """
 
-from .dispatch import capacity_per_sequence
-from .moe import GroupedExperts, MoE, Router, moe_metrics, moe_transformer
-from .parallel import apply_expert_parallel, check_expert_parallel
+from typing import TYPE_CHECKING
+
+from forge_core.lazy import lazy_exports
+
+# NOTE: imported on first use, so that the pure checks (forge_moe_ep.checks) load without torch.
+_EXPORTS = {
+    "capacity_per_sequence": "dispatch",
+    "GroupedExperts": "moe",
+    "MoE": "moe",
+    "Router": "moe",
+    "moe_metrics": "moe",
+    "moe_transformer": "moe",
+    "apply_expert_parallel": "parallel",
+    "check_expert_parallel": "checks",
+}
+
+if TYPE_CHECKING:
+    from .checks import check_expert_parallel
+    from .dispatch import capacity_per_sequence
+    from .moe import GroupedExperts, MoE, Router, moe_metrics, moe_transformer
+    from .parallel import apply_expert_parallel
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __version__ = "0.1.0"
 

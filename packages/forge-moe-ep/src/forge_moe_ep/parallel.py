@@ -24,20 +24,10 @@ from forge_core.stages import stage
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from .checks import check_expert_parallel
 from .moe import MoE
 
 __all__ = ["apply_expert_parallel", "check_expert_parallel"]
-
-
-def check_expert_parallel(num_experts: int, ep: int) -> None:
-    """Pure check that ``ep`` ranks can split ``num_experts`` experts (run before any launch)."""
-    if num_experts % ep:
-        choices = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
-        raise ForgeConfigError(
-            f"parallelism.ep={ep} does not divide model.num_experts={num_experts}: each EP rank "
-            f"holds num_experts/ep experts. Choose ep in {choices}; with more data-parallel ranks "
-            "than experts the others shard the experts with FSDP2 (the expert_dp axis)"
-        )
 
 
 def apply_expert_parallel(model: nn.Module, device_mesh: DeviceMesh | None) -> nn.Module:

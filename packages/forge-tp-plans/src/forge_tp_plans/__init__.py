@@ -7,22 +7,47 @@ and any model that opts in with class attributes.
   checks a plan on a meta-device model before any rank starts)
 - :func:`translate_parallel_style` maps transformers 4.x / 5.x style strings to torch styles
 - :func:`register_tp_plan` adds a plan for a model class
+- :mod:`forge_tp_plans.checks`: the pure size and import-path checks (no torch import)
 - ``ColwiseConv1x1`` / ``RowwiseConv1x1`` shard 1x1 convolutions on channels
 
 The first stage of forge's order (TP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2). Depends on
 forge_core and torch only.
 """
 
-from .apply import (
-    AppliedPlan,
-    applied_tp_plan,
-    apply_tensor_parallel,
-    check_tensor_parallel,
-    check_transformer_tp,
-    describe_tp_plan,
-)
-from .plans import PlanContext, check_plan_import, reference_plan, register_tp_plan
-from .styles import ColwiseConv1x1, RowwiseConv1x1, translate_parallel_style
+from typing import TYPE_CHECKING
+
+from forge_core.lazy import lazy_exports
+
+# NOTE: imported on first use, so that the pure checks (forge_tp_plans.checks) load without torch.
+_EXPORTS = {
+    "AppliedPlan": "apply",
+    "applied_tp_plan": "apply",
+    "apply_tensor_parallel": "apply",
+    "check_tensor_parallel": "apply",
+    "describe_tp_plan": "apply",
+    "check_plan_import": "checks",
+    "check_transformer_tp": "checks",
+    "PlanContext": "plans",
+    "reference_plan": "plans",
+    "register_tp_plan": "plans",
+    "ColwiseConv1x1": "styles",
+    "RowwiseConv1x1": "styles",
+    "translate_parallel_style": "styles",
+}
+
+if TYPE_CHECKING:
+    from .apply import (
+        AppliedPlan,
+        applied_tp_plan,
+        apply_tensor_parallel,
+        check_tensor_parallel,
+        describe_tp_plan,
+    )
+    from .checks import check_plan_import, check_transformer_tp
+    from .plans import PlanContext, reference_plan, register_tp_plan
+    from .styles import ColwiseConv1x1, RowwiseConv1x1, translate_parallel_style
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __version__ = "0.1.0"
 __all__ = [

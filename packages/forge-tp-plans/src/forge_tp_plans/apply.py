@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from forge_core import ModelConfig, Transformer
+from forge_core import Transformer
 from forge_core.contracts import apply_tp_styles
 from forge_core.errors import ForgeConfigError
 from forge_core.mesh_dims import get_tp_mesh
@@ -22,6 +21,7 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
 )
 
+from .checks import check_divides, check_transformer_tp
 from .plans import PlanContext, Style, expand_plan, registered_plan_fn, resolve_plan
 from .styles import describe_style
 
@@ -29,7 +29,6 @@ __all__ = [
     "AppliedPlan",
     "applied_tp_plan",
     "apply_tensor_parallel",
-    "check_transformer_tp",
     "describe_tp_plan",
 ]
 
@@ -88,41 +87,6 @@ def _tp_mesh_of(device_mesh: DeviceMesh) -> DeviceMesh | None:
     return get_tp_mesh(device_mesh)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _check_divides(tp: int, sizes: Mapping[str, int]) -> None:
-    for name, size in sizes.items():
-        if size % tp:
-            choices = _divisors(math.gcd(*sizes.values()))
-            raise ForgeConfigError(
-                f"tp={tp} does not divide {name}={size}; choose tp in {{{', '.join(map(str, choices))}}}"
-            )
-
-
-def check_transformer_tp(
-    config: ModelConfig,
-    tp: int,
-    *,
-    head_sharded: bool = True,
-    seq_len: int | None = None,
-    sequence_parallel: bool = False,
-) -> None:
-    """Pure checks of the reference Transformer's sizes against ``tp`` (run before any launch)."""
-    sizes = {"n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads}
-    if len(config.moe_layers) < config.n_layers:  # MoE blocks run replicated over tp
-        sizes["ffn_dim"] = config.ffn_dim
-    if head_sharded:
-        sizes["vocab_size"] = config.vocab_size
-    _check_divides(tp, sizes)
-    if sequence_parallel and seq_len is not None and seq_len % tp:
-        raise ForgeConfigError(
-            f"sequence length {seq_len} is not divisible by tp={tp}, which sequence parallelism needs; "
-            f"choose a multiple of {tp} or sequence_parallel=False"
-        )
-
-
 def _validate(model: nn.Module, plan: Mapping[str, ParallelStyle | None], tp: int) -> None:
     """Head counts and every sharded dimension must split evenly across the tp ranks."""
     config = getattr(model, "config", None)
@@ -134,7 +98,7 @@ def _validate(model: nn.Module, plan: Mapping[str, ParallelStyle | None], tp: in
             if isinstance(getattr(config, key, None), int):
                 sizes[key] = getattr(config, key)
     if sizes:
-        _check_divides(tp, sizes)
+        check_divides(tp, sizes)
     for name, style in plan.items():
         module = model.get_submodule(name)
         # NOTE: torch's Colwise/RowwiseParallel split only Linear and Embedding weights and
@@ -149,18 +113,18 @@ def _validate(model: nn.Module, plan: Mapping[str, ParallelStyle | None], tp: in
                 "RowwiseConv1x1) or leave it out of the plan; nothing was split"
             )
         if isinstance(module, nn.Linear) and isinstance(style, ColwiseParallel):
-            _check_divides(tp, {f"{name}.out_features": module.out_features})
+            check_divides(tp, {f"{name}.out_features": module.out_features})
         elif isinstance(module, nn.Linear) and isinstance(style, RowwiseParallel):
-            _check_divides(tp, {f"{name}.in_features": module.in_features})
+            check_divides(tp, {f"{name}.in_features": module.in_features})
         elif isinstance(module, nn.Conv2d) and style is not None:
             dim = (
                 module.out_channels
                 if type(style).__name__ == "ColwiseConv1x1"
                 else module.in_channels
             )
-            _check_divides(tp, {f"{name} channels": dim})
+            check_divides(tp, {f"{name} channels": dim})
         elif isinstance(module, nn.Embedding) and isinstance(style, RowwiseParallel):
-            _check_divides(tp, {f"{name}.num_embeddings": module.num_embeddings})
+            check_divides(tp, {f"{name}.num_embeddings": module.num_embeddings})
 
 
 def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

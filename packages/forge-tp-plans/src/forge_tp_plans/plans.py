@@ -37,11 +37,11 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from .checks import check_plan_import
 from .styles import ColwiseConv1x1, RowwiseConv1x1, translate_parallel_style
 
 __all__ = [
     "PlanContext",
-    "check_plan_import",
     "PlanFn",
     "expand_plan",
     "reference_plan",
@@ -154,31 +154,6 @@ def registered_plan_fn(model: nn.Module) -> PlanFn | None:
         if cls in _BUILTIN:
             return _BUILTIN[cls]
     return None
-
-
-def check_plan_import(path: str, allow_import: bool | Sequence[str]) -> str:
-    """Check that ``"package.module:NAME"`` may be imported; returns the module name (pure check).
-
-    Importing runs the module's code: only ``allow_import=True`` or a module prefix listed in
-    ``allow_import`` permits it.
-    """
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ForgeConfigError(
-            f"plan={path!r}: an import path must look like 'package.module:NAME'"
-        )
-    allowed = allow_import is True or (
-        not isinstance(allow_import, bool)
-        and any(
-            module_name == p or module_name.startswith(p.rstrip(".") + ".") for p in allow_import
-        )
-    )
-    if not allowed:
-        raise ForgeConfigError(
-            f"plan={path!r}: importing '{module_name}' runs its code, and imports are off by default; "
-            "allow it with allow_import=True (Python) or list the module prefix in tp.allow_import (config)"
-        )
-    return module_name
 
 
 def _import_plan(

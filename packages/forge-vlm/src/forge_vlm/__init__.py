@@ -14,7 +14,9 @@ decoder with the reference plan, the encoder with its own plan from class attrib
 on forge_core and torch (transformers only for the SigLIP tower).
 """
 
-from forge_core.errors import ForgeConfigError, did_you_mean
+from typing import TYPE_CHECKING
+
+from forge_core.lazy import lazy_exports
 from forge_core.vlm_config import (
     AC_SCOPES,
     VLM_PRESETS,
@@ -26,15 +28,30 @@ from forge_core.vlm_config import (
     num_image_tokens,
 )
 
-from .model import (
-    Adapter,
-    HFVisionEncoder,
-    VisionBlock,
-    VisionEncoder,
-    VLMWrapper,
-    build_vision_encoder,
-    build_vlm,
-)
+# NOTE: the model is imported on first use, so that the configs and the pure checks
+# (forge_vlm.checks) load without torch.
+_EXPORTS = {
+    "Adapter": "model",
+    "HFVisionEncoder": "model",
+    "VisionBlock": "model",
+    "VisionEncoder": "model",
+    "VLMWrapper": "model",
+    "build_vision_encoder": "model",
+    "build_vlm": "model",
+    "ac_components": "checks",
+}
+
+if TYPE_CHECKING:
+    from .checks import ac_components
+    from .model import (
+        Adapter,
+        HFVisionEncoder,
+        VisionBlock,
+        VisionEncoder,
+        VLMWrapper,
+        build_vision_encoder,
+        build_vlm,
+    )
 
 __all__ = [
     "AC_SCOPES",
@@ -55,22 +72,4 @@ __all__ = [
     "num_image_tokens",
 ]
 
-
-def ac_components(scope: str, frozen_encoder: bool = False) -> tuple[str, ...]:
-    """The components ``ac_scope`` checkpoints (``all`` | ``language`` | ``vision``).
-
-    A frozen encoder keeps no activations for backward, so checkpointing it saves nothing: it
-    is left out of ``all``, and ``vision`` alone is refused.
-    """
-    table = {"all": ("encoder", "decoder"), "language": ("decoder",), "vision": ("encoder",)}
-    if scope not in table:
-        raise ForgeConfigError(
-            f"ac_scope={scope!r} is invalid: choose one of {list(AC_SCOPES)}"
-            + did_you_mean(str(scope), AC_SCOPES)
-        )
-    if frozen_encoder and scope == "vision":
-        raise ForgeConfigError(
-            "ac_scope='vision' with a frozen encoder: the encoder keeps no activations for "
-            "backward, so checkpointing it saves nothing; use ac_scope='language' or 'all'"
-        )
-    return tuple(c for c in table[scope] if not (frozen_encoder and c == "encoder"))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

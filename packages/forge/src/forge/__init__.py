@@ -5,7 +5,23 @@ nothing but composition (:func:`build_parallel_model`, :class:`ParallelPlan`) an
 CLI.
 """
 
-from .build import ParallelPlan, build_parallel_model, check_plan, materialize
+from typing import TYPE_CHECKING
+
+from forge_core.lazy import lazy_exports
+
+# NOTE: imported on first use: the CLI checks a config (forge.checks) before it imports torch.
+_EXPORTS = {
+    "ParallelPlan": "build",
+    "build_parallel_model": "build",
+    "materialize": "build",
+    "check_plan": "checks",
+}
+
+if TYPE_CHECKING:
+    from .build import ParallelPlan, build_parallel_model, materialize
+    from .checks import check_plan
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __version__ = "0.1.0"
 __all__ = ["ParallelPlan", "build_parallel_model", "check_plan", "materialize"]

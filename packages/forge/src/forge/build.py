@@ -41,9 +41,8 @@ from forge_core.contracts import model_components
 from forge_core.errors import did_you_mean
 from forge_core.mesh_dims import axis_size, get_dp_mesh, has_dp_mesh
 from forge_domain import FieldNet, apply_domain_parallel
-from forge_float8 import apply_float8, check_torchao
+from forge_float8 import apply_float8
 from forge_fsdp_wrap import (
-    AC_MODES,
     apply_ac,
     apply_compile,
     apply_ddp,
@@ -65,6 +64,7 @@ from forge_vlm import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
+from .checks import NOT_YET, check_float8, check_plan
 from .hf_patches import (
     is_hf_model,
     is_packed_sequence_patched,
@@ -83,52 +83,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Axes whose layer this forge does not have yet -> what provides them. Refused, never ignored.
-NOT_YET = {
-    "cp": "context parallelism",
-    "pp": "pipeline parallelism",
-}
-
-
-def check_plan(
-    data: str,
-    axis_sizes: dict[str, int],
-    *,
-    ac_mode: str = "none",
-) -> None:
-    """Refuse what this forge cannot do, before any process group exists (pure checks)."""
-    if data not in ("fsdp2", "ddp", "none"):
-        raise ForgeConfigError(f"data={data!r}: choose 'fsdp2', 'ddp' or 'none'")
-    for axis, layer in NOT_YET.items():
-        if axis_sizes.get(axis, 1) > 1:
-            raise ForgeConfigError(
-                f"parallelism.{axis}={axis_sizes[axis]} needs {layer}, which this forge does not have yet; set {axis}=1"
-            )
-    if data == "ddp" and axis_sizes.get("tp", 1) > 1:
-        raise ForgeConfigError(
-            f"data='ddp' with tp={axis_sizes['tp']}: DDP does not handle tensor-parallel (DTensor) "
-            "parameters; use data='fsdp2' (FSDP2 shards them on the dp axis: 2-D)"
-        )
-    if ac_mode not in AC_MODES:
-        raise ForgeConfigError(f"ac_mode={ac_mode!r} is invalid: choose one of {list(AC_MODES)}")
-
-
-def check_float8(float8: Float8Config, tp: int) -> None:
-    """Refuse ``[float8]`` settings that cannot work with ``tp`` (pure checks, no process group);
-    then, Float8 on, a torchao that does not import (what is wrong in the file comes first)."""
-    if float8.enabled and float8.fsdp_all_gather_flag and tp > 1:
-        raise ForgeConfigError(
-            "float8.fsdp_float8_all_gather=true with tp > 1: torchao's float8 weight wrapper does "
-            'not support TP (DTensor) weights; set it false or "auto"'
-        )
-    if float8.enabled and float8.fsdp_all_gather_flag and float8.recipe != "tensorwise":
-        raise ForgeConfigError(
-            "float8.fsdp_float8_all_gather=true needs float8.recipe='tensorwise', got "
-            f"{float8.recipe!r}"
-        )
-    if float8.enabled:
-        check_torchao()
 
 
 def _float8_options(float8: Float8Config, *, fsdp_all_gather: bool = True) -> dict[str, Any]:

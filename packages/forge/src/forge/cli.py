@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import re
 import signal
 import socket
 import sys
@@ -46,14 +47,21 @@ def _under_launcher() -> bool:
 
 def _prepare(args: argparse.Namespace, command: str) -> tuple[dict, int] | int:
     """Load and check the config before any rank starts: (config dict, nproc) or an exit status
-    (2: config error, 3: damaged checkpoint)."""
-    from forge_core import ForgeConfigError, load_config
+    (2: config error, 3: damaged checkpoint).
 
-    from .checkpoint import CheckpointDamaged
-    from .job import check_config
+    The checks on the config's values, and the checkpoint a resume starts from, come before
+    torch is imported (they take milliseconds, torch's import seconds); then the checks that
+    import what the config names (a tp.plan module on a meta-device model, torchao).
+    """
+    from forge_core.config import load_config
+    from forge_core.errors import ForgeConfigError
+
+    from .checkpoint_files import CheckpointDamaged
+    from .checks import check_config_imports, check_config_values
 
     try:
         cfg = load_config(args.config, args.set)
+        nproc = args.nproc
         if args.device == "cuda":
             import torch
 
@@ -61,17 +69,10 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple[dict, int] | int:
                 raise ForgeConfigError(
                     "--device cuda but no CUDA device is visible; use --device cpu"
                 )
-        nproc = args.nproc
-        if nproc is None:
-            import torch
-
-            nproc = torch.cuda.device_count() if args.device == "cuda" else 4
+            nproc = torch.cuda.device_count() if nproc is None else nproc
+        nproc = 4 if nproc is None else nproc
         world_size = int(os.environ["WORLD_SIZE"]) if _under_launcher() else nproc
-        # NOTE: the ranks import tp.plan with the working directory on their path
-        # (_launch_local); the checks here import it the same way.
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        check_config(cfg, world_size)
+        check_config_values(cfg, world_size)
         if command == "build" and cfg.is_field:
             raise ForgeConfigError(
                 "forge build checks token models against one device; a field model "
@@ -79,8 +80,15 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple[dict, int] | int:
             )
         if command == "train" and cfg.data.path is not None and not os.path.isfile(cfg.data.path):
             raise ForgeConfigError(f"data.path={cfg.data.path!r} does not exist or is not a file")
-        if command == "train" and cfg.checkpoint.resume != "none":
+        # NOTE: under torchrun every rank runs this; rank 0 alone reads the checkpoint, once
+        # the process group exists (forge.train), instead of every rank reading all of it.
+        if command == "train" and cfg.checkpoint.resume != "none" and not _under_launcher():
             cfg = _checked_resume(cfg)
+        # NOTE: the ranks import tp.plan with the working directory on their path
+        # (_launch_local); the checks here import it the same way.
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        check_config_imports(cfg, world_size)
     except CheckpointDamaged as e:
         print(f"forge {command}: damaged checkpoint: {e}", file=sys.stderr)
         return EXIT_DAMAGED
@@ -93,80 +101,32 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple[dict, int] | int:
 #: Exit status of forge's commands (README "Failures and recovery").
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_DAMAGED = 0, 1, 2, 3
 
-#: ModelConfig fields that decide the shapes a checkpoint holds.
-_SHAPE_FIELDS = (
-    "vocab_size",
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_dim",
-    "tie_embeddings",
-    "moe_every",
-    "num_experts",
-    "moe_ffn_dim",
-    "num_shared_experts",
-)
-
 
 def _checked_resume(cfg: Any) -> Any:
-    """Pick and verify the checkpoint ``forge train`` resumes from, before any rank starts.
+    """Pick and verify the checkpoint ``forge train`` resumes from, before any rank starts
+    (:func:`forge.checkpoint_files.resume_point`), and pass it to the ranks as a path they need
+    not verify again. Raises CheckpointDamaged / ForgeConfigError."""
+    from .checkpoint_files import resume_point
 
-    ``resume = "latest"`` becomes the newest checkpoint that verifies (damaged newer ones are
-    reported and skipped), so every rank loads the same one; a path must verify. Either way the
-    saved model must have this config's shapes. Raises CheckpointDamaged / ForgeConfigError.
-    """
-    from forge_core import ForgeConfigError
-
-    from .checkpoint import CheckpointDamaged, latest_intact, read_train_state, verify_checkpoint
-
-    resume = cfg.checkpoint.resume
-    if resume == "latest":
-        chosen, skipped = latest_intact(cfg.checkpoint_dir)
-        for line in skipped:
-            print(f"forge train: skipping damaged checkpoint {line}", file=sys.stderr)
-        if chosen is None:
-            if skipped:
-                raise CheckpointDamaged(
-                    f"no intact checkpoint in {str(cfg.checkpoint_dir)!r} ({len(skipped)} "
-                    "damaged); set checkpoint.resume=none to start over"
-                )
-            return cfg  # nothing saved yet: a fresh start
+    chosen, skipped = resume_point(cfg)
+    for line in skipped:
+        print(f"forge train: skipping damaged checkpoint {line}", file=sys.stderr)
+    if chosen is None:
+        return cfg  # nothing saved yet: a fresh start
+    if cfg.checkpoint.resume == "latest":
         print(f"forge train: resuming from {chosen}", file=sys.stderr)
-    else:
-        chosen = Path(resume)
-        read_train_state(chosen)  # a path: it must be a forge checkpoint
-        verify_checkpoint(chosen)
-    saved = read_train_state(chosen).get("config", {})
-    saved_model = saved.get("model", {}) if isinstance(saved, dict) else {}
-    mine = dataclasses.asdict(cfg.model)
-    differ = [
-        f"{k}={saved_model[k]!r} there, {mine[k]!r} here"
-        for k in _SHAPE_FIELDS
-        if k in saved_model and saved_model[k] != mine[k]
-    ]
-    for section in ("field", "vision", "adapter"):
-        theirs, ours = saved.get(section), getattr(cfg, section)
-        if (theirs is None) != (ours is None) or (
-            ours is not None and theirs != dataclasses.asdict(ours)
-        ):
-            differ.append(f"[{section}] differs")
-    if differ:
-        raise ForgeConfigError(
-            f"checkpoint {chosen.name} was saved for another model ({'; '.join(differ[:3])}); "
-            "resume with the config that saved it, or set checkpoint.resume=none"
-        )
     return dataclasses.replace(
-        cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=str(chosen))
+        cfg,
+        checkpoint=dataclasses.replace(cfg.checkpoint, resume=str(chosen), verify=False),
     )
 
 
 def _build(args: argparse.Namespace) -> int:
-    from .job import run_build
-
     prepared = _prepare(args, "build")
     if isinstance(prepared, int):
         return prepared
+    from .job import run_build
+
     cfg_dict, nproc = prepared
     start = time.perf_counter()
     if _under_launcher():
@@ -186,14 +146,14 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from forge_core import ForgeConfigError, load_config
-
-    from .checkpoint import checkpoint_lock, find_latest
-    from .train import run_train
-
     prepared = _prepare(args, "train")
     if isinstance(prepared, int):
         return prepared
+    from forge_core import ForgeConfigError, load_config
+
+    from .checkpoint_files import CheckpointDamaged, checkpoint_lock, find_latest
+    from .train import run_train
+
     cfg_dict, nproc = prepared
     # NOTE: the launcher (or torchrun's rank 0) holds the checkpoint directory for the run.
     owner = not _under_launcher() or os.environ.get("RANK") == "0"
@@ -206,6 +166,9 @@ def _train(args: argparse.Namespace) -> int:
                 summary = _launch_local(
                     _train_rank, cfg_dict, args.device, nproc, _log_dir(cfg_dict)
                 )
+    except CheckpointDamaged as e:  # under torchrun: rank 0 verified it, every rank says so
+        print(f"forge train: damaged checkpoint: {e}", file=sys.stderr)
+        return EXIT_DAMAGED
     except ForgeConfigError as e:
         print(f"forge train: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -250,19 +213,31 @@ def _train_rank(cfg_dict: dict, device: str) -> Any:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from forge_core.config import load_config
+    from forge_core.errors import ForgeConfigError
+
+    try:  # NOTE: a config that does not load is one line before torch's import
+        cfg = load_config(args.config, args.set)
+    except ForgeConfigError as err:
+        print(f"forge plan: config error: {err}", file=sys.stderr)
+        return EXIT_CONFIG
     from .plan import run_plan
 
-    return run_plan(args.config, args.world_size, args.set)
+    return run_plan(cfg, args.world_size)
 
 
 def _export(args: argparse.Namespace) -> int:
-    from forge_core import ForgeConfigError
+    from forge_core.errors import ForgeConfigError
 
-    from .checkpoint import CheckpointDamaged
-    from .export import export_checkpoint
+    from .checkpoint_files import CheckpointDamaged, read_train_state, verify_checkpoint
 
     try:
-        written = export_checkpoint(args.checkpoint, args.out, layout=args.format)
+        # NOTE: before torch's import, so a damaged file is one line at once
+        read_train_state(args.checkpoint)
+        verify_checkpoint(args.checkpoint)
+        from .export import export_checkpoint
+
+        written = export_checkpoint(args.checkpoint, args.out, layout=args.format, verify=False)
     except CheckpointDamaged as e:
         print(f"forge export: damaged checkpoint: {e}", file=sys.stderr)
         return EXIT_DAMAGED
@@ -286,17 +261,46 @@ class _Interrupted(RuntimeError):
     pass
 
 
-def _failure_line(failures: dict[int, Any], log_root: Path) -> str:
-    """One line for a failed launch: the rank that failed first, its exit code or signal, its
-    message, and where its full output is (``failures``: ChildFailedError.failures)."""
-    rank, first = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+#: Errors a rank raises because another rank died (its socket closed): never the cause.
+_PEER_LOST = re.compile(r"Connection (closed|reset) by peer|remote worker|Broken pipe", re.I)
+
+
+def _one_line(text: str) -> str:
+    """A rank's error message on one line (an embedded traceback: its first and last lines)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) > 1 and any(line.startswith("Traceback") for line in lines):
+        return f"{lines[0]} ... {lines[-1]}"
+    return " ".join(lines)
+
+
+def _failure_line(failures: dict[int, Any], log_root: Path, run_id: str = "*") -> str:
+    """One line for a failed launch: the rank whose failure caused it, its exit code or signal,
+    its message, and where its full output is (``failures``: ChildFailedError.failures; the
+    launch's logs are under ``log_root/<run_id>_*``).
+
+    The cause: a rank killed by a signal, else a rank whose error is not a lost connection to a
+    dead peer, else the earliest failure.
+    """
+
+    def message(failure: Any) -> str:
+        text = failure.message
+        return _one_line(text.get("message", "") if isinstance(text, dict) else str(text))
+
+    rank, first = min(
+        failures.items(),
+        key=lambda kv: (
+            kv[1].exitcode >= 0,
+            bool(_PEER_LOST.search(message(kv[1]))),
+            kv[1].timestamp,
+            kv[0],
+        ),
+    )
     if first.exitcode < 0:
         what = f"rank {rank} was killed by {first.signal_name()}"
     else:
-        message = first.message
-        text = message.get("message", "") if isinstance(message, dict) else str(message)
+        text = message(first)
         what = f"rank {rank} exited with code {first.exitcode}" + (f": {text}" if text else "")
-    logs = sorted(log_root.glob(f"*/attempt_*/{rank}/stderr.log"))
+    logs = sorted(log_root.glob(f"{run_id}_*/attempt_*/{rank}/stderr.log"))
     if logs:
         where = f"its log: {logs[-1]}"
     elif first.error_file and Path(first.error_file).is_file():
@@ -305,6 +309,22 @@ def _failure_line(failures: dict[int, Any], log_root: Path) -> str:
         where = "its output is above"
     others = f"; {len(failures) - 1} other rank(s) stopped after it" if len(failures) > 1 else ""
     return f"{what} ({where}{others})"
+
+
+def _rank_main(fn: Callable[[dict, str], Any], cfg_dict: dict, device: str) -> Any:
+    """One rank started by :func:`_launch_local`: ``fn(cfg_dict, device)``.
+
+    NOTE: when a rank dies (killed, out of memory) the others fail at once with a lost
+    connection, and the launcher reports whichever exit it sees first. A rank whose error is
+    such a lost connection waits a moment before exiting, so the launcher sees the rank that
+    died first and :func:`_failure_line` names the cause, not its echo.
+    """
+    try:
+        return fn(cfg_dict, device)
+    except Exception as e:
+        if _PEER_LOST.search(str(e)):
+            time.sleep(2.0)  # the launcher stops this rank sooner once it sees the dead one
+        raise
 
 
 def _launch_local(
@@ -337,11 +357,12 @@ def _launch_local(
     # each importing them (seconds per rank, serialized on few cores); the forkserver is a
     # clean single-threaded process that has not touched CUDA.
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", fn.__module__])
+    run_id = f"forge-{uuid.uuid4().hex[:8]}"
     config = launch_config(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
-        run_id=f"forge-{uuid.uuid4().hex[:8]}",
+        run_id=run_id,
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{_free_port()}",
         max_restarts=0,
@@ -356,9 +377,9 @@ def _launch_local(
         ),
     )
     try:
-        results = elastic_launch(config, fn)(cfg_dict, device)
+        results = elastic_launch(config, _rank_main)(fn, cfg_dict, device)
     except ChildFailedError as e:
-        raise _RankFailed(_failure_line(e.failures, log_dir)) from None
+        raise _RankFailed(_failure_line(e.failures, log_dir, run_id)) from None
     except SignalException as e:
         raise _Interrupted(signal.Signals(e.sigval).name) from None
     return results[0]

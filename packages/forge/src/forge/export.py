@@ -230,14 +230,19 @@ def export_hf_llama(
 
 
 def export_checkpoint(
-    checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *, layout: str = "safetensors"
+    checkpoint: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    layout: str = "safetensors",
+    verify: bool = True,
 ) -> Path:
     """Consolidate a ``forge train`` checkpoint (any layout it was saved under) in one process.
 
     ``layout="safetensors"``: one file ``out`` with forge's parameter names (the config and step
     in its metadata). ``layout="hf"``: a Hugging Face Llama folder ``out`` (dense reference
     models only). No process group is needed; the model is rebuilt on the CPU from the config
-    stored in the checkpoint and filled from its shards.
+    stored in the checkpoint and filled from its shards. ``verify=False`` skips checking the
+    files against the checkpoint's manifest (for a caller that just did).
     """
     from forge_core import load_config
 
@@ -247,7 +252,8 @@ def export_checkpoint(
     if layout not in ("safetensors", "hf"):
         raise ForgeConfigError(f"layout={layout!r}: choose 'safetensors' or 'hf'")
     state = read_train_state(checkpoint)
-    verify_checkpoint(checkpoint)  # NOTE: a flipped byte in a shard would otherwise load silently
+    if verify:  # NOTE: a flipped byte in a shard would otherwise load silently
+        verify_checkpoint(checkpoint)
     cfg = load_config(state["config"])
     if layout == "hf" and (cfg.is_vlm or cfg.is_field):
         raise ForgeConfigError(

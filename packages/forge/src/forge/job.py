@@ -7,7 +7,6 @@ checked without a separate run. Rank 0 returns the report.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 import warnings
@@ -22,13 +21,11 @@ import torch.nn.functional as F
 from forge_core import (
     ORDER_TEXT,
     ForgeConfig,
-    ForgeConfigError,
     ParallelismConfig,
     applied_stages,
     count_host_syncs,
     load_config,
 )
-from forge_core.contracts import model_components
 from forge_core.stages import unwrap
 from forge_core.torch_compat import inductor_cache_dir
 from forge_core.training import (
@@ -40,28 +37,23 @@ from forge_core.training import (
 )
 from forge_float8 import float8_report
 from forge_mesh import build_device_mesh, init_distributed, mesh_layout
-from forge_moe_ep import check_expert_parallel, moe_metrics
+from forge_moe_ep import moe_metrics
 from forge_tp_plans import (
-    check_plan_import,
-    check_tensor_parallel,
-    check_transformer_tp,
     describe_tp_plan,
 )
-from forge_vlm import ac_components, check_vlm, num_image_tokens
+from forge_vlm import ac_components, num_image_tokens
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from .build import (
-    NOT_YET,
     ParallelPlan,
     _float8_options,
     build_parallel_model,
-    check_float8,
-    check_plan,
     model_from_config,
 )
+from .checks import check_config
 
 __all__ = ["BuildReport", "check_config", "run_build"]
 
@@ -70,101 +62,6 @@ __all__ = ["BuildReport", "check_config", "run_build"]
 class BuildReport:
     text: str
     passed: bool
-
-
-def check_config(cfg: ForgeConfig, world_size: int) -> None:
-    """Every check that needs no process group: raises ForgeConfigError before any launch."""
-    par = cfg.resolved_parallelism(world_size)
-    sizes = {name: getattr(par, name) for name in (*NOT_YET, "tp")}
-    check_plan(par.data, sizes, ac_mode=cfg.training.ac_mode)
-    if cfg.is_field:
-        _check_field(cfg, par)
-    elif par.domain > 1:
-        raise ForgeConfigError(
-            f"parallelism.domain={par.domain}: domain parallelism splits 2-D fields (conv nets), "
-            "and this model is a token model. Train a field model (model.preset=debug_field, "
-            "[field] section), or set domain=1"
-        )
-    check_float8(cfg.float8, par.tp)
-    if par.ep > 1:
-        if not cfg.model.moe_layers:
-            raise ForgeConfigError(
-                f"parallelism.ep={par.ep} but model has no MoE blocks (model.moe_every=0); set "
-                "ep=1 or an MoE model (e.g. model.preset=debug_moe)"
-            )
-        check_expert_parallel(cfg.model.num_experts, par.ep)
-    t = cfg.training
-    if cfg.tp.plan is not None:
-        _check_importable("tp.plan", cfg.tp.plan, cfg.tp.allow_import)
-        if par.tp > 1:
-            _check_explicit_plan(cfg, par.tp)
-    if cfg.is_vlm:
-        check_vlm(cfg.model, cfg.vision, cfg.adapter, cfg.vlm, seq_len=t.seq_len, tp=par.tp)
-        ac_components(cfg.vlm.ac_scope, cfg.vlm.freeze_encoder)
-        if cfg.vlm.encoder_tp_plan is not None:
-            _check_importable("vlm.encoder_tp_plan", cfg.vlm.encoder_tp_plan, cfg.tp.allow_import)
-    if par.tp > 1:
-        sp = cfg.tp.sequence_parallel_flag
-        sp = (cfg.tp.plan is None and not cfg.model.tie_embeddings) if sp is None else sp
-        check_transformer_tp(cfg.model, par.tp, seq_len=t.seq_len, sequence_parallel=sp)
-    if t.global_batch_size % (par.dp_degree * t.grad_accum):
-        raise ForgeConfigError(
-            f"training.global_batch_size={t.global_batch_size} must be divisible by the "
-            f"{par.dp_degree} data-parallel ranks x training.grad_accum={t.grad_accum}"
-        )
-    if t.seq_len > cfg.model.max_seq_len:
-        raise ForgeConfigError(
-            f"training.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}"
-        )
-
-
-def _check_field(cfg: ForgeConfig, par: ParallelismConfig) -> None:
-    """What a field model (forge_domain.FieldNet) can be combined with."""
-    unsupported = {
-        "parallelism.tp": par.tp > 1,
-        "parallelism.ep": par.ep > 1,
-        "float8.enabled": cfg.float8.enabled,
-        "data.path": cfg.data.path is not None,
-    }
-    for key, bad in unsupported.items():
-        if bad:
-            raise ForgeConfigError(
-                f"{key} is set for a field model ([field]): FieldNet is a conv net; it takes data "
-                "parallelism and parallelism.domain (height split), not this; unset it"
-            )
-    if cfg.field.height < par.domain:
-        raise ForgeConfigError(
-            f"field.height={cfg.field.height} gives fewer rows than parallelism.domain="
-            f"{par.domain} ranks; lower domain or raise the height"
-        )
-
-
-def _check_explicit_plan(cfg: ForgeConfig, tp: int) -> None:
-    """Import ``tp.plan`` here and check it against a meta-device copy of the model, so that a
-    wrong plan is one line before launch instead of a traceback from every rank."""
-    from .build import model_from_config
-
-    model = model_from_config(cfg)
-    decoder = dict(model_components(model)).get("decoder", model)
-    try:
-        check_tensor_parallel(
-            decoder,
-            tp,
-            plan=cfg.tp.plan,
-            sequence_parallel=cfg.tp.sequence_parallel_flag,
-            loss_parallel=cfg.tp.loss_parallel,
-            allow_import=cfg.tp.allow_import,
-        )
-    except ForgeConfigError as e:
-        raise ForgeConfigError(f"tp.plan: {e}") from None
-
-
-def _check_importable(key: str, path: str, allow_import: tuple[str, ...]) -> None:
-    module_name = check_plan_import(path, allow_import)
-    if importlib.util.find_spec(module_name.split(".")[0]) is None:
-        raise ForgeConfigError(
-            f"{key}={path!r}: module '{module_name}' is not importable from here"
-        )
 
 
 def _vlm_kwargs(cfg: ForgeConfig) -> dict[str, Any]:

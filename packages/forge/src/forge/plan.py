@@ -25,7 +25,7 @@ materialized (asserted). Every other rank's numbers are arithmetic:
   TP/SP, EP, DDP and the per-step reductions from the config, for AC none or full (selective
   and op count as none). Float8's fp8 all-gather and amax reductions are not modelled.
 
-Broken rules (``forge.job.check_config`` and the checks it stops before, and a
+Broken rules (``forge.checks.check_config`` and the checks it stops before, and a
 ``ForgeConfigError`` from the build) are collected and reported, not raised. ``plan_layout``
 refuses to run where a process group exists, and destroys the fake one it creates.
 """
@@ -36,7 +36,7 @@ import math
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -59,7 +59,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .build import ParallelPlan, model_from_config
-from .job import check_config
+from .checks import check_config
 
 __all__ = [
     "ActivationEstimate",
@@ -570,10 +570,16 @@ def plan_layout(cfg: ForgeConfig, world_size: int) -> LayoutPlan:
     return plan
 
 
-def run_plan(config: str | None, world_size: int, overrides: list[str]) -> int:
-    """``forge plan``: print the plan; 0 when every rule holds, 2 for a bad config or layout."""
+def run_plan(
+    config: ForgeConfig | str | None, world_size: int, overrides: Sequence[str] = ()
+) -> int:
+    """``forge plan``: print the plan; 0 when every rule holds, 2 for a bad config or layout.
+
+    ``config``: a loaded config, or a TOML path (None: the default) read with ``overrides``.
+    """
     try:
-        plan = plan_layout(load_config(config, overrides), world_size)
+        cfg = config if isinstance(config, ForgeConfig) else load_config(config, overrides)
+        plan = plan_layout(cfg, world_size)
     except ForgeConfigError as err:
         print(f"forge plan: config error: {err}", file=sys.stderr)
         return 2

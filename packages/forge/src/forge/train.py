@@ -40,7 +40,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from forge_core import ForgeConfig, attach_optimizer_hooks, load_config, pop_aux_losses
+from forge_core import (
+    ForgeConfig,
+    ForgeConfigError,
+    attach_optimizer_hooks,
+    load_config,
+    pop_aux_losses,
+)
 from forge_core.mesh_dims import axis_size, dp_rank_and_size
 from forge_core.stages import unwrap
 from forge_core.training import (
@@ -56,7 +62,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
 from .build import ParallelPlan, model_from_config
-from .checkpoint import Checkpointer, latest_intact, optimizer_hyperparameters
+from .checkpoint import Checkpointer, optimizer_hyperparameters
+from .checkpoint_files import CheckpointDamaged, resume_point
 from .data import Batch, FieldBatch, make_data
 from .job import setup_rank
 
@@ -286,6 +293,35 @@ def _nonfinite_values(model: nn.Module, optimizer: torch.optim.Optimizer) -> int
     return int(torch.stack(counts).sum()) if counts else 0
 
 
+def _agreed_resume_point(cfg: ForgeConfig, group: dist.ProcessGroup) -> Path | None:
+    """The checkpoint every rank resumes from: rank 0 picks and verifies it
+    (:func:`forge.checkpoint_files.resume_point`) and tells the others.
+
+    NOTE: one read of the checkpoint in all, not one per rank; a refusal reaches every rank as
+    the same error (a damaged checkpoint, or one saved for another model), so each exits with
+    one line. forge's launcher has done this before starting ranks and passes a path with
+    ``checkpoint.verify = false``.
+    """
+    verdict: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            chosen, skipped = resume_point(cfg)
+            for line in skipped:
+                print(f"forge train: skipping damaged checkpoint {line}", file=sys.stderr)
+            verdict = [("ok", None if chosen is None else str(chosen))]
+        except CheckpointDamaged as e:
+            verdict = [("damaged", str(e))]
+        except ForgeConfigError as e:
+            verdict = [("config", str(e))]
+    dist.broadcast_object_list(verdict, src=0, group=group)
+    kind, value = verdict[0]
+    if kind == "damaged":
+        raise CheckpointDamaged(value)
+    if kind == "config":
+        raise ForgeConfigError(value)
+    return None if value is None else Path(value)
+
+
 def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummary:
     """One rank's part of ``forge train``; rank 0's summary holds the steps and the report."""
     cfg = load_config(cfg_dict)
@@ -315,15 +351,7 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
         process_group=dist.new_group(backend="gloo"),
     )
     summary = TrainSummary()
-    resume: Path | None = None
-    if ck.resume == "latest":
-        # NOTE: `forge train` already picked and verified it (the ranks get a path); this is the
-        # Python API's way in: every rank verifies the same files and picks the same one.
-        resume, skipped = latest_intact(ckpt_root)
-        if rank == 0 and skipped:
-            print("\n".join(f"skipping damaged checkpoint {s}" for s in skipped), file=sys.stderr)
-    elif ck.resume != "none":
-        resume = Path(ck.resume)
+    resume = _agreed_resume_point(cfg, control)
     if resume is not None:
         state = checkpointer.load(resume, model, optimizer)
         scheduler.load_state_dict(state["scheduler"])
