@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from forge.checkpoint import (
@@ -22,7 +23,7 @@ from forge.checkpoint import (
     latest_intact,
     verify_checkpoint,
 )
-from forge.cli import EXIT_DAMAGED, _checked_resume, _failure_line
+from forge.cli import EXIT_CONFIG, EXIT_DAMAGED, _checked_resume, _failure_line
 from forge.export import export_checkpoint
 from forge.train import run_train
 from forge_core import ForgeConfigError, load_config
@@ -177,6 +178,95 @@ def test_the_cli_exits_3_with_one_line_naming_the_file(copy: Path, tmp_path: Pat
     assert "Traceback" not in proc.stderr
 
 
+#: ``forge.cli.main`` that reports on stdout whether torch was imported before it returned.
+_MAIN_REPORTING_TORCH = (
+    "import sys\n"
+    "from forge.cli import main\n"
+    "status = main(sys.argv[1:])\n"
+    "print('torch imported:', 'torch' in sys.modules)\n"
+    "sys.exit(status)\n"
+)
+
+
+@pytest.mark.parametrize(
+    "case", ["train, damaged", "export, damaged", "train, bad value", "plan, bad value"]
+)
+def test_refusals_come_before_torch_is_imported(copy: Path, tmp_path: Path, case: str):
+    step3 = copy / "step-00000003"
+    _flip(_shard(step3))
+    args, status = {
+        "train, damaged": (["train", "--set", f"checkpoint.dir='{copy}'"], EXIT_DAMAGED),
+        "export, damaged": (["export", str(step3), "--out", str(tmp_path / "o")], EXIT_DAMAGED),
+        "train, bad value": (["train", "--set", "float8.enabled=maybe"], EXIT_CONFIG),
+        "plan, bad value": (
+            ["plan", "--world-size", "8", "--set", "model.preset=nope"],
+            EXIT_CONFIG,
+        ),
+    }[case]
+    if case == "train, damaged":  # every checkpoint damaged: nothing to fall back to
+        for step_dir in copy.iterdir():
+            if step_dir != step3:
+                _flip(_shard(step_dir))
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-c", _MAIN_REPORTING_TORCH, *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path},
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert proc.returncode == status, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "torch imported: False"
+    assert "Traceback" not in proc.stderr
+
+
+def _resume_on_ranks(cfg: dict) -> tuple[str, str, int]:
+    """run_train on this rank, counting the files this rank checksums; (outcome, message,
+    files read)."""
+    import forge.checkpoint_files as files
+
+    reads = []
+    crc32 = files._crc32
+    files._crc32 = lambda path: reads.append(path) or crc32(path)
+    try:
+        summary = run_train(cfg, "cpu")
+        return "trained", str(summary.resumed_from), len(reads)
+    except ForgeConfigError as e:  # CheckpointDamaged is one
+        return type(e).__name__, str(e), len(reads)
+    finally:
+        files._crc32 = crc32
+
+
+def test_under_torchrun_rank_0_verifies_and_every_rank_gets_its_verdict(
+    run_on_ranks, copy: Path, tmp_path: Path
+):
+    """Without forge's launcher (torchrun, the Python API) the ranks pick the checkpoint: rank
+    0 reads it once, the others hear the outcome, and a refusal is the same error on all."""
+    base = {
+        "model": {"preset": "debug"},
+        "parallelism": {"tp": 1},
+        "training": {"steps": 4, "out_dir": str(tmp_path / "run"), "seq_len": 16},
+        "checkpoint": {"dir": str(copy), "save_at_end": False},
+    }
+    _flip(_shard(copy / "step-00000003"))
+    (rank0, rank1) = run_on_ranks(2, _resume_on_ranks, base)
+    assert rank0[:2] == rank1[:2] == ("trained", str(copy / "step-00000002"))
+    assert rank0[2] > 0 and rank1[2] == 0, "only rank 0 reads the checkpoint"
+
+    damaged = {**base, "checkpoint": {**base["checkpoint"], "resume": str(copy / "step-00000003")}}
+    outcomes = run_on_ranks(2, _resume_on_ranks, damaged)
+    assert {o[:2] for o in outcomes} == {
+        ("CheckpointDamaged", outcomes[0][1])
+    } and "changed since it was written" in outcomes[0][1]
+    assert [o[2] > 0 for o in outcomes] == [True, False]
+
+    other_model = {**base, "model": {"preset": "debug", "dim": 128}}
+    outcomes = run_on_ranks(2, _resume_on_ranks, other_model)
+    assert {o[:2] for o in outcomes} == {("ForgeConfigError", outcomes[0][1])}
+    assert "saved for another model" in outcomes[0][1]
+
+
 def test_a_second_run_on_a_locked_checkpoint_directory_is_refused(tmp_path: Path):
     root = tmp_path / "checkpoints"
     with checkpoint_lock(root):
@@ -224,3 +314,45 @@ def test_a_killed_rank_names_the_signal_and_its_log(tmp_path: Path):
     killed = ProcessFailure(local_rank=1, pid=123, exitcode=-9, error_file="<N/A>")
     line = _failure_line({1: killed}, tmp_path)
     assert line == f"rank 1 was killed by SIGKILL (its log: {log})"
+
+
+def _failure(exitcode: int, message: str, timestamp: int) -> SimpleNamespace:
+    """What _failure_line reads of torch's ProcessFailure."""
+    return SimpleNamespace(
+        exitcode=exitcode,
+        message={"message": message},
+        timestamp=timestamp,
+        error_file="<N/A>",
+        signal_name=lambda: "SIGKILL",
+    )
+
+
+def test_the_failure_line_names_the_cause_not_its_echo(tmp_path: Path):
+    lost = "RuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:5778. GLHF"
+    cause = "CheckpointIOError: writing checkpoint step-00000004 failed on rank 1: OSError: full"
+    # the rank that lost its peer exited first, yet the one with the real error is named
+    line = _failure_line({0: _failure(1, lost, 10), 1: _failure(1, cause, 11)}, tmp_path)
+    assert line.startswith(f"rank 1 exited with code 1: {cause} (")
+    # a rank killed by a signal is the cause of the others' errors
+    line = _failure_line({0: _failure(1, cause, 10), 1: _failure(-9, "", 12)}, tmp_path)
+    assert line.startswith("rank 1 was killed by SIGKILL (")
+    # a message holding a traceback (torch's CheckpointException) stays on one line
+    tb = "Boom ranks:[1]\nTraceback (most recent call last):\n  File 'x.py'\nOSError: full\n"
+    line = _failure_line({2: _failure(1, tb, 1)}, tmp_path)
+    assert (
+        line == "rank 2 exited with code 1: Boom ranks:[1] ... OSError: full (its output is above)"
+    )
+
+
+def test_a_failed_checkpoint_write_is_one_plain_error():
+    from forge.checkpoint import CheckpointIOError, _plain_errors
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    full = OSError(28, "No space left on device")
+    with pytest.raises(CheckpointIOError) as err, _plain_errors("writing checkpoint step-4"):
+        raise CheckpointException("failed", {3: (full, None), 1: (full, None)})
+    assert str(err.value) == (
+        "writing checkpoint step-4 failed on rank 1 (and on rank(s) [3]): "
+        "OSError: [Errno 28] No space left on device"
+    )
+    assert isinstance(err.value, Exception)  # torch's is a BaseException: handlers missed it

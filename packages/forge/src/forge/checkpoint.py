@@ -21,10 +21,9 @@ after every rank has finished writing. A save killed half-way leaves a ``.tmp-*`
 loading ignores (and the next save removes); the previous ``step-*`` is untouched.
 
 Verified: rank 0 writes ``manifest.json`` after every rank's files are on disk, fsyncs every
-file and the manifest, and only then renames the directory into place. :func:`verify_checkpoint`
-re-reads every file against it (a missing or truncated file, a flipped byte) and raises
-:class:`CheckpointDamaged` naming the file; :func:`latest_intact` skips damaged checkpoints and
-says why. A checkpoint without a manifest (written before forge had them) loads unverified.
+file and the manifest, and only then renames the directory into place; the directory's names,
+the manifest, its verification and the run lock are in :mod:`forge.checkpoint_files` (no
+torch import: the launcher verifies before any rank starts).
 
 Safe to load: nothing is unpickled with ``weights_only=False``. DCP's index file is read by an
 unpickler that admits only DCP's own metadata classes; the state dict holds tensors only
@@ -33,13 +32,11 @@ unpickler that admits only DCP's own metadata classes; the state dict holds tens
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import pickle
 import shutil
 import warnings
-import zlib
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -52,6 +49,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from forge_core import ForgeConfigError
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -60,8 +58,25 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from .checkpoint_files import (
+    MANIFEST,
+    PREFIX,
+    STATE_FILE,
+    CheckpointDamaged,
+    checkpoint_lock,
+    find_latest,
+    fsync_dir,
+    latest_intact,
+    read_train_state,
+    step_dir,
+    step_dirs,
+    verify_checkpoint,
+    write_manifest,
+)
+
 __all__ = [
     "CheckpointDamaged",
+    "CheckpointIOError",
     "Checkpointer",
     "SafeFileSystemReader",
     "checkpoint_lock",
@@ -73,168 +88,31 @@ __all__ = [
     "verify_checkpoint",
 ]
 
-STATE_FILE = "train_state.json"
-MANIFEST = "manifest.json"
-PREFIX = "step-"
 
-
-class CheckpointDamaged(ForgeConfigError):
-    """A checkpoint whose files are missing, cut short or changed since they were written."""
-
-
-def _step_dir(root: Path, step: int) -> Path:
-    return root / f"{PREFIX}{step:08d}"
-
-
-def _step_of(path: Path) -> int | None:
-    """N of a ``step-N`` directory name; None for any other name (``step-abc``, ``.tmp-*``)."""
-    digits = path.name[len(PREFIX) :]
-    return int(digits) if path.name.startswith(PREFIX) and digits.isdigit() else None
-
-
-def _step_dirs(root: Path) -> list[Path]:
-    """``step-N`` directories under ``root``, newest first (other names ignored)."""
-    if not root.is_dir():
-        return []
-    dirs = [p for p in root.iterdir() if p.is_dir() and _step_of(p) is not None]
-    return sorted(dirs, key=lambda p: _step_of(p) or 0, reverse=True)
-
-
-def find_latest(root: str | Path) -> Path | None:
-    """The newest complete ``step-N`` checkpoint under ``root`` (None if there is none).
-
-    Complete means its state file and DCP index exist; :func:`latest_intact` also verifies it.
-    """
-    for p in _step_dirs(Path(root)):
-        if (p / STATE_FILE).is_file() and (p / ".metadata").is_file():
-            return p
-    return None
-
-
-def _crc32(path: Path) -> tuple[int, str]:
-    """(size, CRC-32 as 8 hex digits) of a file, read in 1 MiB blocks."""
-    crc, size = 0, 0
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            crc, size = zlib.crc32(block, crc), size + len(block)
-    return size, f"{crc:08x}"
-
-
-def _files(path: Path) -> list[Path]:
-    return sorted(f for f in path.rglob("*") if f.is_file() and f.name != MANIFEST)
-
-
-def _write_manifest(path: Path) -> None:
-    """Checksum and fsync every file of the checkpoint at ``path``, then write and fsync the
-    manifest (rank 0, after every rank's files are complete)."""
-    files = {}
-    for f in _files(path):
-        size, crc = _crc32(f)
-        files[f.relative_to(path).as_posix()] = {"size": size, "crc32": crc}
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # NOTE: DCP fsyncs its shards; the JSON and RNG files are ours
-        finally:
-            os.close(fd)
-    with open(path / MANIFEST, "w") as out:
-        json.dump({"format": 1, "algorithm": "crc32", "files": files}, out, indent=1)
-        out.flush()
-        os.fsync(out.fileno())
-    for d in {path, *(f.parent for f in _files(path))}:
-        _fsync_dir(d)
-
-
-def verify_checkpoint(path: str | Path) -> bool:
-    """Check every file of checkpoint ``path`` against its manifest.
-
-    Returns True when verified, False for a checkpoint without a manifest (older forge: not
-    verifiable). Raises :class:`CheckpointDamaged` naming the first damaged file.
-    """
-    path = Path(path)
-    name = path.name
-    if not path.is_dir():
-        raise CheckpointDamaged(f"checkpoint {str(path)!r} does not exist")
-    manifest_file = path / MANIFEST
-    if not manifest_file.is_file():
-        if not (path / STATE_FILE).is_file() or not (path / ".metadata").is_file():
-            missing = STATE_FILE if not (path / STATE_FILE).is_file() else ".metadata"
-            raise CheckpointDamaged(f"{name}: {missing} is missing (not a complete checkpoint)")
-        return False
-    try:
-        files = json.loads(manifest_file.read_text())["files"]
-        expected = {str(k): (int(v["size"]), str(v["crc32"])) for k, v in files.items()}
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise CheckpointDamaged(f"{name}: {MANIFEST} is unreadable") from None
-    for rel, (size, crc) in expected.items():
-        f = path / rel
-        if not f.is_file():
-            raise CheckpointDamaged(f"{name}: {rel} is missing")
-        got_size, got_crc = _crc32(f)
-        if got_size != size:
-            raise CheckpointDamaged(f"{name}: {rel} has {got_size} bytes, {size} were written")
-        if got_crc != crc:
-            raise CheckpointDamaged(
-                f"{name}: {rel} changed since it was written (CRC-32 {got_crc}, expected {crc})"
-            )
-    return True
-
-
-def latest_intact(root: str | Path) -> tuple[Path | None, list[str]]:
-    """The newest ``step-N`` checkpoint under ``root`` that verifies, and a line for each newer
-    one skipped (why). Directories that are not ``step-<digits>`` are ignored."""
-    skipped = []
-    for p in _step_dirs(Path(root)):
-        try:
-            verify_checkpoint(p)
-        except CheckpointDamaged as err:
-            skipped.append(str(err))
-            continue
-        return p, skipped
-    return None, skipped
+class CheckpointIOError(RuntimeError):
+    """A checkpoint save or load that failed on some rank (a full disk, a lost file system)."""
 
 
 @contextmanager
-def checkpoint_lock(root: str | Path) -> Iterator[None]:
-    """Hold ``<root>/.lock`` exclusively for a run (``flock``: released when the process ends,
-    even by ``kill -9``). Raises :class:`ForgeConfigError` at once when another process holds
-    it: two runs writing one checkpoint directory would resume from each other's steps."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+def _plain_errors(what: str) -> Iterator[None]:
+    """Turn DCP's ``CheckpointException`` into a :class:`CheckpointIOError` with one line.
+
+    NOTE: ``CheckpointException`` derives from ``BaseException``, so ``except Exception`` handlers
+    (torch's launcher records a rank's error that way) miss it, and its text is every failing
+    rank's traceback. The line names the first rank and its own exception instead.
+    """
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise ForgeConfigError(
-            f"checkpoint directory {str(root)!r} is in use by another forge train (pid "
-            f"{holder}); wait for it to finish, or give this run its own checkpoint.dir "
-            "(or training.out_dir)"
-        ) from None
-    try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
         yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
-
-
-def read_train_state(path: str | Path) -> dict[str, Any]:
-    """The JSON part of a checkpoint: step, scheduler, layout, config."""
-    file = Path(path) / STATE_FILE
-    if not file.is_file():
-        raise ForgeConfigError(
-            f"{str(path)!r} is not a forge checkpoint (no {STATE_FILE}); point at a step-N "
-            "directory written by forge train"
-        )
-    try:
-        state = json.loads(file.read_text())
-    except (ValueError, UnicodeDecodeError):
-        raise CheckpointDamaged(f"{Path(path).name}: {STATE_FILE} is not valid JSON") from None
-    if not isinstance(state, dict) or "step" not in state:
-        raise CheckpointDamaged(f"{Path(path).name}: {STATE_FILE} has no step")
-    return state
+    except CheckpointException as e:
+        failures = getattr(e, "failures", None) or {}
+        if not failures:
+            raise CheckpointIOError(f"{what} failed: {str(e).splitlines()[0]}") from None
+        rank = min(failures)
+        cause = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        others = f" (and on rank(s) {sorted(failures)[1:]})" if len(failures) > 1 else ""
+        raise CheckpointIOError(
+            f"{what} failed on rank {rank}{others}: {type(cause).__name__}: {cause}"
+        ) from None
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -331,7 +209,7 @@ class Checkpointer:
         """Write the checkpoint of ``step`` (returns its final path; with ``async_save`` the
         directory appears when :meth:`wait` or the next save finalizes it)."""
         self.wait()
-        tmp, final = self.root / f".tmp-{PREFIX}{step:08d}", _step_dir(self.root, step)
+        tmp, final = self.root / f".tmp-{PREFIX}{step:08d}", step_dir(self.root, step)
         if _is_rank0():
             for stale in self.root.glob(f".tmp-{PREFIX}*"):  # leftovers of killed saves
                 shutil.rmtree(stale, ignore_errors=True)
@@ -347,10 +225,12 @@ class Checkpointer:
         }
         writer = FileSystemWriter(tmp)
         if self.async_save:
-            future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+            with _plain_errors(f"writing checkpoint {final.name}"):
+                future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
             self._pending = (future, tmp, final)
         else:
-            dcp.save(state, storage_writer=writer, process_group=self.group)
+            with _plain_errors(f"writing checkpoint {final.name}"):
+                dcp.save(state, storage_writer=writer, process_group=self.group)
             self._finalize(tmp, final)
         return final
 
@@ -360,18 +240,19 @@ class Checkpointer:
             return
         future, tmp, final = self._pending
         self._pending = None
-        future.result()
+        with _plain_errors(f"writing checkpoint {final.name}"):
+            future.result()
         self._finalize(tmp, final)
 
     def _finalize(self, tmp: Path, final: Path) -> None:
         self._barrier()  # every rank's shards are on disk
         if _is_rank0():
-            _write_manifest(tmp)  # NOTE: last, fsynced, and before the rename publishes it
+            write_manifest(tmp)  # NOTE: last, fsynced, and before the rename publishes it
             if final.exists():  # the same step saved again (a resumed run): replace it
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _fsync_dir(self.root)
-            done = [p for p in _step_dirs(self.root) if (p / MANIFEST).is_file()]
+            fsync_dir(self.root)
+            done = [p for p in step_dirs(self.root) if (p / MANIFEST).is_file()]
             for old in done[self.keep :]:
                 shutil.rmtree(old, ignore_errors=True)
         self._barrier()
@@ -392,7 +273,8 @@ class Checkpointer:
         model_sd = get_model_state_dict(model)
         optim_sd = get_optimizer_state_dict(model, optimizer)  # creates AdamW's state tensors
         state = {"model": model_sd, "optim": optim_sd["state"]}
-        dcp.load(state, storage_reader=SafeFileSystemReader(path), process_group=self.group)
+        with _plain_errors(f"loading checkpoint {path.name}"):
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), process_group=self.group)
         set_model_state_dict(model, model_sd)
         optim_sd["state"] = state["optim"]
         saved_groups = train_state["param_groups"]
@@ -434,7 +316,8 @@ def load_model_weights(path: str | Path, model: nn.Module) -> nn.Module:
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.filterwarnings("ignore", message=".*single process")
-        dcp.load(state, storage_reader=SafeFileSystemReader(Path(path)), no_dist=True)
+        with _plain_errors(f"loading checkpoint {Path(path).name}"):
+            dcp.load(state, storage_reader=SafeFileSystemReader(Path(path)), no_dist=True)
     model.load_state_dict(state["model"])
     return model
 
@@ -450,11 +333,3 @@ def _set_rng_state(state: Mapping[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
