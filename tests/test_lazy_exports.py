@@ -15,13 +15,14 @@ import pytest
 
 #: package -> its modules that must import without torch
 TORCH_FREE = {
-    "forge_core": ["forge_core.config", "forge_core.errors", "forge_core.vlm_config"],
-    "forge_tp_plans": ["forge_tp_plans.checks"],
+    "forge_core": ["forge_core.config", "forge_core.errors", "forge_core.model_config"],
+    "forge_tp_plans": ["forge_tp_plans.checks", "forge_tp_plans.config"],
     "forge_moe_ep": ["forge_moe_ep.checks"],
     "forge_fsdp_wrap": ["forge_fsdp_wrap.checks"],
-    "forge_float8": ["forge_float8.checks"],
-    "forge_vlm": ["forge_vlm.checks"],
-    "forge": ["forge.checks", "forge.checkpoint_files", "forge.cli"],
+    "forge_float8": ["forge_float8.checks", "forge_float8.config"],
+    "forge_vlm": ["forge_vlm.checks", "forge_vlm.config"],
+    "forge_domain": ["forge_domain.config"],
+    "forge": ["forge.checks", "forge.checkpoint_files", "forge.cli", "forge.config"],
 }
 
 

@@ -12,8 +12,8 @@ import types
 import typing
 
 import pytest
+from forge.config import _SECTIONS, TrainingConfig, load_config
 from forge_core import ForgeConfigError, ModelConfig
-from forge_core.config import _SECTIONS, TrainingConfig, load_config
 
 # One wrong value per kind of annotation arm; a value is wrong for a field when no arm takes it.
 _PROBES: list[object] = ["maybe", "False", "2", 1.5, 1, 0, True, None, ["x"], [1]]

@@ -1,6 +1,8 @@
 """forge_core: what every forge layer shares.
 
-- configs: :class:`ParallelismConfig`, :class:`ModelConfig`, :func:`load_config`
+- configs every layer needs: :class:`ParallelismConfig` (the layout), :class:`ModelConfig` (the
+  reference model); :func:`load_config` is ``forge.load_config`` under its old name (each
+  layer owns its own config section; the forge package composes them)
 - errors: :class:`ForgeConfigError`
 - the stage-order contract (:mod:`forge_core.stages`)
 - mesh-axis helpers (:mod:`forge_core.mesh_dims`)
@@ -9,8 +11,8 @@
 - contracts between layers (:mod:`forge_core.contracts`: optimizer hooks, auxiliary losses,
   expert-parallel parameters) and the host-sync guard (:mod:`forge_core.sync_guard`)
 
-Depends on torch only; the config modules (``config``, ``model_config``, ``vlm_config``,
-``errors``) import without it.
+Depends on torch only; the config modules (``config``, ``model_config``, ``errors``) import
+without it.
 """
 
 from typing import TYPE_CHECKING
@@ -23,10 +25,7 @@ from .lazy import lazy_exports
 _EXPORTS = {
     "find_block_container": "blocks",
     "find_blocks": "blocks",
-    "ForgeConfig": "config",
     "ParallelismConfig": "config",
-    "TPConfig": "config",
-    "TrainingConfig": "config",
     "load_config": "config",
     "attach_optimizer_hooks": "contracts",
     "pop_aux_losses": "contracts",
@@ -57,7 +56,7 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from .blocks import find_block_container, find_blocks
-    from .config import ForgeConfig, ParallelismConfig, TPConfig, TrainingConfig, load_config
+    from .config import ParallelismConfig, load_config
     from .contracts import attach_optimizer_hooks, pop_aux_losses
     from .errors import ForgeConfigError
     from .mesh_dims import (
@@ -86,13 +85,10 @@ __all__ = [
     "AXES",
     "ORDER_TEXT",
     "PRESETS",
-    "ForgeConfig",
     "ForgeConfigError",
     "HostSyncError",
     "ModelConfig",
     "ParallelismConfig",
-    "TPConfig",
-    "TrainingConfig",
     "Transformer",
     "TransformerBlock",
     "applied_stages",

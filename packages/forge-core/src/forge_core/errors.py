@@ -114,3 +114,11 @@ def parse_bool_word(text: str) -> bool | None:
     """``True``/``False`` for the words true/false in any case, else None."""
     word = text.strip().lower()
     return True if word == "true" else False if word == "false" else None
+
+
+def freeze_strings(obj: object, name: str, key: str, what: str) -> None:
+    """Check that field ``name`` is a list of strings and store it as a tuple."""
+    value = getattr(obj, name)
+    if not isinstance(value, tuple | list) or not all(isinstance(v, str) for v in value):
+        raise ForgeConfigError(f"{key}={value!r} must be a list of {what}")
+    object.__setattr__(obj, name, tuple(value))

@@ -188,7 +188,7 @@ PRESETS: dict[str, ModelConfig] = {
     "debug_moe": replace(
         _DEBUG, moe_every=1, num_experts=8, top_k=2, moe_ffn_dim=64, num_shared_experts=1
     ),
-    # The decoder of the debug vision-language model (forge_core.vlm_config.VLM_PRESETS has
+    # The decoder of the debug vision-language model (forge_vlm.config.VLM_PRESETS has
     # its vision encoder and adapter).
     "debug_vlm": _DEBUG,
     # Not a token model: selects the [field] section's image-like model (forge_core.config

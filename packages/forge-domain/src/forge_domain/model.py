@@ -14,9 +14,9 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from forge_core.config import FieldConfig
 from forge_core.init import fill_param_
 
+from .config import FieldConfig
 from .layers import WidthCircularConv2d
 
 __all__ = ["FieldBlock", "FieldNet"]

@@ -5,6 +5,7 @@
   over (fp8 all-gathers for tensorwise), and registers the per-step scale precompute for FSDP2's
   fp8 all-gather.
 - :func:`float8_report` / :class:`Float8Report`: what was converted, what was skipped and why.
+- :class:`Float8Config` (``[float8]``) and ``FLOAT8_RECIPES``: the settings, checked as built
 - :func:`check_float8` / :func:`check_torchao`: the pre-launch checks (settings that cannot
   work together; torchao importable here), in :mod:`forge_float8.checks` (no torch import).
 
@@ -23,10 +24,13 @@ _EXPORTS = {
     "float8_report": "convert",
     "check_float8": "checks",
     "check_torchao": "checks",
+    "FLOAT8_RECIPES": "config",
+    "Float8Config": "config",
 }
 
 if TYPE_CHECKING:
     from .checks import check_float8, check_torchao
+    from .config import FLOAT8_RECIPES, Float8Config
     from .convert import RECIPES, Float8Report, apply_float8, float8_report
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
@@ -34,7 +38,9 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __version__ = "0.1.0"
 
 __all__ = [
+    "FLOAT8_RECIPES",
     "RECIPES",
+    "Float8Config",
     "Float8Report",
     "apply_float8",
     "check_float8",

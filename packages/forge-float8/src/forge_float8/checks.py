@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from forge_core.errors import ForgeConfigError
 
 if TYPE_CHECKING:
-    from forge_core.config import Float8Config
+    from .config import Float8Config
 
 __all__ = ["check_float8", "check_torchao"]
 

@@ -51,7 +51,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from forge_core.config import FLOAT8_RECIPES
 from forge_core.contracts import register_after_optimizer_step, restyle_tp, tp_record
 from forge_core.errors import ForgeConfigError, did_you_mean
 from forge_core.stages import stage
@@ -62,6 +61,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from .checks import check_torchao
+from .config import FLOAT8_RECIPES
 
 __all__ = ["RECIPES", "Float8Report", "apply_float8", "float8_report"]
 

@@ -7,6 +7,7 @@ and any model that opts in with class attributes.
   checks a plan on a meta-device model before any rank starts)
 - :func:`translate_parallel_style` maps transformers 4.x / 5.x style strings to torch styles
 - :func:`register_tp_plan` adds a plan for a model class
+- :class:`TPConfig` (``[tp]``): plan import path, sequence/loss parallel choices
 - :mod:`forge_tp_plans.checks`: the pure size and import-path checks (no torch import)
 - ``ColwiseConv1x1`` / ``RowwiseConv1x1`` shard 1x1 convolutions on channels
 
@@ -27,6 +28,7 @@ _EXPORTS = {
     "describe_tp_plan": "apply",
     "check_plan_import": "checks",
     "check_transformer_tp": "checks",
+    "TPConfig": "config",
     "PlanContext": "plans",
     "reference_plan": "plans",
     "register_tp_plan": "plans",
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
         describe_tp_plan,
     )
     from .checks import check_plan_import, check_transformer_tp
+    from .config import TPConfig
     from .plans import PlanContext, reference_plan, register_tp_plan
     from .styles import ColwiseConv1x1, RowwiseConv1x1, translate_parallel_style
 
@@ -55,6 +58,7 @@ __all__ = [
     "ColwiseConv1x1",
     "PlanContext",
     "RowwiseConv1x1",
+    "TPConfig",
     "applied_tp_plan",
     "apply_tensor_parallel",
     "check_plan_import",

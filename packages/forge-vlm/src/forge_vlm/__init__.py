@@ -17,7 +17,8 @@ on forge_core and torch (transformers only for the SigLIP tower).
 from typing import TYPE_CHECKING
 
 from forge_core.lazy import lazy_exports
-from forge_core.vlm_config import (
+
+from .config import (
     AC_SCOPES,
     VLM_PRESETS,
     AdapterConfig,

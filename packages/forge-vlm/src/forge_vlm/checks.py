@@ -1,11 +1,12 @@
 """Pure checks of a vision-language layout (no torch import: a launcher runs them on the config
 before any rank starts). The config checks themselves (:func:`check_vlm`) live with the configs
-in :mod:`forge_core.vlm_config`."""
+in :mod:`forge_vlm.config`."""
 
 from __future__ import annotations
 
 from forge_core.errors import ForgeConfigError, did_you_mean
-from forge_core.vlm_config import AC_SCOPES
+
+from .config import AC_SCOPES
 
 __all__ = ["ac_components"]
 

@@ -15,13 +15,23 @@ _EXPORTS = {
     "build_parallel_model": "build",
     "materialize": "build",
     "check_plan": "checks",
+    "ForgeConfig": "config",
+    "load_config": "config",
 }
 
 if TYPE_CHECKING:
     from .build import ParallelPlan, build_parallel_model, materialize
     from .checks import check_plan
+    from .config import ForgeConfig, load_config
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __version__ = "0.1.0"
-__all__ = ["ParallelPlan", "build_parallel_model", "check_plan", "materialize"]
+__all__ = [
+    "ForgeConfig",
+    "ParallelPlan",
+    "build_parallel_model",
+    "check_plan",
+    "load_config",
+    "materialize",
+]

@@ -35,13 +35,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from forge_core import ForgeConfig, ForgeConfigError, ModelConfig, applied_stages, load_config
-from forge_core.config import COMPILE_SCOPES, Float8Config, ParallelismConfig
+from forge_core import ForgeConfigError, ModelConfig, applied_stages
+from forge_core.config import ParallelismConfig
 from forge_core.contracts import model_components
 from forge_core.errors import did_you_mean
 from forge_core.mesh_dims import axis_size, get_dp_mesh, has_dp_mesh
 from forge_domain import FieldNet, apply_domain_parallel
 from forge_float8 import apply_float8
+from forge_float8.config import Float8Config
 from forge_fsdp_wrap import (
     apply_ac,
     apply_compile,
@@ -65,6 +66,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from .checks import NOT_YET, check_float8, check_plan
+from .config import COMPILE_SCOPES, ForgeConfig, load_config
 from .hf_patches import (
     is_hf_model,
     is_packed_sequence_patched,

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from forge_core.errors import ForgeConfigError
 
 if TYPE_CHECKING:
-    from forge_core.config import ForgeConfig
+    from .config import ForgeConfig
 
 __all__ = [
     "MANIFEST",

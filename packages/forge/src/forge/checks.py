@@ -15,15 +15,19 @@ module only composes them for forge's config.
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
-from forge_core.config import ForgeConfig, ParallelismConfig
+from forge_core.config import ParallelismConfig
 from forge_core.errors import ForgeConfigError
-from forge_core.vlm_config import check_vlm
 from forge_float8.checks import check_float8, check_torchao
 from forge_fsdp_wrap.checks import check_ac_mode
 from forge_moe_ep.checks import check_expert_parallel
 from forge_tp_plans.checks import check_plan_import, check_transformer_tp
 from forge_vlm.checks import ac_components
+
+if TYPE_CHECKING:
+    from .config import ForgeConfig
+from forge_vlm.config import check_vlm
 
 __all__ = [
     "NOT_YET",

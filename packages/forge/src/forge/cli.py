@@ -53,11 +53,11 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple[dict, int] | int:
     torch is imported (they take milliseconds, torch's import seconds); then the checks that
     import what the config names (a tp.plan module on a meta-device model, torchao).
     """
-    from forge_core.config import load_config
     from forge_core.errors import ForgeConfigError
 
     from .checkpoint_files import CheckpointDamaged
     from .checks import check_config_imports, check_config_values
+    from .config import load_config
 
     try:
         cfg = load_config(args.config, args.set)
@@ -149,9 +149,10 @@ def _train(args: argparse.Namespace) -> int:
     prepared = _prepare(args, "train")
     if isinstance(prepared, int):
         return prepared
-    from forge_core import ForgeConfigError, load_config
+    from forge_core.errors import ForgeConfigError
 
     from .checkpoint_files import CheckpointDamaged, checkpoint_lock, find_latest
+    from .config import load_config
     from .train import run_train
 
     cfg_dict, nproc = prepared
@@ -213,8 +214,9 @@ def _train_rank(cfg_dict: dict, device: str) -> Any:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from forge_core.config import load_config
     from forge_core.errors import ForgeConfigError
+
+    from .config import load_config
 
     try:  # NOTE: a config that does not load is one line before torch's import
         cfg = load_config(args.config, args.set)

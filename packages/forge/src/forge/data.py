@@ -20,8 +20,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
-from forge_core import ForgeConfig, ForgeConfigError
+from forge_core import ForgeConfigError
 from forge_core.training import synthetic_tokens, synthetic_vlm_batch
+
+from .config import ForgeConfig
 
 __all__ = [
     "Batch",

@@ -244,10 +244,9 @@ def export_checkpoint(
     stored in the checkpoint and filled from its shards. ``verify=False`` skips checking the
     files against the checkpoint's manifest (for a caller that just did).
     """
-    from forge_core import load_config
-
     from .build import materialize, model_from_config
     from .checkpoint import load_model_weights, read_train_state, verify_checkpoint
+    from .config import load_config
 
     if layout not in ("safetensors", "hf"):
         raise ForgeConfigError(f"layout={layout!r}: choose 'safetensors' or 'hf'")

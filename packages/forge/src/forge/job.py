@@ -20,11 +20,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from forge_core import (
     ORDER_TEXT,
-    ForgeConfig,
     ParallelismConfig,
     applied_stages,
     count_host_syncs,
-    load_config,
 )
 from forge_core.stages import unwrap
 from forge_core.torch_compat import inductor_cache_dir
@@ -54,6 +52,7 @@ from .build import (
     model_from_config,
 )
 from .checks import check_config
+from .config import ForgeConfig, load_config
 
 __all__ = ["BuildReport", "check_config", "run_build"]
 

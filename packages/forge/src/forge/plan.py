@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from forge_core import ForgeConfig, ForgeConfigError, ParallelismConfig, applied_stages, load_config
+from forge_core import ForgeConfigError, ParallelismConfig, applied_stages
 from forge_core.stages import unwrap
 from forge_core.torch_compat import (
     fsdp_param_groups,
@@ -60,6 +60,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .build import ParallelPlan, model_from_config
 from .checks import check_config
+from .config import ForgeConfig, load_config
 
 __all__ = [
     "ActivationEstimate",

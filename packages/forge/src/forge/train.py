@@ -41,10 +41,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from forge_core import (
-    ForgeConfig,
     ForgeConfigError,
     attach_optimizer_hooks,
-    load_config,
     pop_aux_losses,
 )
 from forge_core.mesh_dims import axis_size, dp_rank_and_size
@@ -64,6 +62,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from .build import ParallelPlan, model_from_config
 from .checkpoint import Checkpointer, optimizer_hyperparameters
 from .checkpoint_files import CheckpointDamaged, resume_point
+from .config import ForgeConfig, load_config
 from .data import Batch, FieldBatch, make_data
 from .job import setup_rank
 

@@ -14,8 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ForgeConfigError, auto_flag, check_auto_flag, check_field_types, did_you_mean
-from .model_config import ModelConfig
+from forge_core.errors import (
+    ForgeConfigError,
+    auto_flag,
+    check_auto_flag,
+    check_field_types,
+    did_you_mean,
+)
+from forge_core.model_config import ModelConfig
 
 __all__ = [
     "AC_SCOPES",
