@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
 )
 
+from . import checks
 from .checks import check_divides, check_transformer_tp
 from .plans import PlanContext, Style, expand_plan, registered_plan_fn, resolve_plan
 from .styles import describe_style
@@ -156,18 +157,16 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
 def _default_sequence_parallel(
     model: nn.Module, requested: bool | None, plan_given: bool, has_registered_plan: bool
 ) -> bool:
-    """SP is on by default for registered plans, except with tied embeddings or on a pipeline stage.
-
-    Tied embeddings: the shared weight is vocab-sharded for the embedding as well as the head, so
-    the reference layout keeps basic TP there by default (it was validated that way first);
-    ``sequence_parallel=True`` still works and is tested.
-    """
+    """``requested``, or :func:`~forge_tp_plans.checks.default_sequence_parallel` for this model
+    when None; refuses SP where the plan cannot give it."""
     tied = isinstance(model, Transformer) and model.config.tie_embeddings
     stage_module = isinstance(model, Transformer) and (
         getattr(model, "tok_embeddings", None) is None or getattr(model, "output", None) is None
     )
     if requested is None:
-        return has_registered_plan and not tied and not stage_module
+        return checks.default_sequence_parallel(  # NOTE: looked up now: the one rule
+            registered_plan=has_registered_plan, tied_embeddings=tied, pipeline_stage=stage_module
+        )
     if requested and not (plan_given or has_registered_plan):
         raise ForgeConfigError(
             f"sequence_parallel=True: the {type(model).__name__} plan found (Hugging Face or opt-in) is basic "

@@ -15,7 +15,12 @@ from forge_core.errors import ForgeConfigError
 if TYPE_CHECKING:
     from forge_core.model_config import ModelConfig
 
-__all__ = ["check_divides", "check_plan_import", "check_transformer_tp"]
+__all__ = [
+    "check_divides",
+    "check_plan_import",
+    "check_transformer_tp",
+    "default_sequence_parallel",
+]
 
 
 def _divisors(n: int) -> list[int]:
@@ -77,3 +82,19 @@ def check_plan_import(path: str, allow_import: bool | Sequence[str]) -> str:
             "allow it with allow_import=True (Python) or list the module prefix in tp.allow_import (config)"
         )
     return module_name
+
+
+def default_sequence_parallel(
+    *, registered_plan: bool, tied_embeddings: bool, pipeline_stage: bool = False
+) -> bool:
+    """Whether sequence parallelism is on when nobody asked (``sequence_parallel=None`` /
+    ``tp.sequence_parallel = "auto"``): the one rule, for :func:`apply_tensor_parallel` (which
+    knows the model) and for forge's layout (which knows the config).
+
+    On for registered plans (forge's own, which place the SequenceParallel entries), off for a
+    model whose plan is basic TP (Hugging Face, opt-in attributes), off with tied embeddings (the
+    shared weight is vocab-sharded for the embedding and the head; the reference layout keeps
+    basic TP there, though ``sequence_parallel=True`` works and is tested), and off on a
+    pipeline stage (what passes between stages must be plain tensors).
+    """
+    return registered_plan and not tied_embeddings and not pipeline_stage

@@ -73,6 +73,7 @@ from .hf_patches import (
     patch_is_packed_sequence,
     unpatch_is_packed_sequence,
 )
+from .layout import resolve_layout
 
 __all__ = [
     "model_from_config",
@@ -299,17 +300,15 @@ class ParallelPlan:
         cfg = _as_config(config)
         ranks = device_mesh.size() if device_mesh is not None else 1
         try:
-            par = cfg.resolved_parallelism(ranks)
+            layout = resolve_layout(cfg, ranks)
         except ForgeConfigError as e:
             where = "device_mesh=None (one device)" if device_mesh is None else "the device_mesh"
             raise ForgeConfigError(
                 f"the config's [parallelism] does not fit {where}: {e}"
             ) from None
-        _check_mesh_matches(par, device_mesh)
-        check_float8(cfg.float8, par.tp)
-        # NOTE: as forge build: with every rank used by tp/cp/domain there is no data-parallel
-        # axis left to shard over; without a mesh the model is a single-device one.
-        data = par.data if device_mesh is not None and (par.dp_degree > 1 or ranks == 1) else "none"
+        _check_mesh_matches(layout.parallelism, device_mesh)
+        check_float8(cfg.float8, layout.tp)
+        data = layout.data if device_mesh is not None else "none"  # no mesh: one device
         names = {f.name for f in fields(cls) if f.init and f.name != "device_mesh"}
         for key in overrides:
             if key not in names:

@@ -25,6 +25,8 @@ from forge_moe_ep.checks import check_expert_parallel
 from forge_tp_plans.checks import check_plan_import, check_transformer_tp
 from forge_vlm.checks import ac_components
 
+from .layout import resolve_layout
+
 if TYPE_CHECKING:
     from .config import ForgeConfig
 from forge_vlm.config import check_vlm
@@ -75,7 +77,8 @@ def check_config(cfg: ForgeConfig, world_size: int) -> None:
 
 def check_config_values(cfg: ForgeConfig, world_size: int) -> None:
     """The checks on the config's values alone (no torch import; see the module docstring)."""
-    par = cfg.resolved_parallelism(world_size)
+    layout = resolve_layout(cfg, world_size)
+    par = layout.parallelism
     sizes = {name: getattr(par, name) for name in (*NOT_YET, "tp")}
     check_plan(par.data, sizes, ac_mode=cfg.training.ac_mode)
     if cfg.is_field:
@@ -103,9 +106,9 @@ def check_config_values(cfg: ForgeConfig, world_size: int) -> None:
         if cfg.vlm.encoder_tp_plan is not None:
             _check_importable("vlm.encoder_tp_plan", cfg.vlm.encoder_tp_plan, cfg.tp.allow_import)
     if par.tp > 1:
-        sp = cfg.tp.sequence_parallel_flag
-        sp = (cfg.tp.plan is None and not cfg.model.tie_embeddings) if sp is None else sp
-        check_transformer_tp(cfg.model, par.tp, seq_len=t.seq_len, sequence_parallel=sp)
+        check_transformer_tp(
+            cfg.model, par.tp, seq_len=t.seq_len, sequence_parallel=layout.sequence_parallel
+        )
     if t.global_batch_size % (par.dp_degree * t.grad_accum):
         raise ForgeConfigError(
             f"training.global_batch_size={t.global_batch_size} must be divisible by the "
@@ -120,7 +123,7 @@ def check_config_values(cfg: ForgeConfig, world_size: int) -> None:
 def check_config_imports(cfg: ForgeConfig, world_size: int) -> None:
     """The checks that import what the config names (torch, torchao, a tp.plan module); run
     after :func:`check_config_values`."""
-    par = cfg.resolved_parallelism(world_size)
+    par = resolve_layout(cfg, world_size).parallelism
     if cfg.float8.enabled:
         check_torchao()
     if cfg.tp.plan is not None and par.tp > 1:

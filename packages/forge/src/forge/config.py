@@ -220,9 +220,11 @@ class ForgeConfig:
         return self.vlm is not None
 
     def resolved_parallelism(self, world_size: int) -> ParallelismConfig:
-        """``parallelism`` resolved for ``world_size`` and this model (``ep=-1`` needs it)."""
-        experts = self.model.num_experts if self.model.moe_layers else 0
-        return self.parallelism.resolve(world_size, num_experts=experts)
+        """``parallelism`` resolved for ``world_size`` and this model (``ep=-1`` needs it): the
+        degrees of :func:`forge.layout.resolve_layout`, which decides everything else too."""
+        from .layout import resolve_layout
+
+        return resolve_layout(self, world_size).parallelism
 
 
 _SECTIONS: dict[str, type] = {

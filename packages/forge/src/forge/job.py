@@ -53,6 +53,7 @@ from .build import (
 )
 from .checks import check_config
 from .config import ForgeConfig, load_config
+from .layout import resolve_layout
 
 __all__ = ["BuildReport", "check_config", "run_build"]
 
@@ -180,7 +181,7 @@ def setup_rank(
         if device_type == "cuda"
         else torch.device("cpu")
     )
-    par = cfg.resolved_parallelism(world_size)
+    par = resolve_layout(cfg, world_size).parallelism
     return world_size, rank, device, par, build_device_mesh(par, device_type)
 
 

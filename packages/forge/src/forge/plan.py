@@ -61,6 +61,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .build import ParallelPlan, model_from_config
 from .checks import check_config
 from .config import ForgeConfig, load_config
+from .layout import Layout, resolve_layout
 
 __all__ = [
     "ActivationEstimate",
@@ -198,13 +199,6 @@ def _ranks_text(ranks: list[int]) -> str:
     return ",".join(parts[:3]) + (",..." if len(parts) > 3 else "") + f" ({len(ranks)})"
 
 
-def _tp_flags(cfg: ForgeConfig, tp: int) -> tuple[bool, bool]:
-    """(sequence_parallel, loss_parallel) as ``forge build`` resolves them."""
-    sp = cfg.tp.sequence_parallel_flag
-    sp = (cfg.tp.plan is None and not cfg.model.tie_embeddings) if sp is None else sp
-    return tp > 1 and sp, tp > 1 and cfg.tp.loss_parallel
-
-
 def _itemsize(cfg: ForgeConfig) -> int:
     return getattr(torch, cfg.training.param_dtype).itemsize
 
@@ -221,11 +215,6 @@ def _checkpointed(cfg: ForgeConfig) -> tuple[str, ...]:
     """The components AC full wraps (a plain model: its decoder blocks)."""
     vlm = cfg.vlm
     return ac_components(vlm.ac_scope, vlm.freeze_encoder) if vlm else ("decoder",)
-
-
-def _micro_batch(cfg: ForgeConfig, par: ParallelismConfig) -> int:
-    t = cfg.training
-    return max(1, math.ceil(t.global_batch_size / (par.dp_degree * t.grad_accum)))
 
 
 def estimate_activations(
@@ -260,10 +249,10 @@ def estimate_activations(
     and recomputes one block in backward. The tests measure it exact on CPU (float32 and
     bfloat16, with TP and SP); the CUDA norm term follows the fused kernel's backward signature.
     """
-    par = cfg.resolved_parallelism(world_size)
-    m, t = cfg.model, par.tp
-    sp, lp = _tp_flags(cfg, t)
-    e, s, b, d = _itemsize(cfg), cfg.training.seq_len, _micro_batch(cfg, par), m.dim
+    layout = resolve_layout(cfg, world_size)
+    m, t = cfg.model, layout.tp
+    sp, lp = layout.sequence_parallel, layout.loss_parallel
+    e, s, b, d = _itemsize(cfg), cfg.training.seq_len, layout.micro_batch, m.dim
     r = s // t if sp else s
     low = e != 4  # below fp32: casts that fp32 does not make
     norm_in = 8 * b * r * d if device == "cpu" else b * r * d * e
@@ -314,11 +303,11 @@ def _broken_rules(cfg: ForgeConfig, world_size: int) -> list[str]:
 
     attempt(lambda: check_config(cfg, world_size))
     try:
-        par = cfg.resolved_parallelism(world_size)
+        layout = resolve_layout(cfg, world_size)
     except ForgeConfigError:
         return found
+    par, sp = layout.parallelism, layout.sequence_parallel
     t, m = cfg.training, cfg.model
-    sp = _tp_flags(cfg, par.tp)[0]
     if par.tp > 1:
         attempt(lambda: check_transformer_tp(m, par.tp, seq_len=t.seq_len, sequence_parallel=sp))
     if par.ep > 1 and m.moe_layers:
@@ -413,12 +402,10 @@ def _fold(name: str) -> str:
     return re.sub(r"\.\d+(\.|$)", r".*\1", name) or "(root)"
 
 
-def _collectives(
-    cfg: ForgeConfig, par: ParallelismConfig, data: str, model: nn.Module
-) -> list[Collective]:
+def _collectives(cfg: ForgeConfig, layout: Layout, model: nn.Module) -> list[Collective]:
     """Every collective of one training step (``grad_accum`` micro-batches), rank 0's view."""
-    m, tr = cfg.model, cfg.training
-    e, b, s, acc = _itemsize(cfg), _micro_batch(cfg, par), tr.seq_len, tr.grad_accum
+    m, tr, par, data = cfg.model, cfg.training, layout.parallelism, layout.data
+    e, b, s, acc = _itemsize(cfg), layout.micro_batch, tr.seq_len, tr.grad_accum
     sizes = {"tp": par.tp, "ep": par.ep, "dp": par.dp_degree, "dp_replicate": par.dp_replicate}
     sizes["dp_shard"] = par.dp_shard
     counts: dict[tuple, int] = {}
@@ -532,15 +519,15 @@ def plan_layout(cfg: ForgeConfig, world_size: int) -> LayoutPlan:
     start = time.perf_counter()
     plan = LayoutPlan(cfg, world_size, broken_rules=_broken_rules(cfg, world_size))
     try:
-        par = cfg.resolved_parallelism(world_size)
+        layout = resolve_layout(cfg, world_size)
     except ForgeConfigError:  # no layout at all: the rules say why
         plan.elapsed_s = time.perf_counter() - start
         return plan
     experts = cfg.model.num_experts if cfg.model.moe_layers else 0
-    plan.parallelism, plan.micro_batch = par, _micro_batch(cfg, par)
+    par = layout.parallelism
+    plan.parallelism, plan.micro_batch = par, layout.micro_batch
     plan.mesh = tuple(zip(*mesh_layout(par, world_size, experts), strict=True))
-    # NOTE: as forge build: with every rank used by tp there is no data-parallel axis to shard over
-    plan.data = par.data if par.dp_degree > 1 or world_size == 1 else "none"
+    plan.data = layout.data
     dist.init_process_group("fake", rank=0, world_size=world_size)
     try:
         tick = time.perf_counter()
@@ -563,7 +550,7 @@ def plan_layout(cfg: ForgeConfig, world_size: int) -> LayoutPlan:
         plan.activation = act = estimate_activations(cfg, world_size)
         plan.activation_none = [act.none] * world_size  # the same micro-batch on every rank
         plan.activation_full = [act.full] * world_size
-        plan.collectives = _collectives(cfg, par, plan.data, model)
+        plan.collectives = _collectives(cfg, layout, model)
         plan.timings["per-rank arithmetic"] = time.perf_counter() - tick
     finally:
         dist.destroy_process_group()

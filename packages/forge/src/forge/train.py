@@ -55,6 +55,7 @@ from forge_core.training import (
 )
 from forge_domain import domain_group, shard_spatial, sync_domain_gradients
 from forge_mesh import mesh_layout
+from forge_tp_plans import describe_tp_plan
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
@@ -512,12 +513,19 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
             + "\n"
         )
         metrics.close()
-        summary.text = _report(cfg, par, world_size, device_type, summary, finished)
+        tp_text = describe_tp_plan(getattr(wrapper, "decoder", wrapper)) if par.tp > 1 else None
+        summary.text = _report(cfg, par, world_size, device_type, summary, finished, tp_text)
     return summary
 
 
 def _report(
-    cfg: ForgeConfig, par: Any, world_size: int, device_type: str, s: TrainSummary, finished: int
+    cfg: ForgeConfig,
+    par: Any,
+    world_size: int,
+    device_type: str,
+    s: TrainSummary,
+    finished: int,
+    tp_text: str | None = None,
 ) -> str:
     names, sizes = mesh_layout(par, world_size)
     t = cfg.training
@@ -534,6 +542,7 @@ def _report(
     lines = [
         f"forge train: {world_size} rank(s) on {device_type}, {layout}; {model}",
         f"data:   {data}; global batch {t.global_batch_size}, grad_accum {t.grad_accum}",
+        *([f"tp:     {tp_text}"] if tp_text else []),
     ]
     if s.resumed_from:
         lines.append(f"resumed from {s.resumed_from} at step {s.start_step}")

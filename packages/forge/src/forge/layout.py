@@ -1,0 +1,81 @@
+"""The one place forge derives decisions from a config and a world size.
+
+:func:`resolve_layout` turns a :class:`~forge.config.ForgeConfig` and a number of ranks into a
+frozen :class:`Layout`: the resolved degrees of every mesh axis (``dp_shard`` and ``ep``
+inferred), the data-parallel mode actually used, the sequence- and loss-parallel choices of the
+decoder, and the batch each rank and micro-batch sees. ``forge build``, ``forge train``,
+``forge plan``, the pre-launch checks and :meth:`forge.ParallelPlan.from_config` all read it,
+so a default changed here changes them alike. Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from forge_core.config import ParallelismConfig
+from forge_tp_plans import checks as tp_checks
+
+if TYPE_CHECKING:
+    from .config import ForgeConfig
+
+__all__ = ["Layout", "resolve_layout"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every decision derived from a config and a world size (see the module docstring).
+
+    ``data``: the data-parallel mode used: ``parallelism.data``, or ``"none"`` when every rank
+    is taken by tp/cp/domain. ``sequence_parallel``: of forge's decoder (``tp.sequence_parallel``,
+    or for ``"auto"`` the TP layer's own rule,
+    :func:`forge_tp_plans.checks.default_sequence_parallel`, for forge's models: they all have a
+    registered plan); false without tp.
+    ``batch_per_rank``: samples of the global batch on each data-parallel rank;
+    ``micro_batch``: of those, per gradient-accumulation micro-step (the last one of a
+    non-divisible split is refused by the checks).
+    """
+
+    world_size: int
+    parallelism: ParallelismConfig
+    data: str
+    sequence_parallel: bool
+    loss_parallel: bool
+    batch_per_rank: int
+    micro_batch: int
+
+    @property
+    def tp(self) -> int:
+        return self.parallelism.tp
+
+    @property
+    def dp_degree(self) -> int:
+        return self.parallelism.dp_degree
+
+
+def resolve_layout(cfg: ForgeConfig, world_size: int) -> Layout:
+    """The :class:`Layout` of ``cfg`` on ``world_size`` ranks; raises ForgeConfigError when the
+    degrees do not fit ``world_size`` (the message names the fields and the fix)."""
+    experts = cfg.model.num_experts if cfg.model.moe_layers else 0
+    par = cfg.parallelism.resolve(world_size, num_experts=experts)
+    # NOTE: with every rank used by tp/cp/domain there is no data-parallel axis to shard over.
+    data = par.data if par.dp_degree > 1 or world_size == 1 else "none"
+    sp = cfg.tp.sequence_parallel_flag
+    if sp is None:
+        # NOTE: the TP layer's rule, looked up at call time: it is the one place it is decided
+        sp = tp_checks.default_sequence_parallel(
+            registered_plan=True, tied_embeddings=cfg.model.tie_embeddings
+        )
+    t = cfg.training
+    per_rank = max(1, math.ceil(t.global_batch_size / par.dp_degree))
+    micro = max(1, math.ceil(t.global_batch_size / (par.dp_degree * t.grad_accum)))
+    return Layout(
+        world_size=world_size,
+        parallelism=par,
+        data=data,
+        sequence_parallel=par.tp > 1 and sp,
+        loss_parallel=par.tp > 1 and cfg.tp.loss_parallel,
+        batch_per_rank=per_rank,
+        micro_batch=micro,
+    )

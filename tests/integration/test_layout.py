@@ -1,0 +1,89 @@
+"""forge.layout: every decision derived from a config and a world size is made in one place.
+
+The sequence-parallel default is the example the tests turn: the TP layer's rule
+(``forge_tp_plans.checks.default_sequence_parallel``) is flipped in the process that runs
+``forge build``'s and ``forge train``'s rank code and in the one that runs ``forge plan``, and
+all three follow it, as does the resolved :class:`forge.layout.Layout` the checks read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from forge.config import load_config
+from forge.layout import resolve_layout
+
+#: dp_shard 2 x tp 2 on 4 ranks, tp.sequence_parallel = "auto"
+AUTO = {"model": {"preset": "debug"}, "parallelism": {"tp": 2}, "training": {"steps": 1}}
+
+
+def _flip_rule(sp_on: bool):  # noqa: ANN202
+    import forge_tp_plans.checks as tp_checks
+
+    original = tp_checks.default_sequence_parallel
+    tp_checks.default_sequence_parallel = lambda **_: sp_on
+    return lambda: setattr(tp_checks, "default_sequence_parallel", original)
+
+
+def _build_and_train_under_rule(cfg: dict, out: str, sp_on: bool) -> tuple[str, str]:
+    """forge build's and forge train's rank code with the SP rule flipped; their tp lines."""
+    from forge.job import run_build
+    from forge.train import run_train
+
+    restore = _flip_rule(sp_on)
+    try:
+        build = run_build(cfg)
+        train = run_train({**cfg, "training": {**cfg["training"], "out_dir": out}})
+    finally:
+        restore()
+    tp_line = [line for line in build.text.splitlines() if line.startswith("tp:")]
+    train_line = [line for line in train.text.splitlines() if line.startswith("tp:")]
+    return (tp_line[0] if tp_line else ""), (train_line[0] if train_line else "")
+
+
+@pytest.mark.parametrize("sp_on", [True, False])
+def test_the_sequence_parallel_rule_decides_build_train_plan_and_checks_alike(
+    run_on_ranks, tmp_path: Path, monkeypatch, sp_on: bool
+):
+    cfg = {**AUTO, "checkpoint": {"resume": "none", "save_at_end": False}}
+    build, train = run_on_ranks(4, _build_and_train_under_rule, cfg, str(tmp_path), sp_on)[0]
+    assert f"sequence_parallel={sp_on}" in build and f"sequence_parallel={sp_on}" in train
+
+    import forge_tp_plans.checks as tp_checks
+    from forge.plan import plan_layout
+
+    monkeypatch.setattr(tp_checks, "default_sequence_parallel", lambda **_: sp_on)
+    loaded = load_config(cfg)
+    assert resolve_layout(loaded, 4).sequence_parallel is sp_on
+    planned = plan_layout(loaded, 4)
+    assert planned.ok, planned.broken_rules
+    explicit = plan_layout(load_config({**cfg, "tp": {"sequence_parallel": sp_on}}), 4)
+    opposite = plan_layout(load_config({**cfg, "tp": {"sequence_parallel": not sp_on}}), 4)
+    # forge plan's estimate and collectives are those of the rule's choice, not of the other one
+    assert (planned.activation, planned.collectives) == (explicit.activation, explicit.collectives)
+    assert planned.collectives != opposite.collectives
+
+
+def test_the_layout_resolves_degrees_data_mode_and_batches_once():
+    layout = resolve_layout(load_config({"parallelism": {"tp": 4}}), 4)
+    assert (layout.parallelism.dp_shard, layout.data) == (1, "none")  # no rank left for DP
+    layout = resolve_layout(
+        load_config({"training": {"global_batch_size": 8, "grad_accum": 2}, "parallelism": {}}), 4
+    )
+    assert (layout.data, layout.dp_degree, layout.batch_per_rank, layout.micro_batch) == (
+        "fsdp2",
+        4,
+        2,
+        1,
+    )
+    moe = resolve_layout(
+        load_config({"model": {"preset": "debug_moe"}, "parallelism": {"ep": -1}}), 4
+    )
+    assert moe.parallelism.ep == 4  # ep=-1: the largest degree dividing dp_shard and 8 experts
+    tied = resolve_layout(
+        load_config({"model": {"preset": "debug_tied"}, "parallelism": {"tp": 2}}), 2
+    )
+    assert (
+        tied.sequence_parallel is False and resolve_layout(load_config(AUTO), 4).sequence_parallel
+    )
