@@ -32,14 +32,13 @@ from forge.checkpoint import (
 from forge.data import SyntheticData, TokenFile
 from forge.export import export_checkpoint, from_hf_llama, hf_llama_config, load_safetensors
 from forge.train import (
-    _loss_and_backward,
     _nonfinite_values,
     peak_flops,
     run_train,
     train_flops_per_token,
 )
 from forge_core import ForgeConfigError, ModelConfig, Transformer, load_config
-from forge_core.training import clip_grad_norm_, warmup_cosine
+from forge_core.training import clip_grad_norm_, forward_backward, warmup_cosine
 
 ROOT = Path(__file__).resolve().parents[2]
 FORGE = [sys.executable, "-m", "forge.cli"]
@@ -302,19 +301,18 @@ def _token_weighted_grads() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     tokens[:2, 3:] = 7  # rank 0's samples: most targets are the ignored id
     reference = Transformer(cfg)
     reference.init_weights(0)
-    count = (tokens[:, 1:] != 7).sum()
-    _loss_and_backward(reference, tokens, None, 1.0 / count, 1, ignore_token=7)
+    forward_backward(reference, tokens, mesh=None, ignore_token=7)
     mesh = build_device_mesh({"data": "ddp"}, "cpu")
     parallel = Transformer(cfg)
     parallel.init_weights(0)
     ddp = apply_ddp(parallel, mesh)
     rank = dist.get_rank()
     local = tokens.chunk(2)[rank]
-    _loss_and_backward(ddp, local, None, 2.0 / count, 1, ignore_token=7)  # dp_size / global count
+    forward_backward(ddp, local, mesh=mesh, ignore_token=7)  # x dp / the global count
     naive = Transformer(cfg)
     naive.init_weights(0)
-    local_count = (local[:, 1:] != 7).sum()  # per-rank mean, then averaged: what a naive loop does
-    _loss_and_backward(apply_ddp(naive, mesh), local, None, 1.0 / local_count, 1, ignore_token=7)
+    # mesh=None: each rank's own token mean, which DDP then averages: what a naive loop does
+    forward_backward(apply_ddp(naive, mesh), local, mesh=None, ignore_token=7)
     grads = [p.grad for p in reference.parameters()]
     return (
         [

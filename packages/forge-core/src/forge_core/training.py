@@ -29,10 +29,12 @@ from .errors import ForgeConfigError
 from .mesh_dims import DP_AXES, dp_rank_and_size, has_axis, sub_mesh
 
 __all__ = [
+    "IGNORE_INDEX",
     "ParityResult",
     "StepRecord",
     "Tolerances",
     "compare_runs",
+    "forward_backward",
     "global_grad_norm",
     "clip_grad_norm_",
     "local_batch",
@@ -257,6 +259,75 @@ def reduce_over_dp(
     return value
 
 
+IGNORE_INDEX = -100
+
+
+def forward_backward(
+    model: nn.Module,
+    tokens_BS: torch.Tensor,
+    *,
+    mesh: DeviceMesh | None,
+    grad_accum: int = 1,
+    images: torch.Tensor | None = None,
+    ignore_token: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step's forward and backward of a token model: the step forge build's parity
+    check, forge train and every layer's parity test run.
+
+    ``tokens_BS [b, S+1]`` is this rank's slice of the global batch (``images [b, ...]`` with it
+    for a vision-language model, called as ``model(tokens, images)``); it is split into
+    ``grad_accum`` micro-batches, gradients synchronized on the last one only. The loss is next-
+    token cross entropy weighted by token: each rank back-propagates its summed token losses x
+    ``dp / tokens of the global batch`` (the count all-reduced on the device, no host wait), so
+    that FSDP2/DDP's gradient average over the data-parallel ranks is the gradient of the global
+    mean, however unevenly targets equal to ``ignore_token`` fall. Vocab-sharded logits (loss
+    parallel) keep the loss context through backward; auxiliary losses the model registered
+    (``forge_core.contracts.pop_aux_losses``, e.g. MoE balancing) are added per micro-batch.
+
+    Returns ``(loss sum, token count)`` over the global batch (both reduced over the
+    data-parallel ranks, on the device): their ratio is the step's loss.
+    """
+    if tokens_BS.shape[0] % grad_accum:
+        raise ForgeConfigError(
+            f"per-rank batch {tokens_BS.shape[0]} is not divisible by grad_accum={grad_accum}"
+        )
+    targets = tokens_BS[:, 1:]
+    if ignore_token is not None:
+        targets = targets.masked_fill(targets == ignore_token, IGNORE_INDEX)
+    count = reduce_over_dp((targets != IGNORE_INDEX).sum().to(torch.int64), mesh)
+    scale = dp_rank_and_size(mesh)[1] / count
+    micro_images = images.chunk(grad_accum) if images is not None else [None] * grad_accum
+    micro_targets = targets.chunk(grad_accum)
+    loss_sum = torch.zeros((), device=tokens_BS.device)
+    for i, (micro, pixels) in enumerate(
+        zip(tokens_BS.chunk(grad_accum), micro_images, strict=True)
+    ):
+        set_gradient_sync(model, i == grad_accum - 1)
+        logits = model(micro[:, :-1]) if pixels is None else model(micro[:, :-1], pixels)
+        # Vocab-sharded logits (loss parallel): the cross entropy reduces over the tp ranks
+        # without gathering the logits; forward and backward both need the context.
+        with loss_parallel() if isinstance(logits, DTensor) else nullcontext():
+            micro_sum = F.cross_entropy(
+                logits.float().flatten(0, 1),
+                micro_targets[i].flatten(),
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+            )
+            loss = micro_sum * scale
+            aux = pop_aux_losses(model)  # e.g. the MoE balancing loss: a mean over micro-batches
+            if aux is not None:
+                if isinstance(loss, DTensor):  # loss parallel: the loss is replicated over tp
+                    aux = DTensor.from_local(
+                        aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim
+                    )
+                loss = loss + aux / grad_accum
+            loss.backward()
+        loss_sum += (
+            micro_sum.full_tensor() if isinstance(micro_sum, DTensor) else micro_sum
+        ).detach()
+    return reduce_over_dp(loss_sum, mesh), count
+
+
 def train_steps(
     model: nn.Module,
     tokens: torch.Tensor,
@@ -268,58 +339,30 @@ def train_steps(
     images: torch.Tensor | None = None,
     ignore_token: int | None = None,
 ) -> list[StepRecord]:
-    """Train on ``tokens [steps, B, S+1]`` (next-token cross entropy, AdamW) and record each step.
+    """Train on ``tokens [steps, B, S+1]`` with AdamW through :func:`forward_backward`, and
+    record each step's loss (the global token mean) and global gradient norm.
 
-    With a mesh, each rank takes its DP slice of every batch; ``grad_accum`` splits the slice
-    into micro-batches and syncs gradients only on the last one. A vision-language model also
-    gets ``images [steps, B, ...]`` (``model(tokens, images)``); targets equal to
-    ``ignore_token`` (image placeholders) are left out of the loss. Frozen parameters
-    (``requires_grad=False``) get no optimizer state.
+    With a mesh, each rank takes its DP slice of every batch. A vision-language model also gets
+    ``images [steps, B, ...]``; targets equal to ``ignore_token`` (image placeholders) are left
+    out of the loss. Frozen parameters (``requires_grad=False``) get no optimizer state.
     """
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
     hooks = attach_optimizer_hooks(model, optimizer)  # e.g. MoE expert-bias updates
     records = []
     for step, batch in enumerate(tokens):
-        local = local_batch(batch, mesh).to(device)
-        if local.shape[0] % grad_accum:
-            raise ForgeConfigError(
-                f"per-rank batch {local.shape[0]} is not divisible by grad_accum={grad_accum}"
-            )
-        micro_batches = local.chunk(grad_accum)
-        micro_images = (
-            local_batch(images[step], mesh).to(device).chunk(grad_accum)
-            if images is not None
-            else [None] * grad_accum
+        loss_sum, count = forward_backward(
+            model,
+            local_batch(batch, mesh).to(device),
+            mesh=mesh,
+            grad_accum=grad_accum,
+            images=None if images is None else local_batch(images[step], mesh).to(device),
+            ignore_token=ignore_token,
         )
-        total = torch.zeros((), device=device)
-        for i, (micro, pixels) in enumerate(zip(micro_batches, micro_images, strict=True)):
-            set_gradient_sync(model, i == len(micro_batches) - 1)
-            logits = model(micro[:, :-1]) if pixels is None else model(micro[:, :-1], pixels)
-            targets = micro[:, 1:]
-            if ignore_token is not None:
-                targets = targets.masked_fill(targets == ignore_token, -100)
-            # Vocab-sharded logits (loss parallel): the cross entropy reduces across the tp ranks
-            # without ever gathering the logits; forward and backward both need the context.
-            context = loss_parallel() if isinstance(logits, DTensor) else nullcontext()
-            with context:
-                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-                aux = pop_aux_losses(model)  # e.g. MoE load-balancing losses
-                if aux is not None and isinstance(loss, DTensor):  # loss parallel: replicated
-                    aux = DTensor.from_local(
-                        aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim
-                    )
-                if aux is not None:
-                    loss = loss + aux
-                loss = loss / grad_accum
-                loss.backward()
-            loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
-            total += loss.detach()
         grad_norm = global_grad_norm(trainable)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        total = reduce_over_dp(total.float(), mesh, dist.ReduceOp.AVG)
-        records.append(StepRecord(loss=float(total), grad_norm=float(grad_norm)))
+        records.append(StepRecord(loss=float(loss_sum / count), grad_norm=float(grad_norm)))
     hooks.remove()
     return records
 

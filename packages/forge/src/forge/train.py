@@ -31,7 +31,7 @@ import sys
 import time
 import uuid
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,16 +39,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from forge_core import (
     ForgeConfigError,
     attach_optimizer_hooks,
-    pop_aux_losses,
 )
 from forge_core.mesh_dims import axis_size, dp_rank_and_size
 from forge_core.stages import unwrap
 from forge_core.training import (
     clip_grad_norm_,
+    forward_backward,
     reduce_over_dp,
     set_gradient_sync,
     warmup_cosine,
@@ -57,19 +56,17 @@ from forge_domain import domain_group, shard_spatial, sync_domain_gradients
 from forge_mesh import mesh_layout
 from forge_tp_plans import describe_tp_plan
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor import DTensor
 
 from .build import ParallelPlan, model_from_config
 from .checkpoint import Checkpointer, optimizer_hyperparameters
 from .checkpoint_files import CheckpointDamaged, resume_point
 from .config import ForgeConfig, load_config
-from .data import Batch, FieldBatch, make_data
+from .data import FieldBatch, make_data
 from .job import setup_rank
 
 __all__ = ["StepLog", "TrainSummary", "peak_flops", "run_train", "train_flops_per_token"]
 
-IGNORE = -100
 
 #: Dense bf16 tensor-core peak (FLOP/s) of GPUs forge knows, for the MFU estimate.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -189,65 +186,6 @@ def _format_memory(per_rank: list[int]) -> str:
         return "mem " + "|".join(f"{g:.2f}" for g in gib) + " GiB"
     top = gib.index(max(gib))
     return f"mem max {max(gib):.2f} GiB (r{top}) min {min(gib):.2f} GiB"
-
-
-def _loss_and_backward(
-    model: nn.Module,
-    tokens: torch.Tensor,
-    images: torch.Tensor | None,
-    scale: torch.Tensor,
-    grad_accum: int,
-    ignore_token: int | None,
-) -> torch.Tensor:
-    """One micro-batch: forward, token-weighted loss, backward; returns the summed token loss."""
-    logits = model(tokens[:, :-1]) if images is None else model(tokens[:, :-1], images)
-    targets = tokens[:, 1:]
-    if ignore_token is not None:
-        targets = targets.masked_fill(targets == ignore_token, IGNORE)
-    # Vocab-sharded logits (loss parallel): the cross entropy reduces over the tp ranks.
-    with loss_parallel() if isinstance(logits, DTensor) else nullcontext():
-        loss_sum = F.cross_entropy(
-            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
-        )
-        loss = loss_sum * scale
-        aux = pop_aux_losses(model)  # e.g. the MoE balancing loss: a mean over micro-batches
-        if aux is not None:
-            if isinstance(loss, DTensor):
-                aux = DTensor.from_local(
-                    aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim
-                )
-            loss = loss + aux / grad_accum
-        loss.backward()
-    return (loss_sum.full_tensor() if isinstance(loss_sum, DTensor) else loss_sum).detach()
-
-
-def _token_step(
-    model: nn.Module,
-    batch: Batch,
-    mesh: DeviceMesh,
-    device: torch.device,
-    grad_accum: int,
-    ignore: int | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward + backward of one step's micro-batches; returns (global loss sum, global count)."""
-    tokens = batch.tokens.to(device)
-    targets = tokens[:, 1:]
-    if ignore is not None:
-        count = (targets != ignore).sum()
-    else:
-        count = torch.tensor(targets.numel(), device=device)
-    global_count = reduce_over_dp(count.to(torch.int64), mesh)  # on the device: no host wait
-    scale = dp_rank_and_size(mesh)[1] / global_count
-    micro_images = (
-        batch.images.to(device).chunk(grad_accum)
-        if batch.images is not None
-        else [None] * grad_accum
-    )
-    loss_sum = torch.zeros((), device=device)
-    for i, (micro, pixels) in enumerate(zip(tokens.chunk(grad_accum), micro_images, strict=True)):
-        set_gradient_sync(model, i == grad_accum - 1)
-        loss_sum += _loss_and_backward(model, micro, pixels, scale, grad_accum, ignore)
-    return reduce_over_dp(loss_sum, mesh), global_count
 
 
 def _field_step(
@@ -435,8 +373,14 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
                     model, data.batch(step), mesh, device, t.grad_accum
                 )
             else:
-                loss_sum, global_count = _token_step(
-                    model, data.batch(step), mesh, device, t.grad_accum, ignore
+                batch = data.batch(step)
+                loss_sum, global_count = forward_backward(
+                    model,
+                    batch.tokens.to(device),
+                    mesh=mesh,
+                    grad_accum=t.grad_accum,
+                    images=None if batch.images is None else batch.images.to(device),
+                    ignore_token=ignore,
                 )
             grad_norm = float(clip_grad_norm_(trainable, t.max_grad_norm))
             loss = float(loss_sum / global_count)
