@@ -363,7 +363,8 @@ def build_forge(shape: Shape, dtype: torch.dtype, device: torch.device, seed: in
 
 
 def forge_capacity_sharing(shape: Shape, base: MoE, device: torch.device) -> MoE:
-    """A capacity-mode MoE on ``base``'s router, experts, shared expert and EP group."""
+    """A capacity-mode MoE on ``base``'s router, experts and shared expert (their EP hooks come
+    with them: the capacity layer's experts take the equal-split exchange, with no host sync)."""
     with torch.device("meta"):
         moe = MoE(_forge_config(shape, "capacity"), 0)
     moe.router, moe.experts, moe.shared_expert = base.router, base.experts, base.shared_expert
@@ -371,7 +372,6 @@ def forge_capacity_sharing(shape: Shape, base: MoE, device: torch.device) -> MoE
     # the capacity layer's own.
     moe.tokens_routed = torch.zeros((), dtype=torch.int64, device=device)
     moe.tokens_dropped = torch.zeros((), dtype=torch.int64, device=device)
-    moe.ep_group, moe.count_group = base.ep_group, base.count_group
     moe.train()
     return moe
 

@@ -9,8 +9,10 @@ from forge.build import build_parallel_model
 from forge_core import ForgeConfigError, ModelConfig, no_host_sync
 from forge_core.sync_guard import HostSyncError
 from forge_fsdp_wrap import apply_fsdp2
+from forge_kernels.permute import routing_layout
 from forge_mesh import build_device_mesh
 from forge_moe_ep import MoE, apply_expert_parallel, moe_transformer
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -94,7 +96,8 @@ def _fsdp_units() -> dict[str, object]:
         "units": sorted(n for n in units if n),
         "expert_mesh": w1.device_mesh.mesh_dim_names,
         "expert_local_shape": tuple(w1.to_local().shape),
-        "ep_group": sorted(dist.get_process_group_ranks(model.layers["0"].feed_forward.ep_group)),
+        # The MoE holds no group: the ep group is the ep axis of its experts' weights' mesh.
+        "ep_group": sorted(dist.get_process_group_ranks(w1.device_mesh.get_group("ep"))),
     }
 
 
@@ -115,6 +118,74 @@ def test_fsdp2_wraps_moe_blocks_per_sub_module_and_shards_experts_on_their_own_a
         assert info["expert_mesh"] == ("dp_shard_mod_ep", "ep")
         assert info["expert_local_shape"] == (2, 64, 64)
         assert info["ep_group"] == ([0, 1] if rank < 2 else [2, 3])
+
+
+def _groups_held_by_moe_layers() -> list[str]:
+    cfg = ModelConfig.preset("debug_moe")
+    mesh = build_device_mesh({"dp_shard": 2, "ep": 2}, "cpu", num_experts=cfg.num_experts)
+    model = build_parallel_model(cfg, "cpu", mesh, param_dtype=torch.float32)
+    found = []
+    for name, moe in model.named_modules():
+        if isinstance(moe, MoE):
+            for attr, value in vars(moe).items():
+                if isinstance(value, (dist.ProcessGroup, DeviceMesh)):
+                    found.append(f"{name}.{attr}")
+    return found
+
+
+def test_moe_layers_hold_no_process_group_or_mesh_under_ep(run_on_ranks):
+    # EP is applied from outside (hooks on the experts and router, a load hook): the layer
+    # itself keeps no ProcessGroup or DeviceMesh attribute.
+    assert run_on_ranks(2, _groups_held_by_moe_layers) == [[], []]
+
+
+def _router_alone_and_experts_alone() -> list[float]:
+    reference, moe = _moe_pair("dropless", ep=2)
+    x = torch.randn(2, 8, D, generator=torch.Generator().manual_seed(dist.get_rank()))
+    # The router called on its own (not by its MoE) starts no exchange (rank 0 only: a
+    # collective there would leave rank 1 behind and the next forward would hang).
+    if dist.get_rank() == 0:
+        moe.router(x.reshape(-1, D))
+    # The experts called directly with expert-major rows still dispatch (the counts are then
+    # exchanged at the experts), like the layer's own call.
+    _, ids, _ = moe.router(x.reshape(-1, D))
+    layout = routing_layout(ids, moe.num_experts)
+    rows = x.reshape(-1, D).index_select(0, layout.gather_idx // moe.top_k)
+    direct = moe.experts(rows, layout.offs)
+    whole = reference.experts(rows, layout.offs)
+    return [float((moe(x) - reference(x)).abs().max()), float((direct - whole).abs().max())]
+
+
+def test_router_alone_starts_nothing_and_experts_alone_still_dispatch(run_on_ranks):
+    for errors in run_on_ranks(2, _router_alone_and_experts_alone):
+        assert max(errors) < 1e-6
+
+
+def _dropless_event_order() -> list[str]:
+    _, moe = _moe_pair("dropless", ep=2)
+    events: list[str] = []
+    all_to_all_single = dist.all_to_all_single
+
+    def logged(out, x, *args, **kwargs):
+        events.append(f"all_to_all {tuple(x.shape)}")
+        return all_to_all_single(out, x, *args, **kwargs)
+
+    assert moe.shared_expert is not None
+    moe.shared_expert.register_forward_pre_hook(lambda *_: events.append("shared expert"))
+    dist.all_to_all_single = logged
+    try:
+        moe(torch.randn(2, 8, D))
+    finally:
+        dist.all_to_all_single = all_to_all_single
+    return events
+
+
+def test_dropless_ep_exchanges_split_sizes_before_the_shared_expert_runs(run_on_ranks):
+    # The split sizes' copy to the host is in flight while the shared expert is launched; the
+    # token all-to-alls (dispatch, return) follow it.
+    for events in run_on_ranks(2, _dropless_event_order):
+        assert events[:2] == ["all_to_all (8,)", "shared expert"]
+        assert len(events) == 4 and all(e.startswith("all_to_all (") for e in events[2:])
 
 
 def _refusals() -> list[str]:

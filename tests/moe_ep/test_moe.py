@@ -181,6 +181,26 @@ def test_bias_update_is_mean_centred_sign_of_count_deficit_and_resets_counts():
     assert torch.count_nonzero(moe.router.tokens_per_expert) == 0
 
 
+def test_load_hooks_see_the_counts_before_the_bias_update_and_can_be_removed():
+    moe = make_moe(moe_bias_update_rate=0.1)
+    seen = []
+
+    def only_expert_0_counts(counts: torch.Tensor) -> None:
+        seen.append(counts.clone())
+        counts.copy_(torch.tensor([5.0, 0, 0, 0, 0, 0, 0, 0]))
+
+    handle = moe.register_load_hook(only_expert_0_counts)
+    with torch.no_grad():
+        moe.router.tokens_per_expert.fill_(1.0)
+    moe.forge_after_optimizer_step()
+    assert len(seen) == 1 and torch.equal(seen[0], torch.ones(8))
+    delta = 0.1 * torch.sign(torch.tensor(5 / 8) - torch.tensor([5.0, 0, 0, 0, 0, 0, 0, 0]))
+    torch.testing.assert_close(moe.router.expert_bias, delta - delta.mean())
+    handle.remove()
+    moe.forge_after_optimizer_step()
+    assert len(seen) == 1
+
+
 def _biases_after_one_step(grad_accum: int, ac: bool) -> list[torch.Tensor]:
     cfg = ModelConfig.preset("debug_moe", moe_bias_update_rate=1e-2)
     model = moe_transformer(cfg)

@@ -1,22 +1,31 @@
-"""Moving routed tokens to their experts and back: local, or expert-parallel over an ``ep`` group.
+"""Token layouts for the experts, and moving expert rows between the ranks of an ``ep`` group.
 
-Provides :func:`dropless` and :func:`capacity_dispatch` (each runs the experts between dispatch
-and combine and returns ``[T, D]``), :func:`capacity_per_sequence` and :func:`capacity_layout`.
+Provides the layouts the MoE layer builds on its own rank (:func:`capacity_per_sequence`,
+:func:`capacity_layout`; the dropless layout is ``forge_kernels.permute.routing_layout``), the
+row movers that expert parallelism runs around the experts (:func:`exchange_counts`,
+:func:`dispatch_rows`, :func:`dispatch_equal_rows`, :func:`expert_counts`) and the
+differentiable :func:`all_to_all`. The movers are pure functions of their arguments: the state
+of a layer's expert parallelism (group, staging buffer, what a forward sent) lives in
+``forge_moe_ep.parallel.ExpertParallel``, which calls them from module hooks.
 
-Modes (``ModelConfig.moe_dispatch``):
+What the experts see (:data:`ExpertsFn`): expert-major rows and either the groups' end offsets
+(``offs``) or ``None`` for equal groups. The two dispatch modes (``ModelConfig.moe_dispatch``):
 
-- ``dropless``: every routed token is computed. Locally that needs no host sync (grouped GEMM
-  offsets stay on the device). With EP the all-to-all needs the split sizes on the host: the
-  per-expert counts are exchanged with a fixed-size all-to-all, their device-to-host copy is
-  started at once (``forge_kernels.native.StagedSplits``), the shared expert and the token
-  permute are launched while it flies, and the host waits once, right before the variable-size
-  all-to-all. That wait is the only host sync of the layer, forward or backward (the backward
-  reuses the split lists).
+- ``dropless``: every routed token is computed; rows come from ``routing_layout`` (exactly the
+  routed rows, variable groups). Locally that needs no host sync (grouped GEMM offsets stay on
+  the device). Under EP the all-to-all needs the split sizes on the host: the per-expert counts
+  are exchanged with a fixed-size all-to-all (:func:`exchange_counts`) as soon as the router has
+  chosen, their device-to-host copy is started at once (``forge_kernels.native.StagedSplits``),
+  the token permute and the shared expert are launched while it flies, and the host waits once,
+  right before the variable-size all-to-all (:func:`dispatch_rows`). That wait is the only host
+  sync of the layer, forward or backward (the backward reuses the split lists).
 - ``capacity``: each sequence sends at most ``C = ceil(capacity_factor * S * K / E)`` tokens to
   each expert; earlier positions win, the rest are dropped (they get only the shared expert and
-  the residual) and counted. Every buffer is sized from shapes, the all-to-alls have equal
-  splits: no host sync at all. Because the capacity is per sequence, which tokens are dropped
-  does not depend on how the batch is split across ranks: a single-device model drops the same.
+  the residual) and counted. The rows are ``E`` equal groups of ``batch x C`` (:func:`
+  capacity_layout`), so every buffer is sized from shapes and the all-to-alls have equal splits
+  (:func:`dispatch_equal_rows`): no host sync at all. Because the capacity is per sequence,
+  which tokens are dropped does not depend on how the batch is split across ranks: a
+  single-device model drops the same.
 
 Notable choices: the router weights never cross a collective (the combine happens on the
 token's own rank), so the router stays in the autograd graph in every mode; experts that get no
@@ -37,34 +46,34 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 import torch.distributed as dist
-from forge_kernels.native import StagedSplits
-from forge_kernels.permute import (
-    RoutingLayout,
-    combine,
-    permute,
-    rank_major_to_expert_major,
-    routing_layout,
-)
+from forge_kernels.permute import RoutingLayout, rank_major_to_expert_major, routing_layout
 
 __all__ = [
     "ExpertsFn",
+    "SendBack",
     "all_to_all",
-    "capacity_dispatch",
     "capacity_layout",
     "capacity_per_sequence",
-    "dropless",
+    "dispatch_equal_rows",
+    "dispatch_rows",
+    "exchange_counts",
+    "expert_counts",
 ]
 
-_R = TypeVar("_R")
+#: ``experts(x_rows [M, D], offs [E_local] | None) -> [M, D]``: the grouped SwiGLU over
+#: expert-major rows. ``offs`` holds the groups' cumulative ends; every caller here passes
+#: ``offs[-1] == M`` (no row outside a group), so an implementation may skip zeroing rows past
+#: ``offs[-1]`` (``forge_kernels.grouped_gemm(..., dense=True)``). ``None`` means ``E_local``
+#: equal groups of ``M / E_local`` rows: a fact known from shapes alone, which lets expert
+#: parallelism move the rows with equal splits and no host sync (the capacity mode).
+ExpertsFn = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
-#: ``experts(x_rows [M, D], offs [E_local]) -> [M, D]``: the grouped SwiGLU over expert-major rows.
-#: Every caller here passes ``offs[-1] == M`` (no row outside a group), so an implementation may
-#: skip zeroing rows past ``offs[-1]`` (``forge_kernels.grouped_gemm(..., dense=True)``).
-ExpertsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: Returns the experts' output rows of one forward to the ranks that sent them (the inverse of
+#: a :func:`dispatch_rows` / :func:`dispatch_equal_rows` call; differentiable).
+SendBack = Callable[[torch.Tensor], torch.Tensor]
 
 
 class _Reorder(torch.autograd.Function):
@@ -113,59 +122,65 @@ def all_to_all(
     return _AllToAll.apply(x, out_rows, out_splits, in_splits, group)
 
 
-# --------------------------------------------------------------------------- dropless
-def dropless(
-    x_TD: torch.Tensor,
-    ids_TK: torch.Tensor,
-    weights_TK: torch.Tensor,
-    experts: ExpertsFn,
-    num_experts: int,
-    *,
-    group: dist.ProcessGroup | None = None,
-    staged: StagedSplits | None = None,
-    overlap: Callable[[], _R] | None = None,
-) -> tuple[torch.Tensor, _R | None]:
-    """Exact dispatch: every routed token is computed. Returns ``(out [T, D], overlap())``.
+# --------------------------------------------------------------------------- dropless, EP
+def expert_counts(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routed slots per expert, ``int64 [num_experts]``, on the device (no host sync).
 
-    ``ids_TK`` must be in ``[0, num_experts)`` (a top-k router's output always is; not checked:
-    the layout is used as a permutation of the slots). Without ``group`` the experts are all
-    local (no collective, no host sync). With ``group`` (size R, ``num_experts / R`` experts per
-    rank, rank r owning a contiguous range), ``staged`` is a ``StagedSplits(2 * R)`` used for
-    the one host wait; ``overlap`` runs while it is pending.
+    Equals ``routing_layout(ids_TK, num_experts).counts`` for ids in ``[0, num_experts)``;
+    cheaper, for a caller that needs only the counts (the early split-size exchange).
     """
-    layout = routing_layout(ids_TK, num_experts)
-    top_k = ids_TK.shape[1]
-    if group is None:
-        extra = overlap() if overlap is not None else None
-        y = experts(permute(x_TD, layout, top_k, dense=True), layout.offs)
-        return combine(y, layout, weights_TK, dense=True), extra
-    if staged is None:
-        raise ValueError("dropless with an EP group needs staged=StagedSplits(2 * group size)")
+    flat = ids_TK.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids_TK.device)
+    return counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
+
+
+def exchange_counts(
+    send_counts_E: torch.Tensor, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed-size all-to-all of per-expert row counts; no host sync.
+
+    ``send_counts_E [E]``: rows this rank sends to each expert (experts split in contiguous
+    ranges over the R ranks of ``group``). Returns ``(recv_counts_E, splits [2R])``:
+    ``recv_counts_E.view(R, E / R)[r, e]`` is the number of rows rank r sends to local expert e,
+    and ``splits`` holds the rows sent to each rank, then the rows received from each rank: the
+    all-to-all split sizes, to be staged to the host (``StagedSplits(2 * R)``).
+    """
     ranks = dist.get_world_size(group)
-    local_experts = num_experts // ranks
-    send_counts = layout.counts
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)  # fixed size: E ints
-    send_counts_RE = send_counts.view(ranks, local_experts)
-    recv_counts_RE = recv_counts.view(ranks, local_experts)
-    splits = torch.cat([send_counts_RE.sum(1), recv_counts_RE.sum(1)])
-    staged.start(splits)
-    # NOTE: device work queued while the split sizes travel to the host.
-    x_perm = permute(x_TD, layout, top_k, dense=True)
-    extra = overlap() if overlap is not None else None
-    host = staged.wait()  # the layer's one host sync
-    in_splits, out_splits = host[:ranks], host[ranks:]
+    recv_counts = torch.empty_like(send_counts_E)
+    dist.all_to_all_single(recv_counts, send_counts_E, group=group)  # fixed size: E ints
+    splits = torch.cat([send_counts_E.view(ranks, -1).sum(1), recv_counts.view(ranks, -1).sum(1)])
+    return recv_counts, splits
+
+
+def dispatch_rows(
+    x_rows: torch.Tensor,
+    group: dist.ProcessGroup,
+    recv_counts_E: torch.Tensor,
+    splits: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, SendBack]:
+    """Send expert-major rows to the ranks owning their experts (variable splits).
+
+    ``x_rows``: this rank's rows, expert-major over all ``E`` experts; ``recv_counts_E`` and
+    ``splits`` (on the host, as ``StagedSplits.wait`` returns it) come from
+    :func:`exchange_counts`. Returns ``(rows for the local experts, expert-major; their offs
+    [E / R]; send_back)``: ``send_back(y)`` returns the experts' output rows to their senders in
+    ``x_rows``' order.
+    """
+    ranks = dist.get_world_size(group)
+    in_splits, out_splits = splits[:ranks], splits[ranks:]
     received = sum(out_splits)
-    x_recv = all_to_all(x_perm, group, out_splits, in_splits)
+    x_recv = all_to_all(x_rows, group, out_splits, in_splits)
     # Rows arrive grouped by source rank, then local expert; the grouped GEMM wants expert-major.
     # The buffer holds exactly the received rows, so the reorder is a permutation (no sentinel).
-    index, offs = rank_major_to_expert_major(recv_counts_RE, received)
+    index, offs = rank_major_to_expert_major(recv_counts_E.view(ranks, -1), received)
     inverse = torch.empty_like(index).scatter_(
         0, index, torch.arange(received, device=index.device)
     )
-    y_recv = _Reorder.apply(experts(_Reorder.apply(x_recv, index, inverse), offs), inverse, index)
-    y_back = all_to_all(y_recv, group, in_splits, out_splits)
-    return combine(y_back, layout, weights_TK, dense=True), extra
+
+    def send_back(y_local: torch.Tensor) -> torch.Tensor:
+        return all_to_all(_Reorder.apply(y_local, inverse, index), group, in_splits, out_splits)
+
+    return _Reorder.apply(x_recv, index, inverse), offs, send_back
 
 
 # --------------------------------------------------------------------------- capacity
@@ -209,40 +224,35 @@ def capacity_layout(
     return layout, dropped
 
 
-def capacity_dispatch(
-    x_TD: torch.Tensor,
-    ids_TK: torch.Tensor,
-    weights_TK: torch.Tensor,
-    experts: ExpertsFn,
-    num_experts: int,
-    *,
-    batch: int,
-    capacity: int,
-    group: dist.ProcessGroup | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Capacity-limited dispatch with no host sync. Returns ``(out [T, D], dropped slots)``.
+def dispatch_equal_rows(
+    x_rows: torch.Tensor, group: dist.ProcessGroup, num_experts: int
+) -> tuple[torch.Tensor, SendBack]:
+    """Send ``num_experts`` equal groups of rows to the ranks owning them: no host sync.
 
-    With ``group`` (R ranks) every rank sends ``E/R * batch * capacity`` rows to every rank:
-    equal splits, so all ranks of the group must run the same ``[batch, seq_len]`` shape (as
-    data-parallel training does).
+    Every rank sends ``E/R * block`` rows to every rank (``block = rows / E``): equal splits, so
+    all ranks of the group must pass the same number of rows (as data-parallel training with one
+    ``[batch, seq_len]`` shape does). Returns ``(rows for the local experts, expert-major: E/R
+    equal groups of R * block; send_back)``. Zero rows (no sequences, on every rank alike, as
+    equal splits require) need no exchange.
     """
-    if batch == 0:
-        # No sequences (every rank of the group alike, as equal splits require): no exchange;
-        # the experts run on zero rows so their gradients are zeros, not None.
-        local = num_experts // (1 if group is None else dist.get_world_size(group))
-        empty = experts(x_TD[:0], torch.zeros(local, dtype=torch.int32, device=x_TD.device))
-        return empty.sum(0, keepdim=True).expand(0, -1), torch.zeros((), dtype=torch.int64)
-    layout, dropped = capacity_layout(ids_TK, num_experts, batch, capacity)
-    x_send = permute(x_TD, layout, ids_TK.shape[1])  # [E * batch * capacity, D]
-    if group is None:
-        return combine(experts(x_send, layout.offs), layout, weights_TK), dropped
+    if x_rows.shape[0] == 0:
+        return x_rows, _unchanged
+    if x_rows.shape[0] % num_experts:
+        raise ValueError(
+            f"dispatch_equal_rows: {x_rows.shape[0]} rows do not form {num_experts} equal groups"
+        )
     ranks = dist.get_world_size(group)
-    local_experts, block, dim = num_experts // ranks, batch * capacity, x_TD.shape[1]
-    x_recv = all_to_all(x_send, group)  # [ranks, local_experts, block] rows
-    x_e = x_recv.view(ranks, local_experts, block, dim).transpose(0, 1).reshape(-1, dim)
-    offs = torch.arange(1, local_experts + 1, device=x_TD.device, dtype=torch.int32) * (
-        ranks * block
-    )
-    y_e = experts(x_e, offs)
-    y_recv = y_e.view(local_experts, ranks, block, dim).transpose(0, 1).reshape(-1, dim)
-    return combine(all_to_all(y_recv, group), layout, weights_TK), dropped
+    local_experts, dim = num_experts // ranks, x_rows.shape[1]
+    block = x_rows.shape[0] // num_experts
+    x_recv = all_to_all(x_rows, group)  # [ranks, local_experts, block] rows
+
+    def send_back(y_local: torch.Tensor) -> torch.Tensor:
+        y_recv = y_local.view(local_experts, ranks, block, dim).transpose(0, 1).reshape(-1, dim)
+        return all_to_all(y_recv, group)
+
+    x_local = x_recv.view(ranks, local_experts, block, dim).transpose(0, 1).reshape(-1, dim)
+    return x_local, send_back
+
+
+def _unchanged(y: torch.Tensor) -> torch.Tensor:
+    return y

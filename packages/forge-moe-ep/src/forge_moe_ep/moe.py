@@ -24,24 +24,33 @@ Notable choices:
   checkpointing recomputes the forward there), so AC does not double-count.
 - Experts are stacked ``[E, ...]`` and run through ``forge_kernels.grouped_gemm``; an expert
   without tokens gets a zero gradient (not None), so optimizer state never diverges.
+- The layer is purely local and holds no process group: it routes, lays its tokens out per
+  expert (:mod:`forge_moe_ep.dispatch`), calls ``self.experts(rows, offs)`` and combines the
+  result with the router weights. Expert parallelism is applied from outside
+  (``forge_moe_ep.parallel.apply_expert_parallel``): it shards the experts' weights and installs
+  the cross-rank token dispatch and return as forward hooks on ``experts`` (and, to start the
+  split-size exchange early, on ``router``), and the data-parallel sum of the token counts as a
+  load hook (:meth:`MoE.register_load_hook`).
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from forge_core.init import fill_param_
 from forge_core.model import FeedForward, ModelConfig, Transformer
 from forge_core.torch_compat import in_backward_pass
 from forge_kernels.grouped_gemm import grouped_gemm
-from forge_kernels.native import StagedSplits
+from forge_kernels.permute import combine, permute, routing_layout
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 
-from .dispatch import capacity_dispatch, capacity_per_sequence, dropless
+from .dispatch import capacity_layout, capacity_per_sequence
 
 __all__ = ["GroupedExperts", "MoE", "Router", "moe_metrics", "moe_transformer"]
 
@@ -80,11 +89,13 @@ class Router(nn.Module):
 class GroupedExperts(nn.Module):
     """``E`` SwiGLU experts as stacked weights; ``forward(rows, offs)`` runs grouped GEMMs.
 
-    ``offs[-1]`` must equal the number of rows (every row in an expert's group), as forge's
-    dispatch modes guarantee (``dispatch.ExpertsFn``).
+    ``rows`` are expert-major; ``offs`` holds each expert's cumulative end row and ``offs[-1]``
+    must equal the number of rows (every row in an expert's group), as forge's dispatch modes
+    guarantee; ``offs=None`` means equal groups (``rows / E`` each). See ``dispatch.ExpertsFn``.
 
-    Under expert parallelism the weights are DTensors sharded ``Shard(0)`` over ``ep`` and each
-    rank computes with its local ``E / ep`` experts.
+    Under expert parallelism (applied from outside) the weights are DTensors sharded
+    ``Shard(0)`` over ``ep``, each rank computes with its local ``E / ep`` experts, and forward
+    hooks bring the rows of every rank's tokens routed to them in and send the results back.
     """
 
     def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
@@ -93,8 +104,16 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
 
-    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor:
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if offs is None:
+            experts = w1.shape[0]
+            if x.shape[0] % experts:
+                raise ValueError(
+                    f"GroupedExperts: {x.shape[0]} rows do not form {experts} equal groups"
+                )
+            offs = torch.arange(1, experts + 1, device=x.device, dtype=torch.int32)
+            offs = offs * (x.shape[0] // experts)
         if torch.is_autocast_enabled(x.device.type):
             # grouped_gemm is outside autocast's op lists: cast by hand to the autocast dtype.
             dtype = torch.get_autocast_dtype(x.device.type)
@@ -137,11 +156,10 @@ class MoE(nn.Module):
         # Training-forward counters of routed and dropped (token, expert) slots (see moe_metrics).
         self.register_buffer("tokens_routed", torch.zeros((), dtype=torch.int64), persistent=False)
         self.register_buffer("tokens_dropped", torch.zeros((), dtype=torch.int64), persistent=False)
-        # Set by apply_expert_parallel: the EP group and the group token counts are summed over.
-        self.ep_group: dist.ProcessGroup | None = None
-        self.count_group: dist.ProcessGroup | None = None
+        #: Host waits for split sizes made by the token dispatch installed on this layer from
+        #: outside (dropless expert parallelism: one per forward; see moe_metrics).
         self.host_syncs = 0
-        self._staged: StagedSplits | None = None
+        self._expert_load_hooks: OrderedDict[int, Callable[[torch.Tensor], None]] = OrderedDict()
         self._aux_loss: torch.Tensor | None = None
 
     @classmethod
@@ -149,12 +167,11 @@ class MoE(nn.Module):
         """``Transformer``'s ``ffn_factory``: the MoE of block ``layer_id``."""
         return cls(config, layer_id)
 
-    @property
-    def ep_size(self) -> int:
-        return 1 if self.ep_group is None else dist.get_world_size(self.ep_group)
-
     # ------------------------------------------------------------------ forward
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        """Route, lay the tokens out per expert, run ``self.experts``, combine, add the shared
+        expert. Module calls in order: ``router``, then ``shared_expert``, then ``experts`` (hooks
+        installed from outside rely on it: see ``forge_moe_ep.parallel``)."""
         batch, seq_len, dim = x_BSD.shape
         x_TD = x_BSD.reshape(-1, dim)
         weights, ids, scores = self.router(x_TD)
@@ -166,50 +183,54 @@ class MoE(nn.Module):
             if self.config.moe_aux_loss_coef > 0:
                 self._aux_loss = self._load_balancing_loss(ids, scores)
 
-        shared = self.shared_expert
-
-        def run_shared() -> torch.Tensor | None:
-            return shared(x_TD) if shared is not None else None
-
         if self.config.moe_dispatch == "capacity":
+            routed = self._capacity(x_TD, ids, weights, batch, seq_len, record)
+        else:
+            # Exactly the routed rows, variable groups: permute / combine are permutations.
+            layout = routing_layout(ids, self.num_experts)
+            x_rows = permute(x_TD, layout, self.top_k, dense=True)
+            # NOTE: the shared expert runs between the permute and the experts call: under
+            # expert parallelism a split-size copy to the host is in flight there (started
+            # after the router), and this device work hides it before the host waits.
+            shared_out = self._shared(x_TD)
+            y_rows = self.experts(x_rows, layout.offs)
+            routed = combine(y_rows, layout, weights, dense=True)
+            if shared_out is not None:
+                routed = routed + shared_out
+        return routed.view(batch, seq_len, dim)
+
+    def _shared(self, x_TD: torch.Tensor) -> torch.Tensor | None:
+        return self.shared_expert(x_TD) if self.shared_expert is not None else None
+
+    def _capacity(
+        self,
+        x_TD: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        batch: int,
+        seq_len: int,
+        record: bool,
+    ) -> torch.Tensor:
+        """Capped dispatch (no host sync): ``E`` equal groups of ``batch x capacity`` rows."""
+        shared_out = self._shared(x_TD)
+        if batch == 0:
+            # No sequences (on every rank alike, as equal splits require): the experts run on
+            # zero rows so their gradients are zeros, not None.
+            empty = self.experts(x_TD[:0], None)
+            routed = empty.sum(0, keepdim=True).expand(0, -1)
+        else:
             capacity = capacity_per_sequence(
                 seq_len, self.top_k, self.num_experts, self.config.capacity_factor
             )
-            shared_out = run_shared()
-            routed, dropped = capacity_dispatch(
-                x_TD,
-                ids,
-                weights,
-                self.experts,
-                self.num_experts,
-                batch=batch,
-                capacity=capacity,
-                group=self.ep_group,
-            )
+            layout, dropped = capacity_layout(ids, self.num_experts, batch, capacity)
             if record:
                 self.tokens_dropped += dropped
-        else:
-            staged = None
-            if self.ep_group is not None:
-                staged = self._staged_splits(x_TD.device)
-                self.host_syncs += 1
-            routed, shared_out = dropless(
-                x_TD,
-                ids,
-                weights,
-                self.experts,
-                self.num_experts,
-                group=self.ep_group,
-                staged=staged,
-                overlap=run_shared,
-            )
-        out = routed if shared_out is None else routed + shared_out
-        return out.view(batch, seq_len, dim)
-
-    def _staged_splits(self, device: torch.device) -> StagedSplits:
-        if self._staged is None or self._staged.device != device:
-            self._staged = StagedSplits(2 * self.ep_size, device=device)
-        return self._staged
+            x_rows = permute(x_TD, layout, self.top_k)  # [E * batch * capacity, D]
+            # NOTE: offs=None (equal groups) rather than layout.offs: the group sizes are then
+            # known from shapes, so an expert-parallel dispatch moves the rows with equal splits
+            # and no host sync.
+            routed = combine(self.experts(x_rows, None), layout, weights)
+        return routed if shared_out is None else routed + shared_out
 
     def _load_balancing_loss(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """``coef * E * sum_e f_e * p_e``: f = routed fraction (no grad), p = mean score."""
@@ -225,18 +246,33 @@ class MoE(nn.Module):
         loss, self._aux_loss = self._aux_loss, None
         return loss
 
+    def register_load_hook(self, hook: Callable[[torch.Tensor], None]) -> RemovableHandle:
+        """Run ``hook(counts)`` on the per-expert token counts before each bias update.
+
+        ``counts`` is ``router.tokens_per_expert`` (float32 ``[E]``, this rank's training
+        forwards since the last update); the hook may change it in place. ``apply_expert_parallel``
+        installs one that sums the counts over the data-parallel ranks, so every rank applies
+        the same update; the layer itself holds no process group. Hooks run in registration
+        order, only when the update runs (``moe_bias_update_rate > 0``). Returns a handle whose
+        ``remove()`` uninstalls the hook.
+        """
+        handle = RemovableHandle(self._expert_load_hooks)
+        self._expert_load_hooks[handle.id] = hook
+        return handle
+
     @torch.no_grad()
     def forge_after_optimizer_step(self) -> None:
         """Aux-loss-free balancing: move the expert bias toward under-used experts, then reset.
 
-        Counts are summed over ``count_group`` (all data-parallel ranks), so every rank applies
-        the same update; ``rate * sign(mean - count)``, mean-centred so the biases stay centred.
+        The load hooks (:meth:`register_load_hook`) first turn this rank's counts into the
+        counts of all data-parallel ranks, so every rank applies the same update;
+        ``rate * sign(mean - count)``, mean-centred so the biases stay centred.
         """
         rate = self.config.moe_bias_update_rate
         counts = self.router.tokens_per_expert
         if rate > 0:
-            if self.count_group is not None:
-                dist.all_reduce(counts, group=self.count_group)
+            for hook in self._expert_load_hooks.values():
+                hook(counts)
             delta = rate * torch.sign(counts.mean() - counts)
             self.router.expert_bias += delta - delta.mean()
         counts.zero_()
@@ -272,7 +308,7 @@ def moe_metrics(model: nn.Module) -> dict[str, int]:
 
     ``tokens_routed`` / ``tokens_dropped``: (token, expert) slots routed, and dropped by the
     capacity mode, in training forwards on this rank since ``init_weights``; ``host_syncs``:
-    host waits for split sizes (dropless EP forwards).
+    host waits for split sizes (dropless EP forwards; counted by the dispatch hooks).
     """
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     counters = (

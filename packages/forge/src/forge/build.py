@@ -3,9 +3,9 @@
     mesh -> model on meta -> TP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2 -> materialize
                                                             (DDP: materialize -> DDP)
 
-EP runs whenever the model has MoE layers and a mesh: with
-an ``ep`` axis it shards the experts, without one it only tells the MoE layers their
-data-parallel group (token counts for load balancing are summed over it).
+EP runs whenever the model has MoE layers and a mesh: with an ``ep`` axis it shards the experts
+and installs the token dispatch hooks; either way each MoE layer gets a load hook that sums its
+token counts over the data-parallel ranks (load balancing). The layers hold no process group.
 
 A vision-language model (``forge_vlm.VLMWrapper``: components encoder, adapter, decoder) goes
 through the same order, per component: TP on the decoder (its plan, SP) and optionally on the
