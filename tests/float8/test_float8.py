@@ -18,7 +18,11 @@ from forge_mesh import build_device_mesh
 from forge_moe_ep import moe_transformer
 from forge_tp_plans import apply_tensor_parallel
 
-from tests.float8.jobs import all_gather_on_off_and_hook, fp8_and_bf16
+from tests.float8.jobs import (
+    all_gather_on_off_and_hook,
+    fp8_and_bf16,
+    parent_input_restyled_to_fp8,
+)
 from tests.markers import needs_torchao
 
 pytestmark = needs_torchao
@@ -143,3 +147,33 @@ def test_bad_recipe_and_options_are_refused_with_the_fix():
         apply_float8(model, recipe="rowwise")  # fp8 all-gather defaults to on
     with pytest.raises(ForgeConfigError, match=r"must be a list of strings"):
         apply_float8(model, filter_fqns="output")
+
+
+def test_a_parents_input_preparation_moves_to_fp8_without_private_hooks(run_on_ranks):
+    """Float8 tensorwise after TP: the parent's ``PrepareModuleInput`` becomes torchao's
+    ``PrepareFloat8ModuleInput`` through TP's swappable input stand-in (the children then get an
+    already fp8-cast input), the new Float8Linears get Float8 styles, and the run matches the
+    plain-style one: the input is replicated, so both cast it with the same scale (measured
+    2026-11-24: identical outputs and gradients; the bounds allow for a different summation
+    order of the row-parallel all-reduce)."""
+    out = run_on_ranks(2, parent_input_restyled_to_fp8)[0]
+    assert dict(out["styles"]) == {
+        "attention.wq": "Float8ColwiseParallel",
+        "attention.wk": "Float8ColwiseParallel",
+        "attention.wo": "Float8RowwiseParallel",
+        "attention": "PrepareFloat8ModuleInput",
+    }
+    assert dict(out["plain_styles"]) == {
+        "attention.wq": "ColwiseParallel",
+        "attention.wk": "ColwiseParallel",
+        "attention.wo": "RowwiseParallel",
+    }
+    # Before Float8 the stand-in hands over a plain DTensor, after it an fp8-cast one (once: the
+    # plain preparation no longer runs).
+    assert out["seen"] == ["DTensor:hp", "DTensor:fp8"], out["seen"]
+    assert out["linears"] == ["Float8Linear"] * 3 and out["is_dtensor"]
+    assert out["modules"] == ["", "attention", "attention.wq", "attention.wk", "attention.wo"]
+    assert out["out_diff"] <= 1e-3 * out["out_scale"], out
+    assert out["grad_diff"] <= 1e-2 * out["grad_scale"], out
+    assert "can only be replaced by another one" in out["slot_refusal"]
+    assert "torch has no public way to remove a style's hooks" in out["same_object_refusal"]

@@ -18,9 +18,10 @@ mark. No registry, no global state: everything lives on the modules.
   mesh is ``ep`` times smaller), and (3) wrap the block holding it per sub-module, so no
   reduce-scatter of the block runs between the expert-parallel all-to-alls of its backward.
 - **Tensor-parallel record.** :func:`apply_tp_styles` applies ``{fqn: ParallelStyle}`` one module
-  at a time and records, on the root model, the style and the hooks each one registered
-  (:class:`TPRecord`). :func:`restyle_tp` swaps a module's style later (Float8 replaces a Linear
-  by a Float8Linear, which loses the hooks, and moves the TP all-gathers to fp8).
+  at a time and records, on the root model, the styles and the tp mesh (:class:`TPRecord`), no
+  hook ids. :func:`restyle_tp` gives a module another style later, with public torch APIs only:
+  Float8 applies the Float8 variant of a Linear's style to the Float8Linear that replaced it,
+  and moves a parent's input preparation (a swappable stand-in module) to fp8 all-gathers.
 - **Float8 opt-out.** A module class with a string ``forge_float8_skip`` keeps every Linear inside
   it in high precision; the string is the reason that gets reported.
 - **Components.** A model class with ``forge_components = ("encoder", "adapter", "decoder")``
@@ -42,7 +43,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ParallelStyle,
+    PrepareModuleInput,
+    parallelize_module,
+)
 from torch.utils.hooks import RemovableHandle
 
 __all__ = [
@@ -139,26 +144,46 @@ def expert_parallel_modules(model: nn.Module) -> list[nn.Module]:
 
 
 # --------------------------------------------------------------------------- TP record
+# NOTE (design, issue 18): torch's ParallelStyles register their forward hooks and drop the
+# RemovableHandles (``parallelize_module`` returns the module), so a style, once applied to a
+# module object, cannot be taken off it through public torch APIs. The record therefore keeps
+# no hook ids, only ``{fqn: style}`` and the mesh. A module is restyled only after it was
+# *replaced* (Float8 swaps ``nn.Linear`` for a new ``Float8Linear``; the old object leaves the
+# model with its hooks), except a module whose style only prepares its inputs
+# (``PrepareModuleInput`` and subclasses such as torchao's ``PrepareFloat8ModuleInput``, on
+# parents such as ``attention``): that style is applied to a stand-in module kept in the real
+# module's ``__dict__``, and the real module's one public forward pre-hook calls whichever
+# stand-in is there, so a later stage can put another one there. Styles that distribute
+# parameters (Colwise, Rowwise, SequenceParallel, ...) are applied to the module itself.
 _TP_ATTR = "_forge_tp_record"
-_HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_hooks",
-)
-_HOOK_SIDE_DICTS = (
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-)
+_STYLE_ATTR = "_forge_tp_style"  # on each module object a style was applied to: that style
+_INPUT_ATTR = "_forge_tp_input"  # on a module whose style only prepares inputs: its stand-in
+
+
+class _InputCarrier(nn.Module):
+    """Stand-in that an input-preparation style is applied to: calling it runs the style's
+    forward pre-hook and hands back the prepared ``(args, kwargs)``."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return args, kwargs
+
+
+def _prepare_input(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Forward pre-hook of a module whose style only prepares inputs: runs its stand-in.
+
+    Looked up on ``module`` at each call (not captured), so swapping the stand-in needs no hook
+    change and a deep copy of the model calls its own copy."""
+    return getattr(module, _INPUT_ATTR)(*args, **kwargs)
 
 
 @dataclass
 class TPRecord:
-    """The tensor-parallel styles applied to a model and the forward hooks each registered."""
+    """The tensor-parallel styles applied to a model (``{fqn: style}``) and the tp mesh."""
 
     mesh: DeviceMesh
     styles: dict[str, ParallelStyle] = field(default_factory=dict)
-    # fqn -> (module the hooks live on, {hook dict name: [hook ids]})
-    hooks: dict[str, tuple[nn.Module, dict[str, list[int]]]] = field(default_factory=dict)
 
 
 def tp_record(model: nn.Module) -> TPRecord | None:
@@ -166,42 +191,79 @@ def tp_record(model: nn.Module) -> TPRecord | None:
     return model.__dict__.get(_TP_ATTR)
 
 
-def _apply_one(module: nn.Module, mesh: DeviceMesh, style: ParallelStyle) -> dict[str, list[int]]:
-    before = {name: set(getattr(module, name)) for name in _HOOK_DICTS}
-    parallelize_module(module, mesh, style)
-    return {
-        name: [k for k in getattr(module, name) if k not in before[name]] for name in _HOOK_DICTS
-    }
+def _prepares_inputs_only(style: ParallelStyle) -> bool:
+    return isinstance(style, PrepareModuleInput)
+
+
+def _carrier(module: nn.Module, mesh: DeviceMesh, style: ParallelStyle) -> nn.Module:
+    """A new :class:`_InputCarrier` with ``style`` applied. ``module``'s children are visible
+    on it while the style is applied (torchao's ``PrepareFloat8ModuleInput`` reads the Float8
+    config of a child Linear then) and detached afterwards, so the carrier keeps no module alive."""
+    carrier = _InputCarrier()
+    children = list(module.named_children())
+    for name, child in children:
+        carrier.add_module(name, child)
+    parallelize_module(carrier, mesh, style)
+    for name, _ in children:
+        delattr(carrier, name)
+    return carrier
+
+
+def _apply_one(record: TPRecord, fqn: str, module: nn.Module, style: ParallelStyle) -> None:
+    if _prepares_inputs_only(style):
+        hooked = _INPUT_ATTR in module.__dict__
+        # In __dict__, not setattr: the stand-in must not become a submodule (state dict, FSDP).
+        module.__dict__[_INPUT_ATTR] = _carrier(module, record.mesh, style)
+        if not hooked:
+            module.register_forward_pre_hook(_prepare_input, with_kwargs=True)
+    else:
+        parallelize_module(module, record.mesh, style)
+    module.__dict__[_STYLE_ATTR] = style
+    record.styles[fqn] = style
 
 
 def apply_tp_styles(
     model: nn.Module, mesh: DeviceMesh, styles: Mapping[str, ParallelStyle]
 ) -> TPRecord:
-    """Apply ``{fqn: style}`` to ``model``'s submodules (in order) and record them on ``model``."""
+    """Apply ``{fqn: style}`` to ``model``'s submodules (in order) and record them on ``model``.
+
+    Input-preparation styles go through a swappable stand-in (see the NOTE above) so that
+    :func:`restyle_tp` can replace them later; every other style is applied with torch's
+    ``parallelize_module`` as is. Raises ``ValueError`` for an fqn that already has a style.
+    """
     record = model.__dict__.setdefault(_TP_ATTR, TPRecord(mesh))
     for fqn, style in styles.items():
-        module = model.get_submodule(fqn)
-        record.styles[fqn] = style
-        record.hooks[fqn] = (module, _apply_one(module, mesh, style))
+        if fqn in record.styles:
+            raise ValueError(f"{fqn!r} already has a tensor-parallel style; use restyle_tp")
+        _apply_one(record, fqn, model.get_submodule(fqn), style)
     return record
 
 
 def restyle_tp(model: nn.Module, fqn: str, style: ParallelStyle) -> None:
-    """Replace the TP style of submodule ``fqn``: drop the hooks the old style registered on it
-    (if it is still the same module object) and apply ``style`` to the module there now.
+    """Replace the TP style of submodule ``fqn`` with ``style``, through public torch APIs only.
 
-    Parameters already distributed with the same placements are left as they are.
+    - The object at ``fqn`` is a new one (Float8 swapped the Linear; the old object left the
+      model with its hooks): ``style`` is applied to it. Parameters already distributed with the
+      same placements are left as they are.
+    - The same object, whose style only prepares inputs: ``style`` must too; it replaces the
+      old preparation, which no longer runs.
+    - Any other object already styled is refused (``ValueError``): torch has no public way to
+      remove a style's hooks.
     """
     record = tp_record(model)
     if record is None or fqn not in record.styles:
         raise KeyError(f"no tensor-parallel style was recorded for {fqn!r}")
     module = model.get_submodule(fqn)
-    old_module, ids = record.hooks[fqn]
-    if old_module is module:
-        for name, keys in ids.items():
-            for key in keys:
-                getattr(module, name).pop(key, None)
-                for side in _HOOK_SIDE_DICTS:
-                    getattr(module, side).pop(key, None)
-    record.styles[fqn] = style
-    record.hooks[fqn] = (module, _apply_one(module, record.mesh, style))
+    old = module.__dict__.get(_STYLE_ATTR)
+    if old is not None and _INPUT_ATTR in module.__dict__ and not _prepares_inputs_only(style):
+        raise ValueError(
+            f"{fqn!r} has an input-preparation style ({type(old).__name__}); on the same module "
+            f"it can only be replaced by another one, not by {type(style).__name__}"
+        )
+    if old is not None and _INPUT_ATTR not in module.__dict__:
+        raise ValueError(
+            f"cannot restyle {fqn!r}: it is the module object {type(old).__name__} was applied "
+            "to, and torch has no public way to remove a style's hooks; replace the module "
+            "first (as Float8 does when it swaps a Linear)"
+        )
+    _apply_one(record, fqn, module, style)

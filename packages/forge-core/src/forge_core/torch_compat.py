@@ -11,8 +11,7 @@ Provides :func:`unflatten_mesh_dim`, :func:`flatten_mesh`, :func:`mesh_group_ran
 :func:`assert_on_device`, :func:`checkpoint_wrapper`, :func:`is_checkpoint_wrapper`,
 :func:`inductor_cache_dir`, :func:`launch_config` and :class:`TorchDispatchMode` (the base of forge's sync guard).
 Modules that are slow to import are imported when first used. (``forge_kernels`` depends on
-torch alone and calls ``torch._grouped_mm`` itself; ``forge_core.contracts`` still edits module
-hook dicts, to be replaced.)
+torch alone and calls ``torch._grouped_mm`` itself.)
 """
 
 from __future__ import annotations

@@ -17,10 +17,15 @@ What is converted, and what is not (each skip is reported with its reason, see
 - Linears whose ``in_features`` or ``out_features`` is not a multiple of 16 (fp8 GEMMs need it).
 
 With tensor parallelism (applied first, recorded by ``forge_core.contracts.apply_tp_styles``):
-a swapped Linear loses the TP hooks of the old module, so its style is applied again —
+a swapped Linear is a new module object without the TP hooks of the old one (which left the
+model with them), so its recorded style is applied to the new object again
+(``forge_core.contracts.restyle_tp``, torch's public ``parallelize_module``) —
 ``tensorwise`` gets torchao's Float8 styles (``Float8ColwiseParallel``, ``Float8RowwiseParallel``,
 and ``PrepareFloat8ModuleInput`` on the parents that all-gather their input), so TP's
-all-gathers move fp8; the rowwise recipes get their plain styles back. gloo (CPU) cannot move
+all-gathers move fp8; the rowwise recipes get their plain styles back. A parent is not swapped:
+its input preparation runs through a swappable stand-in module, which ``restyle_tp`` replaces
+by one with the fp8 style (no private torch hook dict is read or edited; see the NOTE in
+:func:`_restyle_tensor_parallel`). gloo (CPU) cannot move
 float8 tensors: on a gloo TP group whose plan all-gathers inputs (sequence parallelism) the
 tensorwise recipe keeps plain styles (bf16 all-gathers; forcing ``tp_float8_all_gather=True``
 there is refused); without SP the Float8 styles move nothing in fp8 and run on gloo too. FSDP2's fp8 all-gather
@@ -51,7 +56,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from forge_core.contracts import register_after_optimizer_step, restyle_tp, tp_record
+from forge_core.contracts import (
+    TPRecord,
+    register_after_optimizer_step,
+    restyle_tp,
+    tp_record,
+)
 from forge_core.errors import ForgeConfigError, did_you_mean
 from forge_core.stages import stage
 from torch.distributed.tensor.parallel import (
@@ -242,21 +252,32 @@ def apply_float8(
     return model
 
 
-def _gathers_inputs(record: object) -> bool:
+def _gathers_inputs(record: TPRecord) -> bool:
     """Whether the TP plan all-gathers activations (sequence parallelism) before a Linear."""
     from torch.distributed.tensor import Replicate
 
     return any(
         type(style) is PrepareModuleInput
         or (isinstance(style, ColwiseParallel) and style.input_layouts[0] != Replicate())
-        for style in record.styles.values()  # type: ignore[attr-defined]
+        for style in record.styles.values()
     )
 
 
 def _restyle_tensor_parallel(
     model: nn.Module, converted: set[str], fp8: bool
 ) -> tuple[tuple[str, str], ...]:
-    """Give swapped Linears their TP style back (fp8 styles for tensorwise); see module doc."""
+    """Give swapped Linears their TP style back (fp8 styles for tensorwise); see module doc.
+
+    NOTE (design, issue 18): the TP stage records ``{fqn: style}`` and the mesh, and this stage
+    applies the (Float8 variant of the) recorded style to the *new* Float8Linear objects through
+    torch's public ``parallelize_module``; a parent's ``PrepareModuleInput`` becomes
+    ``PrepareFloat8ModuleInput`` by swapping its stand-in (``forge_core.contracts.restyle_tp``).
+    Not chosen: (a) removing the old hooks by handle — torch's ParallelStyles drop their
+    ``RemovableHandle``s, so only private hook dicts could; (c) TP choosing the Float8 styles
+    itself (torchtitan's way) — torchtitan converts to Float8 before TP, while under forge's
+    order TP -> EP -> Float8 TP sees plain ``nn.Linear`` modules, which torchao's Float8 styles
+    refuse, and cannot know which Linears Float8 will skip.
+    """
     from torchao.float8.float8_tensor_parallel import (
         Float8ColwiseParallel,
         Float8RowwiseParallel,
@@ -294,13 +315,13 @@ def _restyle_tensor_parallel(
                 "cannot carry over to a Float8Linear; add it to filter_fqns"
             )
     for parent, child in colwise_children.items():
-        style = record.styles.get(parent)
-        if fp8 and type(style) is PrepareModuleInput:
+        prepare = record.styles.get(parent)
+        if fp8 and type(prepare) is PrepareModuleInput:
             # All-gather the parent's input in fp8 (cast with the first converted child's config).
             new = PrepareFloat8ModuleInput(
-                input_layouts=style.input_layouts,
-                desired_input_layouts=style.desired_input_layouts,
-                use_local_output=style.use_local_output,
+                input_layouts=prepare.input_layouts,
+                desired_input_layouts=prepare.desired_input_layouts,
+                use_local_output=prepare.use_local_output,
                 float8_dtype=torch.float8_e4m3fn,
                 fwd_config_submodule_fqn=child,
             )
