@@ -15,12 +15,9 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .errors import ForgeConfigError, check_field_types, did_you_mean
-
-if TYPE_CHECKING:
-    from forge.config import ForgeConfig
 
 __all__ = ["DATA_MODES", "ParallelismConfig", "load_config"]
 
@@ -186,12 +183,14 @@ class ParallelismConfig:
 
 def load_config(
     path_or_dict: str | Path | Mapping[str, Any] | None = None, overrides: Iterable[str] = ()
-) -> ForgeConfig:
-    """``forge.config.load_config``: a job's whole config, every layer's section composed.
+) -> Any:
+    """``forge.config.load_config``: a job's whole config (a ``forge.config.ForgeConfig``), every
+    layer's section composed.
 
-    NOTE: kept here under its old name (the public contract of forge_core); composing the
-    layers' sections is the forge package's work, so this needs forge installed. Nothing in the
-    layers calls it.
+    NOTE: kept here under its old name, the public contract of forge_core; composing the layers'
+    sections is the forge package's work, so this needs forge installed and imports it when
+    called (the one import of forge in forge_core, allowed by name in
+    tests/test_dependency_rule.py). Nothing in the layers calls it.
     """
     try:
         from forge.config import load_config as load

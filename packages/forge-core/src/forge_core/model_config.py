@@ -191,7 +191,7 @@ PRESETS: dict[str, ModelConfig] = {
     # The decoder of the debug vision-language model (forge_vlm.config.VLM_PRESETS has
     # its vision encoder and adapter).
     "debug_vlm": _DEBUG,
-    # Not a token model: selects the [field] section's image-like model (forge_core.config
+    # Not a token model: selects the [field] section's image-like model (forge_domain.config
     # FIELD_PRESETS, built by forge_domain.FieldNet); this decoder config is unused.
     "debug_field": _DEBUG,
     "small": ModelConfig(

@@ -4,7 +4,7 @@
   decoder design, where projected image embeddings replace the image placeholder tokens
 - :class:`VisionEncoder` (forge's ViT) or :class:`HFVisionEncoder` (Hugging Face SigLIP from a
   config), :class:`Adapter` (MLP projector with optional token pooling), :func:`build_vlm`
-- configs (defined in forge_core so config files can hold them): :class:`VisionEncoderConfig`,
+- configs (:mod:`forge_vlm.config`, pure Python, so a launcher checks them before torch): :class:`VisionEncoderConfig`,
   :class:`AdapterConfig`, :class:`VLMConfig`
 
 The wrapper declares its components, so forge-fsdp-wrap shards encoder blocks, encoder, adapter,

@@ -1,8 +1,8 @@
 """Vision-language model configs: the vision encoder, the adapter, and how they meet the decoder.
 
-They live in forge_core (pure Python, no model code) so that ``load_config`` can read the
-``[vision]``, ``[adapter]`` and ``[vlm]`` sections and reject a bad combination before any
-process group exists; forge_vlm builds the modules and re-exports these names.
+Pure Python (no torch import), so that ``forge.load_config`` can read the ``[vision]``,
+``[adapter]`` and ``[vlm]`` sections and reject a bad combination before any process group
+exists; :mod:`forge_vlm.model` builds the modules from them.
 
 A VLM here is ``VLMWrapper(encoder, adapter, decoder)``: a ViT turns ``[B, C, H, W]`` images into
 ``(H/p) x (W/p)`` patch features, the adapter (an MLP projector, optionally average-pooling

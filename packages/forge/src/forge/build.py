@@ -280,7 +280,7 @@ class ParallelPlan:
         """The plan ``forge build`` would use for ``config`` on ``device_mesh``.
 
         ``config``: a loaded ``ForgeConfig``, a dict of sections or a TOML path (both read with
-        ``forge_core.load_config``). Mapped fields: ``[training]`` ``ac_mode``, ``compile``,
+        ``forge.config.load_config``). Mapped fields: ``[training]`` ``ac_mode``, ``compile``,
         ``compile_scope``, ``param_dtype``, ``reshard_after_forward``, ``cpu_offload``; ``[tp]``
         ``plan``, ``sequence_parallel``, ``loss_parallel``, ``allow_import``; ``[float8]``;
         ``[vlm]`` ``encoder_tp``, ``encoder_tp_plan``, ``ac_scope`` (-> ``ac_components``),

@@ -6,7 +6,8 @@ single-device model and prints a report. With no arguments it runs the embedded 
 ``debug`` model on 4 local CPU ranks as dp_shard 2 x tp 2 (sequence parallel, FSDP2 on dp). Outside torchrun/SLURM it starts the local
 ranks itself through torch's elastic launcher; under torchrun/SLURM it uses their ranks.
 
-Exit status: 0 PASS, 1 FAIL (parity or a rank error), 2 bad config or arguments.
+Exit status: 0 PASS, 1 FAIL (parity or a rank error), 2 bad config or arguments, 3 a damaged
+checkpoint (train, export).
 """
 
 from __future__ import annotations
