@@ -10,7 +10,7 @@ import pytest
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
-from forge_core.harness import RankPool  # noqa: E402
+from forge_core.testing.harness import RankPool  # noqa: E402
 
 RunOnRanks = Callable[..., list[Any]]
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 from forge.build import ParallelPlan, build_parallel_model
 from forge_core import ModelConfig, Transformer
-from forge_core.training import ParityResult, run_parity
+from forge_core.testing import ParityResult, run_parity
 from forge_mesh import build_device_mesh
 
 

@@ -44,7 +44,7 @@ NOT_TORCH = frozenset(
 KNOWN = frozenset(
     {
         ("packages/forge-core/src/forge_core/stages.py", "_orig_mod"),
-        ("packages/forge-core/src/forge_core/sync_guard.py", "_overloadname"),
+        ("packages/forge-core/src/forge_core/testing/sync_guard.py", "_overloadname"),
         ("packages/forge-core/src/forge_core/init.py", "torch.distributed.tensor._utils"),
         ("packages/forge/src/forge/build.py", "_non_persistent_buffers_set"),
         ("packages/forge/src/forge/build.py", "_compiled_call_impl"),

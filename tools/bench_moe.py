@@ -31,7 +31,7 @@ What runs, per row (shape x tokens per rank x dtype x pass x layout):
   with a barrier, and the row reports the larger of the two ranks' medians.
 - Same run, correctness: top-k choices compared token by token (as sets), max abs difference of
   the outputs, the input gradients and the parameter gradients (forge dropless vs torchtitan),
-  and host syncs per forward+backward under ``forge_core.sync_guard.count_host_syncs`` on every
+  and host syncs per forward+backward under ``forge_core.testing.count_host_syncs`` on every
   rank.
 
 Router settings both sides support identically: Qwen3-like rows use softmax scores without
@@ -64,8 +64,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from benchlib import machine_facts, record_target, sync, time_interleaved  # noqa: E402 - sibling
 from forge_core import ModelConfig
-from forge_core.harness import RankPool
-from forge_core.sync_guard import count_host_syncs
+from forge_core.testing.harness import RankPool
+from forge_core.testing.sync_guard import count_host_syncs
 from forge_moe_ep import MoE
 from torch.distributed.tensor import DTensor
 
@@ -876,7 +876,7 @@ def write_markdown(
         "(`route_norm=True`), `route_scale=1.0`, no node-limited routing (DeepSeek-V3 uses 2.5 "
         "and 8 groups / 4 limited; forge has neither). Expert bias present and zero on both; the "
         "gate in fp32 on both.",
-        "- EP=2: 2 gloo processes (`forge_core.harness.RankPool(2)`, one torch thread each); "
+        "- EP=2: 2 gloo processes (`forge_core.testing.RankPool(2)`, one torch thread each); "
         "forge's `ep` group from `forge_mesh.build_device_mesh({dp_shard: 2, ep: 2})` + "
         "`forge_moe_ep.apply_expert_parallel`; torchtitan's from `set_moe_sharding_config("
         "enable_ep=True)` + `MoE.parallelize(ParallelDims(dp_shard=2, ep=2, "
@@ -904,7 +904,7 @@ def write_markdown(
         + ("CUDA events, synchronized." if on_cuda else "`time.perf_counter`."),
         "- Correctness (same run, forge dropless vs torchtitan): top-k expert sets per token, "
         "max abs difference of the output, the input gradient and every parameter gradient; "
-        "host syncs: `forge_core.sync_guard.count_host_syncs` around the checked "
+        "host syncs: `forge_core.testing.count_host_syncs` around the checked "
         "forward+backward on every rank.",
         f"- Wall time of this run: {wall_s / 60:.1f} min.",
     ]

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from forge_core.harness import RankError, RankPool
-from forge_core.training import StepRecord, compare_runs
+from forge_core.testing import StepRecord, compare_runs
+from forge_core.testing.harness import RankError, RankPool
 
 
 def _rank_and_sum() -> tuple[int, float]:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from forge_core.sync_guard import (
+from forge_core.testing.sync_guard import (
     SYNC_OPS,
     HostSyncCounter,
     HostSyncError,

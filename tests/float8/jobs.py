@@ -6,7 +6,8 @@ import torch
 import torch.nn as nn
 from forge.build import build_parallel_model
 from forge_core import ModelConfig
-from forge_core.training import StepRecord, synthetic_tokens, train_steps
+from forge_core.testing import StepRecord, train_steps
+from forge_core.training import synthetic_tokens
 from forge_mesh import build_device_mesh
 
 STEPS, BATCH, SEQ = 10, 8, 32

@@ -8,7 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from forge.build import build_parallel_model
 from forge_core import ForgeConfigError, ModelConfig, Transformer, applied_stages
-from forge_core.training import run_parity, set_gradient_sync
+from forge_core.testing import run_parity
+from forge_core.training import set_gradient_sync
 from forge_fsdp_wrap import apply_ac, apply_ddp, apply_fsdp2, default_mp_policy, unshard_fsdp2_model
 from forge_mesh import build_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard

@@ -32,7 +32,7 @@ from forge.hf_patches import (
     unpatch_is_packed_sequence,
 )
 from forge_core import ForgeConfigError, applied_stages, count_host_syncs, load_config
-from forge_core.training import run_parity
+from forge_core.testing import run_parity
 from forge_mesh import build_device_mesh
 from forge_tp_plans import describe_tp_plan
 from torch.distributed.tensor import DTensor

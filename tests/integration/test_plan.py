@@ -34,9 +34,10 @@ from forge.job import _param_bytes, _vlm_kwargs
 from forge.plan import build_on_meta, estimate_activations, plan_layout, run_plan
 from forge_core import ForgeConfigError, load_config
 from forge_core.stages import unwrap
-from forge_core.training import local_batch, synthetic_vlm_batch
+from forge_core.training import local_batch
 from forge_mesh import build_device_mesh
 from forge_moe_ep import moe_transformer
+from forge_vlm.data import synthetic_vlm_batch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

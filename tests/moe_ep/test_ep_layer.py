@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from forge.build import build_parallel_model
 from forge_core import ForgeConfigError, ModelConfig, no_host_sync
-from forge_core.sync_guard import HostSyncError
+from forge_core.testing.sync_guard import HostSyncError
 from forge_fsdp_wrap import apply_fsdp2
 from forge_kernels.permute import routing_layout
 from forge_mesh import build_device_mesh

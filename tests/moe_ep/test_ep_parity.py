@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from forge.build import build_parallel_model
 from forge_core import ModelConfig
-from forge_core.training import ParityResult, run_parity
+from forge_core.testing import ParityResult, run_parity
 from forge_mesh import build_device_mesh
 from forge_moe_ep import MoE, moe_metrics
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from forge_core import ForgeConfigError, ModelConfig, Transformer, no_host_sync
 from forge_core.contracts import attach_optimizer_hooks, pop_aux_losses
-from forge_core.sync_guard import HostSyncError
+from forge_core.testing.sync_guard import HostSyncError
 from forge_fsdp_wrap import apply_ac
 from forge_moe_ep import (
     MoE,

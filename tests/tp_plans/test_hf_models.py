@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-from forge_core.training import run_parity
+from forge_core.testing import run_parity
 from forge_fsdp_wrap import apply_fsdp2, default_mp_policy
 from forge_mesh import build_device_mesh
 from forge_tp_plans import applied_tp_plan, apply_tensor_parallel

@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from forge_core import ForgeConfigError
-from forge_core.training import StepRecord, compare_runs, global_grad_norm
+from forge_core.testing import StepRecord, compare_runs
+from forge_core.training import global_grad_norm
 from forge_mesh import build_device_mesh
 from forge_tp_plans import applied_tp_plan, apply_tensor_parallel
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from forge.build import build_parallel_model
 from forge_core import ModelConfig
-from forge_core.training import ParityResult, run_parity
+from forge_core.testing import ParityResult, run_parity
 from forge_mesh import build_device_mesh
 from forge_tp_plans import applied_tp_plan
 from torch.distributed.tensor import DTensor

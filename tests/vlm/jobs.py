@@ -8,9 +8,11 @@ import torch
 from forge.build import build_parallel_model
 from forge_core import load_config
 from forge_core.stages import applied_stages, unwrap
-from forge_core.training import compare_runs, local_batch, synthetic_vlm_batch, train_steps
+from forge_core.testing import compare_runs, train_steps
+from forge_core.training import local_batch
 from forge_mesh import build_device_mesh
 from forge_tp_plans import describe_tp_plan
+from forge_vlm.data import synthetic_vlm_batch
 from torch.distributed.fsdp import FSDPModule
 
 SEQ_LEN = 32

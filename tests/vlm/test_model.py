@@ -10,7 +10,7 @@ import torch
 from forge_core import ForgeConfigError, load_config
 from forge_core.model import insert_embeddings
 from forge_core.stages import check_stage
-from forge_core.training import train_steps
+from forge_core.testing import train_steps
 from forge_fsdp_wrap import apply_ac, frozen_bytes_rule
 from forge_vlm import (
     Adapter,

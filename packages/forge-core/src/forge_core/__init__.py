@@ -7,9 +7,11 @@
 - the stage-order contract (:mod:`forge_core.stages`)
 - mesh-axis helpers (:mod:`forge_core.mesh_dims`)
 - the reference :class:`Transformer`
-- the parity harness (:mod:`forge_core.training`, :mod:`forge_core.harness`)
+- the training step every job runs (:mod:`forge_core.training`)
+- the test harness, kept apart (:mod:`forge_core.testing`: rank pools, the parity check, the
+  host-sync guard)
 - contracts between layers (:mod:`forge_core.contracts`: optimizer hooks, auxiliary losses,
-  expert-parallel parameters) and the host-sync guard (:mod:`forge_core.sync_guard`)
+  expert-parallel parameters)
 
 Depends on torch only; the config modules (``config``, ``model_config``, ``errors``) import
 without it.
@@ -49,9 +51,9 @@ _EXPORTS = {
     "check_stage": "stages",
     "record_stage": "stages",
     "stage": "stages",
-    "HostSyncError": "sync_guard",
-    "count_host_syncs": "sync_guard",
-    "no_host_sync": "sync_guard",
+    "HostSyncError": "testing.sync_guard",
+    "count_host_syncs": "testing.sync_guard",
+    "no_host_sync": "testing.sync_guard",
 }
 
 if TYPE_CHECKING:
@@ -74,7 +76,7 @@ if TYPE_CHECKING:
     from .model import Transformer, TransformerBlock
     from .model_config import PRESETS, ModelConfig
     from .stages import ORDER_TEXT, applied_stages, check_stage, record_stage, stage
-    from .sync_guard import HostSyncError, count_host_syncs, no_host_sync
+    from .testing.sync_guard import HostSyncError, count_host_syncs, no_host_sync
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -30,7 +30,7 @@ _KNOWN_PATHS = (
 )
 
 
-def _get(model: nn.Module, path: str) -> nn.Module | None:
+def _get(model: nn.Module, path: str) -> nn.ModuleList | nn.ModuleDict | None:
     obj: nn.Module | None = model
     for part in path.split("."):
         obj = getattr(obj, part, None) if obj is not None else None

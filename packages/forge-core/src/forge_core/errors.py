@@ -12,7 +12,7 @@ import difflib
 import functools
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 __all__ = [
     "ForgeConfigError",
@@ -56,7 +56,7 @@ _WHAT = {bool: "true or false", int: "an integer", float: "a number", str: "a st
 
 
 @functools.cache
-def _field_hints(cls: type) -> dict[str, object]:
+def _field_hints(cls: Hashable) -> dict[str, object]:
     return typing.get_type_hints(cls)
 
 
@@ -100,7 +100,7 @@ def check_field_types(obj: object, section: str) -> None:
     field only a string. Called first in each config dataclass's ``__post_init__``, so the
     Python API and ``load_config`` refuse the same values with the same message.
     """
-    hints = _field_hints(type(obj))
+    hints = _field_hints(typing.cast(Hashable, type(obj)))
     for f in dataclasses.fields(obj):  # type: ignore[arg-type]
         value, hint = getattr(obj, f.name), hints[f.name]
         if not _matches(hint, value):

@@ -55,8 +55,10 @@ def axis_size(mesh: DeviceMesh | None, name: str) -> int:
     return sub_mesh(mesh, name).size() if has_axis(mesh, name) else 1
 
 
-def sub_mesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:
+def sub_mesh(mesh: DeviceMesh | None, *names: str) -> DeviceMesh:
     """The sub-mesh over ``names`` (in that order); KeyError naming what the mesh has."""
+    if mesh is None:
+        raise KeyError(f"no mesh (one device) has no axis {list(names)}")
     missing = [n for n in names if not has_axis(mesh, n)]
     if missing:
         raise KeyError(f"mesh has no axis {missing}; its axes are {list(_names(mesh))}")
@@ -97,14 +99,14 @@ def get_dp_group_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
     None when there is no data-parallel axis of size > 1.
     """
     for name in ("dp", "dp_shard", "dp_replicate"):
-        if has_axis(mesh, name) and sub_mesh(mesh, name).size() > 1:  # type: ignore[arg-type]
-            return sub_mesh(mesh, name)  # type: ignore[arg-type]
+        if has_axis(mesh, name) and sub_mesh(mesh, name).size() > 1:
+            return sub_mesh(mesh, name)
     return None
 
 
 def get_ep_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
     """The 1-D expert-parallel mesh, or None when the mesh has no ``ep`` axis."""
-    return sub_mesh(mesh, "ep") if has_axis(mesh, "ep") else None  # type: ignore[arg-type]
+    return sub_mesh(mesh, "ep") if has_axis(mesh, "ep") else None
 
 
 def get_expert_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -78,6 +78,7 @@ class Attention(nn.Module):
         # NOTE: from the config, not from q/k shapes: under torch.compile with a dynamic batch
         # the inferred head counts are symbolic, and SDPA's enable_gqa needs a plain bool.
         self.gqa = config.n_kv_heads != config.n_heads
+        assert config.n_kv_heads is not None  # NOTE: ModelConfig.__post_init__ fills it
         kv_dim = config.n_kv_heads * config.head_dim
         self.wq = nn.Linear(config.dim, config.dim, bias=False)
         self.wk = nn.Linear(config.dim, kv_dim, bias=False)
@@ -124,9 +125,10 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.feed_forward = (
-            feed_forward if feed_forward is not None else FeedForward(config.dim, config.ffn_dim)
-        )
+        if feed_forward is None:
+            assert config.ffn_dim is not None  # NOTE: ModelConfig.__post_init__ fills it
+            feed_forward = FeedForward(config.dim, config.ffn_dim)
+        self.feed_forward = feed_forward
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -163,8 +165,16 @@ def insert_embeddings(
     return torch.where(mask_BS[..., None], picked.to(h_BSD.dtype), h_BSD)
 
 
+def _trunc_normal(std: float) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
+    """An init function: normal(0, std) truncated at 3 std."""
+    return lambda t, g: nn.init.trunc_normal_(t, 0.0, std, -3 * std, 3 * std, generator=g)
+
+
 class Transformer(nn.Module):
     """Llama-style decoder: ``forward(tokens [B, S]) -> logits [B, S, vocab_size]``."""
+
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
 
     def __init__(self, config: ModelConfig, ffn_factory: FFNFactory | None = None) -> None:
         super().__init__()
@@ -180,7 +190,10 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict(
             {
                 str(i): TransformerBlock(
-                    config, ffn_factory(config, i) if config.is_moe_layer(i) else None
+                    config,
+                    ffn_factory(config, i)
+                    if ffn_factory is not None and config.is_moe_layer(i)
+                    else None,
                 )
                 for i in range(config.n_layers)
             }
@@ -222,7 +235,7 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         if (insert_embeds is None) != (insert_mask is None):
             raise ForgeConfigError("insert_embeds and insert_mask go together: pass both or none")
-        if insert_embeds is not None:
+        if insert_embeds is not None and insert_mask is not None:
             h = insert_embeddings(h, insert_embeds, insert_mask)
         cos, sin = self.rope_cos[:S], self.rope_sin[:S]
         for block in self.layers.values():
@@ -274,9 +287,7 @@ class Transformer(nn.Module):
                     param,
                     name,
                     seed,
-                    lambda t, g, s=std: nn.init.trunc_normal_(
-                        t, 0.0, s, -3 * s, 3 * s, generator=g
-                    ),
+                    _trunc_normal(std),
                 )
             elif leaf[-2] in ("wo", "w2"):
                 fill_param_(

@@ -165,6 +165,8 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameter count of the model this config builds (tied weights counted once)."""
+        # NOTE: __post_init__ fills the defaults of the optional sizes
+        assert self.ffn_dim and self.n_kv_heads and self.moe_ffn_dim
         d, f, kv = self.dim, self.ffn_dim, self.n_kv_heads * self.head_dim
         attention_and_norms = d * d * 2 + d * kv * 2 + 2 * d
         n_moe = len(self.moe_layers)

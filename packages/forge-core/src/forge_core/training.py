@@ -1,12 +1,15 @@
-"""A tiny training loop and the parity check every layer's tests use.
+"""The pieces of a training step every forge job uses: the step itself and its helpers.
 
-Parity is forge's proof of correctness: the same model, seed and data trained on one device and
-on N ranks must give the same loss and global gradient norm at every step. The reference is a
-plain single-device model fed the whole global batch; the parallel model on each rank gets its
-data-parallel slice and gradients are averaged by FSDP2/DDP, which equals the full-batch mean
-because every slice has the same size. Loss is averaged over the DP axes for the report.
+- :func:`forward_backward`: one optimizer step's forward and backward of a token model, token-
+  weighted over the global batch (forge build's parity check, forge train and every parity test
+  run it)
+- :func:`local_batch`, :func:`reduce_over_dp`: a rank's data-parallel slice, sums over the DP axes
+- :func:`set_gradient_sync`: gradient accumulation on FSDP2 / DDP
+- :func:`global_grad_norm`, :func:`clip_grad_norm_`: norms over gradients on several meshes
+- :func:`warmup_cosine`: the learning-rate schedule of forge train
+- :func:`synthetic_tokens`: a learnable token stream, the same on every rank
 
-fp32 tolerances (relative): step-1 loss <= 1e-5, every step's loss and grad norm <= 1e-4.
+The parity harness built on them is :mod:`forge_core.testing`.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -24,54 +26,27 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
-from .contracts import attach_optimizer_hooks, pop_aux_losses
+from .contracts import pop_aux_losses
 from .errors import ForgeConfigError
 from .mesh_dims import DP_AXES, dp_rank_and_size, has_axis, sub_mesh
 
 __all__ = [
     "IGNORE_INDEX",
-    "ParityResult",
-    "StepRecord",
-    "Tolerances",
-    "compare_runs",
+    "clip_grad_norm_",
     "forward_backward",
     "global_grad_norm",
-    "clip_grad_norm_",
     "local_batch",
     "reduce_over_dp",
-    "run_parity",
     "set_gradient_sync",
+    "step_generator",
     "synthetic_tokens",
-    "synthetic_vlm_batch",
-    "tolerances_for",
-    "train_steps",
     "warmup_cosine",
 ]
 
 
-@dataclass(frozen=True)
-class StepRecord:
-    loss: float
-    grad_norm: float
-
-
-@dataclass(frozen=True)
-class Tolerances:
-    """Relative-error bounds for a parity check."""
-
-    first_loss: float
-    loss: float
-    grad_norm: float
-
-
-def tolerances_for(dtype: torch.dtype) -> Tolerances:
-    """fp32: the strict bounds forge promises. Low-precision compute: bf16/fp16 rounding bounds."""
-    if dtype == torch.float32:
-        return Tolerances(first_loss=1e-5, loss=1e-4, grad_norm=1e-4)
-    return Tolerances(first_loss=2e-2, loss=3e-2, grad_norm=5e-2)
-
-
-def _step_generator(seed: int, step: int) -> torch.Generator:
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The generator of step ``step``'s synthetic data: the same whether the steps are made
+    together or one at a time."""
     return torch.Generator().manual_seed((seed + 1) * 1_000_003 + step)
 
 
@@ -89,7 +64,7 @@ def synthetic_tokens(
     next_token = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))
     tokens = torch.empty(steps, batch_size, seq_len + 1, dtype=torch.long)
     for i in range(steps):
-        g = _step_generator(seed, first_step + i)
+        g = step_generator(seed, first_step + i)
         batch = tokens[i]
         batch[:, 0] = torch.randint(0, vocab_size, (batch_size,), generator=g)
         noise = torch.randint(0, vocab_size, batch.shape, generator=g)
@@ -97,44 +72,6 @@ def synthetic_tokens(
         for t in range(1, seq_len + 1):
             batch[:, t] = torch.where(use_noise[:, t], noise[:, t], next_token[batch[:, t - 1]])
     return tokens
-
-
-def synthetic_vlm_batch(
-    seed: int,
-    steps: int,
-    batch_size: int,
-    seq_len: int,
-    vocab_size: int,
-    *,
-    image_token_id: int,
-    image_tokens: int,
-    image_shape: tuple[int, int, int],
-    first_step: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Learnable token ids ``[steps, B, S+1]`` with an image block, and images ``[steps, B, C, H, W]``.
-
-    Text comes from :func:`synthetic_tokens` with ``image_token_id`` left out of the vocabulary.
-    Each sample holds exactly ``image_tokens`` placeholder tokens in one run at a random offset
-    in ``[1, S - image_tokens]``, so the input ``tokens[:, :-1]`` holds them all and every sample
-    has the same number of text targets (the placeholders are not predicted).
-    """
-    if not 0 < image_tokens < seq_len:
-        raise ForgeConfigError(
-            f"{image_tokens} image tokens do not fit in a sequence of {seq_len} with text around them"
-        )
-    tokens = synthetic_tokens(
-        seed, steps, batch_size, seq_len, vocab_size - 1, first_step=first_step
-    )
-    tokens = tokens + (tokens >= image_token_id).long()  # skip the placeholder id
-    pos = torch.arange(seq_len + 1)
-    images = torch.empty(steps, batch_size, *image_shape)
-    for i in range(steps):
-        g = _step_generator(seed + 1, first_step + i)
-        start = torch.randint(1, seq_len - image_tokens + 1, (batch_size,), generator=g)
-        in_block = (pos >= start[:, None]) & (pos < start[:, None] + image_tokens)
-        tokens[i] = tokens[i].masked_fill(in_block, image_token_id)
-        images[i] = torch.randn(batch_size, *image_shape, generator=g)
-    return tokens, images
 
 
 def local_batch(tokens_BS: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
@@ -326,137 +263,3 @@ def forward_backward(
             micro_sum.full_tensor() if isinstance(micro_sum, DTensor) else micro_sum
         ).detach()
     return reduce_over_dp(loss_sum, mesh), count
-
-
-def train_steps(
-    model: nn.Module,
-    tokens: torch.Tensor,
-    *,
-    mesh: DeviceMesh | None = None,
-    lr: float = 1e-3,
-    grad_accum: int = 1,
-    device: torch.device | str = "cpu",
-    images: torch.Tensor | None = None,
-    ignore_token: int | None = None,
-) -> list[StepRecord]:
-    """Train on ``tokens [steps, B, S+1]`` with AdamW through :func:`forward_backward`, and
-    record each step's loss (the global token mean) and global gradient norm.
-
-    With a mesh, each rank takes its DP slice of every batch. A vision-language model also gets
-    ``images [steps, B, ...]``; targets equal to ``ignore_token`` (image placeholders) are left
-    out of the loss. Frozen parameters (``requires_grad=False``) get no optimizer state.
-    """
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
-    hooks = attach_optimizer_hooks(model, optimizer)  # e.g. MoE expert-bias updates
-    records = []
-    for step, batch in enumerate(tokens):
-        loss_sum, count = forward_backward(
-            model,
-            local_batch(batch, mesh).to(device),
-            mesh=mesh,
-            grad_accum=grad_accum,
-            images=None if images is None else local_batch(images[step], mesh).to(device),
-            ignore_token=ignore_token,
-        )
-        grad_norm = global_grad_norm(trainable)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        records.append(StepRecord(loss=float(loss_sum / count), grad_norm=float(grad_norm)))
-    hooks.remove()
-    return records
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-12)
-
-
-@dataclass(frozen=True)
-class ParityResult:
-    """Per-step loss and grad norm of a reference and a parallel run, and the verdict."""
-
-    reference: list[StepRecord]
-    parallel: list[StepRecord]
-    tolerances: Tolerances
-    loss_errors: list[float] = field(init=False)
-    grad_norm_errors: list[float] = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(
-            self,
-            "loss_errors",
-            [_rel(p.loss, r.loss) for r, p in zip(self.reference, self.parallel, strict=True)],
-        )
-        object.__setattr__(
-            self,
-            "grad_norm_errors",
-            [
-                _rel(p.grad_norm, r.grad_norm)
-                for r, p in zip(self.reference, self.parallel, strict=True)
-            ],
-        )
-
-    @property
-    def passed(self) -> bool:
-        t = self.tolerances
-        return (
-            bool(self.loss_errors)
-            and self.loss_errors[0] <= t.first_loss
-            and max(self.loss_errors) <= t.loss
-            and max(self.grad_norm_errors) <= t.grad_norm
-        )
-
-    def table(self) -> str:
-        """Readable per-step comparison."""
-        t = self.tolerances
-        lines = [
-            f"{'step':>4}  {'loss (ref)':>12}  {'loss (par)':>12}  {'rel err':>9}  "
-            f"{'gnorm (ref)':>12}  {'gnorm (par)':>12}  {'rel err':>9}"
-        ]
-        for i, (r, p) in enumerate(zip(self.reference, self.parallel, strict=True)):
-            lines.append(
-                f"{i + 1:>4}  {r.loss:>12.6f}  {p.loss:>12.6f}  {self.loss_errors[i]:>9.2e}  "
-                f"{r.grad_norm:>12.6f}  {p.grad_norm:>12.6f}  {self.grad_norm_errors[i]:>9.2e}"
-            )
-        lines.append(
-            f"tolerances: step-1 loss {t.first_loss:.0e}, loss {t.loss:.0e}, grad norm {t.grad_norm:.0e}"
-            f" -> {'PASS' if self.passed else 'FAIL'}"
-        )
-        return "\n".join(lines)
-
-    def assert_ok(self) -> None:
-        """Raise ``AssertionError`` with the table when the runs differ beyond tolerance."""
-        if not self.passed:
-            raise AssertionError(
-                "parallel run differs from the single-device run:\n" + self.table()
-            )
-
-
-def compare_runs(
-    reference: list[StepRecord], parallel: list[StepRecord], dtype: torch.dtype = torch.float32
-) -> ParityResult:
-    """Compare two runs step by step with the tolerances for ``dtype``."""
-    return ParityResult(reference, parallel, tolerances_for(dtype))
-
-
-def run_parity(
-    reference: nn.Module,
-    parallel: nn.Module,
-    *,
-    mesh: DeviceMesh | None,
-    steps: int = 10,
-    batch_size: int = 8,
-    seq_len: int = 16,
-    lr: float = 1e-3,
-    grad_accum: int = 1,
-    seed: int = 0,
-    vocab_size: int | None = None,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-) -> ParityResult:
-    """Train ``reference`` (single device, whole batch) and ``parallel`` (DP slices) on the same data."""
-    vocab = vocab_size or reference.config.vocab_size  # type: ignore[union-attr]
-    tokens = synthetic_tokens(seed, steps, batch_size, seq_len, vocab)
-    ref = train_steps(reference, tokens, lr=lr, device=device)
-    par = train_steps(parallel, tokens, mesh=mesh, lr=lr, grad_accum=grad_accum, device=device)
-    return compare_runs(ref, par, dtype)

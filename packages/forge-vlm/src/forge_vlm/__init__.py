@@ -40,10 +40,12 @@ _EXPORTS = {
     "build_vision_encoder": "model",
     "build_vlm": "model",
     "ac_components": "checks",
+    "synthetic_vlm_batch": "data",
 }
 
 if TYPE_CHECKING:
     from .checks import ac_components
+    from .data import synthetic_vlm_batch
     from .model import (
         Adapter,
         HFVisionEncoder,
@@ -71,6 +73,7 @@ __all__ = [
     "check_encoder_tp",
     "check_vlm",
     "num_image_tokens",
+    "synthetic_vlm_batch",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 from forge_core import ForgeConfigError
-from forge_core.training import synthetic_tokens, synthetic_vlm_batch
+from forge_core.training import synthetic_tokens
+from forge_vlm.data import synthetic_vlm_batch
 
 from .config import ForgeConfig
 

@@ -25,14 +25,9 @@ from forge_core import (
     count_host_syncs,
 )
 from forge_core.stages import unwrap
+from forge_core.testing import compare_runs, train_steps
 from forge_core.torch_compat import inductor_cache_dir
-from forge_core.training import (
-    compare_runs,
-    local_batch,
-    synthetic_tokens,
-    synthetic_vlm_batch,
-    train_steps,
-)
+from forge_core.training import local_batch, synthetic_tokens
 from forge_float8 import float8_report
 from forge_mesh import build_device_mesh, init_distributed, mesh_layout
 from forge_moe_ep import moe_metrics
@@ -40,6 +35,7 @@ from forge_tp_plans import (
     describe_tp_plan,
 )
 from forge_vlm import ac_components, num_image_tokens
+from forge_vlm.data import synthetic_vlm_batch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor

@@ -32,11 +32,12 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, NamedTuple, NoReturn
 
 import torch
 
-from .torch_compat import TorchDispatchMode
+from ..torch_compat import TorchDispatchMode
 
 __all__ = [
     "SYNC_OPS",
@@ -189,7 +190,8 @@ def _fills_like_masked_fill(
     accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
     value = args[2]
     return (
-        not accumulate
+        isinstance(value, torch.Tensor)
+        and not accumulate
         and len(masks) == 1
         and masks[0].device == args[0].device
         and value is host_value
@@ -199,7 +201,7 @@ def _fills_like_masked_fill(
 
 def _call_site() -> str:
     """``" at file:line in fn"`` for the innermost frame outside torch and this module."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and (
         frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_filename == __file__
     ):
