@@ -40,18 +40,9 @@ NOT_TORCH = frozenset(
         "_attn_implementation",  # transformers' PretrainedConfig
     }
 )
-#: Torch-private uses outside torch_compat.py that predate this scan: (file, name).
-KNOWN = frozenset(
-    {
-        ("packages/forge-core/src/forge_core/stages.py", "_orig_mod"),
-        ("packages/forge-core/src/forge_core/testing/sync_guard.py", "_overloadname"),
-        ("packages/forge-core/src/forge_core/init.py", "torch.distributed.tensor._utils"),
-        ("packages/forge/src/forge/build.py", "_non_persistent_buffers_set"),
-        ("packages/forge/src/forge/build.py", "_compiled_call_impl"),
-        ("packages/forge/src/forge/plan.py", "_StridedShard"),
-        ("packages/forge/src/forge/checkpoint.py", "_get_metadata_path"),
-    }
-)
+#: Torch-private uses outside torch_compat.py allowed by (file, name): none (each earlier one moved
+#: into torch_compat.py).
+KNOWN: frozenset[tuple[str, str]] = frozenset()
 
 
 def _sources() -> list[Path]:

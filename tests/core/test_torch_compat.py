@@ -120,3 +120,53 @@ def test_torch_dispatch_mode_sees_aten_ops():
     with Log():
         torch.ones(2) + 1
     assert "aten.add" in seen
+
+
+def test_compiled_modules_are_recognized_and_unwrapped():
+    plain = nn.Linear(2, 2)
+    wrapped = torch.compile(plain, backend="eager")
+    assert tc.compiled_original(wrapped) is plain and tc.is_compiled(wrapped)
+    in_place = nn.Linear(2, 2)
+    in_place.compile(backend="eager")
+    assert tc.compiled_original(in_place) is None and tc.is_compiled(in_place)
+    assert tc.compiled_original(plain) is None and not tc.is_compiled(nn.Linear(2, 2))
+
+
+def test_non_persistent_buffer_names():
+    module = nn.Module()
+    module.register_buffer("kept", torch.zeros(1))
+    module.register_buffer("dropped", torch.zeros(1), persistent=False)
+    assert tc.non_persistent_buffer_names(module) == {"dropped"}
+
+
+def _local_shapes() -> list:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    shapes = [tc.local_shape_and_offset(torch.Size((5, 4)), mesh, [Shard(0)])]
+    shapes.append(tc.local_shape_and_offset(torch.Size((5, 4)), mesh, [Replicate()]))
+    return shapes
+
+
+def test_local_shape_and_offset_of_a_shard(run_on_ranks):
+    rank0, rank1 = run_on_ranks(2, _local_shapes)
+    assert rank0 == [((3, 4), (0, 0)), ((5, 4), (0, 0))]
+    assert rank1 == [((2, 4), (3, 0)), ((5, 4), (0, 0))]
+
+
+def test_strided_shard_type_and_overload_name():
+    from torch.distributed.tensor import Shard
+
+    strided = tc.strided_shard_type()
+    assert strided.__name__ == "_StridedShard" and strided(0, split_factor=2).dim == 0
+    assert not isinstance(Shard(0), strided)
+    assert tc.overload_name(torch.ops.aten.add.Tensor) == "Tensor"
+    assert tc.overload_name(torch.ops.aten.repeat_interleave.self_int) == "self_int"
+
+
+def test_dcp_metadata_path(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = tc.dcp_metadata_path(FileSystemReader(tmp_path))
+    assert str(path).endswith(".metadata") and str(tmp_path) in str(path)

@@ -15,6 +15,8 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor
 
+from .torch_compat import local_shape_and_offset
+
 __all__ = ["canonical_name", "fill_param_", "param_seed"]
 
 # Name segments that activation checkpointing, torch.compile and FSDP1 insert.
@@ -43,12 +45,8 @@ def fill_param_(
     full = torch.empty(param.shape, dtype=torch.float32, device="cpu")
     init_fn(full, torch.Generator(device="cpu").manual_seed(param_seed(seed, fqn)))
     if isinstance(param, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         local = param.to_local()
-        shape, offset = compute_local_shape_and_global_offset(
-            param.shape, param.device_mesh, param.placements
-        )
+        shape, offset = local_shape_and_offset(param.shape, param.device_mesh, param.placements)
         index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
         local.copy_(full[index])
     else:

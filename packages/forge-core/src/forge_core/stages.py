@@ -52,14 +52,16 @@ _ATTR = "_forge_stages"
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module under ``torch.compile`` (``_orig_mod``) and DDP (``module``) wrappers."""
+    """The user's module under ``torch.compile`` and DDP (``module``) wrappers."""
     from torch.nn.parallel import DistributedDataParallel
+
+    from .torch_compat import compiled_original
 
     while True:
         if isinstance(model, DistributedDataParallel):
             model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
+        elif (inner := compiled_original(model)) is not None:
+            model = inner
         else:
             return model
 

@@ -9,7 +9,10 @@ traceback deep in a layer. Where versions differ, the function says which needs 
 Provides :func:`unflatten_mesh_dim`, :func:`flatten_mesh`, :func:`mesh_group_ranks`,
 :func:`fsdp_param_groups`, :func:`fsdp_reshards_root_after_forward`, :func:`in_backward_pass`,
 :func:`assert_on_device`, :func:`checkpoint_wrapper`, :func:`is_checkpoint_wrapper`,
-:func:`inductor_cache_dir`, :func:`launch_config` and :class:`TorchDispatchMode` (the base of forge's sync guard).
+:func:`inductor_cache_dir`, :func:`launch_config`, :func:`compiled_original`, :func:`is_compiled`,
+:func:`non_persistent_buffer_names`, :func:`local_shape_and_offset`, :func:`strided_shard_type`,
+:func:`overload_name`, :func:`dcp_metadata_path` and :class:`TorchDispatchMode` (the base of
+forge's sync guard).
 Modules that are slow to import are imported when first used. (``forge_kernels`` depends on
 torch alone and calls ``torch._grouped_mm`` itself.)
 """
@@ -27,14 +30,21 @@ __all__ = [
     "TorchDispatchMode",
     "assert_on_device",
     "checkpoint_wrapper",
+    "compiled_original",
+    "dcp_metadata_path",
     "flatten_mesh",
     "fsdp_param_groups",
     "fsdp_reshards_root_after_forward",
     "in_backward_pass",
     "inductor_cache_dir",
     "is_checkpoint_wrapper",
+    "is_compiled",
     "launch_config",
+    "local_shape_and_offset",
     "mesh_group_ranks",
+    "non_persistent_buffer_names",
+    "overload_name",
+    "strided_shard_type",
     "unflatten_mesh_dim",
 ]
 
@@ -133,3 +143,53 @@ def inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     return default_cache_dir()
+
+
+def compiled_original(module: nn.Module) -> nn.Module | None:
+    """The module ``torch.compile(module)`` wrapped (``OptimizedModule._orig_mod``), else None."""
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else None
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` was compiled: wrapped by ``torch.compile(module)``, or compiled in
+    place by ``module.compile()`` (which sets ``_compiled_call_impl``)."""
+    return (
+        compiled_original(module) is not None
+        or getattr(module, "_compiled_call_impl", None) is not None
+    )
+
+
+def non_persistent_buffer_names(module: nn.Module) -> set[str]:
+    """Names of ``module``'s own buffers registered with ``persistent=False``."""
+    return set(module._non_persistent_buffers_set)
+
+
+def local_shape_and_offset(
+    global_shape: torch.Size, mesh: DeviceMesh, placements: Any
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's shard shape and its offset in the global tensor for ``placements`` on
+    ``mesh`` (``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    return tuple(shape), tuple(offset)
+
+
+def strided_shard_type() -> type:
+    """DTensor's ``_StridedShard`` placement (FSDP2 over TP- or EP-sharded weights); not a
+    ``Shard`` subclass in torch 2.15."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard
+
+
+def overload_name(op: Any) -> str:
+    """The overload of an ATen op (``"Tensor"`` of ``aten.add.Tensor``; ``OpOverload._overloadname``)."""
+    return str(op._overloadname)
+
+
+def dcp_metadata_path(reader: Any, rank: int | None = None) -> Any:
+    """Where a DCP ``FileSystemReader`` reads its ``.metadata`` (per-rank when ``rank`` is given
+    on torch releases that write one per rank)."""
+    return reader._get_metadata_path(rank)

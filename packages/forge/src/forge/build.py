@@ -40,6 +40,7 @@ from forge_core.config import ParallelismConfig
 from forge_core.contracts import model_components
 from forge_core.errors import did_you_mean
 from forge_core.mesh_dims import axis_size, get_dp_mesh, has_dp_mesh
+from forge_core.torch_compat import is_compiled, non_persistent_buffer_names
 from forge_domain import FieldNet, apply_domain_parallel
 from forge_float8 import apply_float8
 from forge_float8.config import Float8Config
@@ -467,7 +468,7 @@ class ParallelPlan:
                     "plan.maybe_compile(plan.parallelize(model))"
                 )
             return model
-        if hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None:
+        if is_compiled(model):
             return model  # already compiled as a whole
         if compiled_blocks:
             raise ForgeConfigError(
@@ -539,7 +540,7 @@ def materialize(
         for name, buf in module.named_buffers(recurse=False):
             if buf.device != torch.device(device):
                 module.register_buffer(
-                    name, buf.to(device), persistent=name not in module._non_persistent_buffers_set
+                    name, buf.to(device), persistent=name not in non_persistent_buffer_names(module)
                 )
     return model
 

@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from forge_core import ForgeConfigError
+from forge_core.torch_compat import dcp_metadata_path
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
@@ -148,7 +149,7 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
-        with self.fs.create_stream(self._get_metadata_path(rank), "rb") as stream:
+        with self.fs.create_stream(dcp_metadata_path(self, rank), "rb") as stream:
             metadata = _MetadataUnpickler(stream).load()
         if not isinstance(metadata, Metadata):
             raise ForgeConfigError(f"{str(self.path)!r}: .metadata is not DCP metadata")

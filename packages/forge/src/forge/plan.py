@@ -48,6 +48,7 @@ from forge_core.torch_compat import (
     fsdp_param_groups,
     fsdp_reshards_root_after_forward,
     mesh_group_ranks,
+    strided_shard_type,
 )
 from forge_mesh import build_device_mesh, mesh_layout
 from forge_moe_ep import check_expert_parallel
@@ -56,7 +57,6 @@ from forge_vlm import ac_components, num_image_tokens
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Placement, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from .build import ParallelPlan, model_from_config
 from .checks import check_config
@@ -74,7 +74,8 @@ __all__ = [
 ]
 
 _DDP_BUCKET = 25 * 2**20  # DDP's default bucket_cap_mb
-_SHARDS = (Shard, _StridedShard)  # NOTE: torch 2.15's _StridedShard is not a Shard subclass
+_STRIDED_SHARD = strided_shard_type()
+_SHARDS = (Shard, _STRIDED_SHARD)  # NOTE: torch 2.15's _StridedShard is not a Shard subclass
 
 
 @dataclass(frozen=True)
@@ -348,7 +349,7 @@ def _local_sizes(
         if isinstance(p, _SHARDS):
             by_dim.setdefault(p.dim % len(shape), []).append(j)
     for k, dims in by_dim.items():
-        if any(isinstance(placements[j], _StridedShard) for j in dims):
+        if any(isinstance(placements[j], _STRIDED_SHARD) for j in dims):
             dims.reverse()  # FSDP2 sharded the TP/EP-local tensor: inner mesh dims first
         for j in dims:
             cur, n = sizes[k], mesh.shape[j]

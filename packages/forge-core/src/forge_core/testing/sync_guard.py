@@ -37,7 +37,7 @@ from typing import Any, NamedTuple, NoReturn
 
 import torch
 
-from ..torch_compat import TorchDispatchMode
+from ..torch_compat import TorchDispatchMode, overload_name
 
 __all__ = [
     "SYNC_OPS",
@@ -159,7 +159,7 @@ def _flagged(
         return None
     if name == "aten.repeat_interleave":
         return (
-            op if func._overloadname != "self_int" and kwargs.get("output_size") is None else None
+            op if overload_name(func) != "self_int" and kwargs.get("output_size") is None else None
         )
     if name in ("aten.index", "aten.index_put", "aten.index_put_"):
         masks = [i for i in args[1] if i is not None and i.dtype in (torch.bool, torch.uint8)]
