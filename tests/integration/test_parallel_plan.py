@@ -28,13 +28,15 @@ from forge.hf_patches import (
     is_hf_model,
     is_packed_sequence_patched,
     no_packed_sequence_sync,
-    patch_is_packed_sequence,
-    unpatch_is_packed_sequence,
+    restore_packed_sequence_check,
+    skip_packed_sequence_check,
 )
 from forge_core import ForgeConfigError, applied_stages, count_host_syncs, load_config
 from forge_core.testing import run_parity
+from forge_float8 import Float8Config
 from forge_mesh import build_device_mesh
 from forge_tp_plans import describe_tp_plan
+from forge_vlm import VLMConfig
 from torch.distributed.tensor import DTensor
 
 from tests.parity_jobs import HFLogits
@@ -190,18 +192,19 @@ def test_from_config_maps_float8_vlm_training_and_tp_sections(tmp_path, monkeypa
         reshard_after_forward=False,
         cpu_offload=True,
         sequence_parallel=False,
-        loss_parallel=True,
+        loss_parallel=False,  # the layout's: tp=1 here, so no loss parallelism
         allow_plan_import=("my_plans",),
-        fp8=True,
-        fp8_recipe="rowwise",
-        fp8_fsdp_all_gather=None,
-        fp8_filter_fqns=("output",),
-        encoder_tp=True,
-        encoder_tp_plan="my_plans:ENC",
-        ac_components=("decoder",),
-        shard_frozen=True,
+        float8=Float8Config(enabled=True, recipe="rowwise", filter_fqns=("output",)),
+        vlm=VLMConfig(
+            freeze_encoder=True,
+            encoder_tp=True,
+            encoder_tp_plan="my_plans:ENC",
+            ac_scope="language",
+            shard_frozen_encoder=True,
+        ),
     )
     assert ParallelPlan.from_config(raw, None) == expected  # a dict
+    assert expected.ac_components == ("decoder",)  # ac_scope "language": the decoder
     assert ParallelPlan.from_config(load_config(raw), None) == expected  # a ForgeConfig
     # fields the config has no key for, as keywords
     plan = ParallelPlan.from_config(raw, None, compile_backend="aot_eager", packed_sequences=False)
@@ -365,8 +368,7 @@ def flash_utils(monkeypatch) -> Iterator[Any]:
     original = mfau._is_packed_sequence
     monkeypatch.setattr(mfau, "lazy_import_flash_attention", stub)
     yield mfau
-    unpatch_is_packed_sequence()
-    assert mfau._is_packed_sequence is original
+    assert mfau._is_packed_sequence is original  # nothing stays replaced
 
 
 def _attention_calls(mfau: Any, calls: int) -> tuple[int, dict[str, int], torch.Tensor]:
@@ -379,59 +381,59 @@ def _attention_calls(mfau: Any, calls: int) -> tuple[int, dict[str, int], torch.
     return syncs.count, dict(syncs.ops), out
 
 
-def test_hf_flash_attention_syncs_per_call_unless_patched(flash_utils):
+def test_hf_flash_attention_syncs_per_call_unless_replaced_in_a_block(flash_utils):
     original = flash_utils._is_packed_sequence
-    count, ops, unpatched_out = _attention_calls(flash_utils, 4)
+    count, ops, unreplaced_out = _attention_calls(flash_utils, 4)
     assert count == 4 and ops == {"aten._local_scalar_dense": 4}  # one sync per call
-    assert patch_is_packed_sequence() and is_packed_sequence_patched()
-    assert patch_is_packed_sequence()  # idempotent
-    count, ops, patched_out = _attention_calls(flash_utils, 4)
+    with no_packed_sequence_sync() as active:
+        assert active and is_packed_sequence_patched()
+        with no_packed_sequence_sync() as inner:  # nested: the inner block restores nothing
+            assert inner
+        assert is_packed_sequence_patched()
+        count, ops, replaced_out = _attention_calls(flash_utils, 4)
     assert count == 0 and ops == {}
-    assert torch.equal(patched_out, unpatched_out)
-    assert unpatch_is_packed_sequence() and flash_utils._is_packed_sequence is original
-    assert not unpatch_is_packed_sequence()  # nothing left to undo
+    assert torch.equal(replaced_out, unreplaced_out)
+    assert flash_utils._is_packed_sequence is original and not is_packed_sequence_patched()
     assert _attention_calls(flash_utils, 2)[0] == 2
 
 
-def test_no_packed_sequence_sync_context_restores_only_what_it_patched(flash_utils):
-    original = flash_utils._is_packed_sequence
-    with no_packed_sequence_sync() as active:
-        assert active and _attention_calls(flash_utils, 3)[0] == 0
-    assert flash_utils._is_packed_sequence is original
-    patch_is_packed_sequence()
-    with no_packed_sequence_sync():
-        pass
-    assert is_packed_sequence_patched()  # the outer, process-wide patch survives the block
-
-
-def test_patch_is_a_no_op_without_transformers_or_the_function(monkeypatch, flash_utils):
+def test_no_replacement_without_transformers_or_the_function(monkeypatch, flash_utils):
     monkeypatch.delattr(flash_utils, "_is_packed_sequence")
-    assert patch_is_packed_sequence() is False
+    with no_packed_sequence_sync() as active:
+        assert active is False
+    assert skip_packed_sequence_check(HFLogits(_llama())) is False
     monkeypatch.undo()
     monkeypatch.setitem(sys.modules, "transformers.modeling_flash_attention_utils", None)
-    assert patch_is_packed_sequence() is False
+    with no_packed_sequence_sync() as active:
+        assert active is False
     assert is_packed_sequence_patched() is False
 
 
-def test_plan_patches_an_hf_model_only_when_told_sequences_are_not_packed(flash_utils):
+def test_plan_hooks_an_hf_model_only_when_told_sequences_are_not_packed(flash_utils):
     original = flash_utils._is_packed_sequence
     fp32 = {"param_dtype": torch.float32}
-    default = ParallelPlan(None, **fp32)
-    default.parallelize(HFLogits(_llama()))
-    assert default.hf_patches == [] and flash_utils._is_packed_sequence is original
-
-    not_hf = ParallelPlan(None, packed_sequences=False, **fp32)
-    not_hf.parallelize(nn.Linear(4, 4))
+    tokens = torch.arange(8)[None]
+    ParallelPlan(None, **fp32).parallelize(default := HFLogits(_llama()))
+    assert not skip_packed_sequence_check(nn.Linear(4, 4))  # not an HF model: nothing to hook
     assert not is_hf_model(nn.Linear(4, 4))
-    assert not_hf.hf_patches == [] and flash_utils._is_packed_sequence is original
+    ParallelPlan(None, packed_sequences=False, **fp32).parallelize(nn.Linear(4, 4))
+    assert not restore_packed_sequence_check(default)  # the default plan hooked nothing
 
-    plan = ParallelPlan(None, packed_sequences=False, **fp32)
-    plan.parallelize(HFLogits(_llama()))  # an HF model inside a wrapper
-    assert plan.hf_patches == ["is_packed_sequence"] and is_packed_sequence_patched()
-    assert _attention_calls(flash_utils, 2)[0] == 0
+    model = HFLogits(_llama())  # an HF model inside a wrapper
+    ParallelPlan(None, packed_sequences=False, ac_mode="full", **fp32).parallelize(model)
+    assert flash_utils._is_packed_sequence is original  # nothing replaced outside the calls
+    seen: list[bool] = []
+    attention = model.model.model.layers[0].self_attn
+    attention.register_forward_pre_hook(lambda *_: seen.append(is_packed_sequence_patched()))
+    model(tokens).sum().backward()
+    # the forward, then the recompute of the checkpointed block in backward (outside the
+    # model's forward): the hooks on each attention module cover it
+    assert seen == [True, True] and flash_utils._is_packed_sequence is original
     with pytest.raises(ForgeConfigError, match="packed_sequences=True"):
-        ParallelPlan(None, packed_sequences=True, **fp32).parallelize(_llama())
-    assert plan.revert_hf_patches() == ["is_packed_sequence"]
-    assert plan.hf_patches == [] and flash_utils._is_packed_sequence is original
-    ParallelPlan(None, packed_sequences=True, **fp32).parallelize(_llama())  # fine now
+        ParallelPlan(None, packed_sequences=True, **fp32).parallelize(model)
+    assert restore_packed_sequence_check(model)
+    seen.clear()
+    model(tokens).sum().backward()
+    assert seen == [False, False]
+    ParallelPlan(None, packed_sequences=True, **fp32).parallelize(model)  # fine now
     assert flash_utils._is_packed_sequence is original

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import KW_ONLY, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -58,21 +58,21 @@ from forge_vlm import (
     AdapterConfig,
     VisionEncoderConfig,
     VLMConfig,
-    ac_components,
     build_vlm,
     check_encoder_tp,
     check_vlm,
 )
+from forge_vlm import ac_components as vlm_ac_components
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from .checks import NOT_YET, check_float8, check_plan
 from .config import COMPILE_SCOPES, ForgeConfig, load_config
 from .hf_patches import (
+    HOOKS_ATTR,
     is_hf_model,
     is_packed_sequence_patched,
-    patch_is_packed_sequence,
-    unpatch_is_packed_sequence,
+    skip_packed_sequence_check,
 )
 from .layout import resolve_layout
 
@@ -87,65 +87,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def _float8_options(float8: Float8Config, *, fsdp_all_gather: bool = True) -> dict[str, Any]:
-    """The ``ParallelPlan`` fields of a ``[float8]`` section (none when Float8 is off).
-
-    ``fsdp_all_gather=False`` leaves FSDP2's fp8 all-gather out (a single-device reference).
-    """
-    if not float8.enabled:
-        return {}
-    options: dict[str, Any] = {
-        "fp8": True,
-        "fp8_recipe": float8.recipe,
-        "fp8_filter_fqns": tuple(float8.filter_fqns),
-    }
-    if fsdp_all_gather:
-        options["fp8_fsdp_all_gather"] = float8.fsdp_all_gather_flag
-    return options
-
-
-def _vlm_options(vlm: VLMConfig | None, ac_mode: str) -> dict[str, Any]:
-    """The ``ParallelPlan`` fields of a ``[vlm]`` section (none for a language model).
-
-    NOTE: the AC components are resolved only when AC is on: ``ac_components`` refuses some
-    scopes (vision with a frozen encoder) that do not matter without AC.
-    """
-    if vlm is None:
-        return {}
-    return {
-        "encoder_tp": vlm.encoder_tp,
-        "encoder_tp_plan": vlm.encoder_tp_plan,
-        "ac_components": ac_components(vlm.ac_scope, vlm.freeze_encoder)
-        if ac_mode != "none"
-        else None,
-        "shard_frozen": vlm.shard_frozen_flag,
-    }
-
-
-def _config_options(cfg: ForgeConfig) -> dict[str, Any]:
-    """Every ``ParallelPlan`` field a ``ForgeConfig`` sets, except ``data`` (it needs the mesh).
-
-    The one mapping from config to plan: :meth:`ParallelPlan.from_config` and ``forge build``
-    go through it. Fields the config does not have (``mp_policy``, ``compile_backend``,
-    ``packed_sequences``, a plan given as a dict) keep their defaults.
-    """
-    t = cfg.training
-    return {
-        "ac_mode": t.ac_mode,
-        "compile_model": t.compile,
-        "compile_scope": t.compile_scope,
-        "param_dtype": getattr(torch, t.param_dtype),
-        "reshard_after_forward": t.reshard_after_forward,
-        "cpu_offload": t.cpu_offload,
-        "tp_plan": cfg.tp.plan,
-        "sequence_parallel": cfg.tp.sequence_parallel_flag,
-        "loss_parallel": cfg.tp.loss_parallel,
-        "allow_plan_import": cfg.tp.allow_import,
-        **_float8_options(cfg.float8),
-        **_vlm_options(cfg.vlm, t.ac_mode),
-    }
 
 
 def _as_config(config: ForgeConfig | Mapping[str, Any] | str | Path) -> ForgeConfig:
@@ -188,19 +129,28 @@ def _check_mesh_matches(par: ParallelismConfig, mesh: DeviceMesh | None) -> None
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelPlan:
     """How to parallelize a model over ``device_mesh``; :meth:`parallelize` applies it.
 
-    Build one directly (``ParallelPlan(mesh, data="fsdp2", ...)``) or from a config with
-    :meth:`from_config` (exactly what ``forge build`` runs). Then::
+    Build one directly (``ParallelPlan(mesh, data="fsdp2", ...)``: every field after the mesh is
+    a keyword) or from a config with :meth:`from_config` (exactly what ``forge build`` runs).
+    Then::
 
         model = plan.maybe_compile(plan.parallelize(model))
+
+    A plan is frozen: :func:`dataclasses.replace` makes a changed copy (checked again).
 
     ``data``: ``fsdp2`` | ``ddp`` | ``none``; None picks ``fsdp2`` when the mesh has a DP axis.
     ``param_dtype`` is the compute dtype; parameters (master weights) stay float32 in every mode.
     FSDP2 gets it through ``default_mp_policy`` (ignored when ``mp_policy`` is given); DDP and
     ``none`` run the forward under ``torch.autocast(param_dtype)`` (see ``enable_autocast``).
+
+    ``float8`` is forge-float8's own ``[float8]`` section (``Float8Config``): Float8 on the
+    decoder when ``enabled``. ``vlm`` is forge-vlm's ``[vlm]`` section (``VLMConfig``) for a
+    model made of components: TP on the encoder (``encoder_tp``, ``encoder_tp_plan``), which
+    components AC covers (``ac_scope``), whether a frozen encoder is sharded
+    (``shard_frozen_encoder``). Both are read as they are: no renamed copies of their fields.
 
     ``compile_model`` turns ``torch.compile`` on; ``compile_scope`` says where:
 
@@ -212,48 +162,40 @@ class ParallelPlan:
       with graph breaks where FSDP2's hooks run. For models whose blocks cannot be compiled on
       their own, or to let the compiler see across blocks.
 
-    ``packed_sequences`` (Hugging Face models only): None (default) = unknown, nothing is
-    patched. False = you promise no row packs several sequences: :meth:`parallelize` then
-    replaces transformers' packed-sequence check, which syncs the host with the GPU once per
-    attention layer per forward, by a constant False (see :mod:`forge.hf_patches`; process-wide,
-    recorded in ``hf_patches``, undone by :meth:`revert_hf_patches`). True = packed: never patched,
-    and refused while the patch is in effect. **With packed sequences never set it to False**:
-    attention would cross document boundaries and the loss would be silently wrong.
+    ``packed_sequences`` (Hugging Face models only): None (default) = unknown, nothing changes.
+    False = you promise no row packs several sequences: :meth:`parallelize` then hooks the model
+    so that, while it runs, transformers' packed-sequence check (one host sync per attention
+    layer per forward) is a constant False (:func:`forge.hf_patches.skip_packed_sequence_check`;
+    nothing is changed outside the model's calls). True = packed: refused on a model hooked so.
+    **With packed sequences never set it to False**: attention would cross document boundaries
+    and the loss would be silently wrong.
     """
 
     device_mesh: DeviceMesh | None
+    _: KW_ONLY
     data: str | None = None
     ac_mode: str = "none"
     compile_model: bool = False
+    compile_scope: str = "blocks"
     compile_backend: str = "inductor"
     mp_policy: MixedPrecisionPolicy | None = None
     param_dtype: torch.dtype = torch.bfloat16
     reshard_after_forward: bool | int = True
     cpu_offload: bool = False
-    fp8: bool = False
-    fp8_recipe: str = "tensorwise"
-    fp8_fsdp_all_gather: bool | None = None
-    fp8_filter_fqns: Sequence[str] = ()
     tp_plan: Mapping[str, object] | str | None = None
     sequence_parallel: bool | None = None
     loss_parallel: bool = False
     allow_plan_import: bool | Sequence[str] = False
-    encoder_tp: bool = False
-    encoder_tp_plan: Mapping[str, object] | str | None = None
-    ac_components: Sequence[str] | None = None
-    shard_frozen: bool | None = None
-    # NOTE: new fields go last, so positional construction of the ones above keeps working.
-    compile_scope: str = "blocks"
+    float8: Float8Config = Float8Config()
+    vlm: VLMConfig | None = None
     packed_sequences: bool | None = None
-    #: Process-wide patches this plan put in place (names from forge.hf_patches), newest last.
-    hf_patches: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         sizes = {axis: axis_size(self.device_mesh, axis) for axis in (*NOT_YET, "tp", "domain")}
-        if self.data is None:
-            self.data = "fsdp2" if has_dp_mesh(self.device_mesh) else "none"
+        if self.data is None:  # frozen: the resolved default is set once, here
+            object.__setattr__(self, "data", "fsdp2" if has_dp_mesh(self.device_mesh) else "none")
         check_plan(
-            self.data,
+            str(self.data),
             sizes,
             ac_mode=self.ac_mode,
         )
@@ -270,6 +212,12 @@ class ParallelPlan:
             raise ForgeConfigError(
                 f"packed_sequences={self.packed_sequences!r} must be None (unknown), True or False"
             )
+        for name, kind in (("float8", Float8Config), ("vlm", VLMConfig)):
+            value = getattr(self, name)
+            if not isinstance(value, kind) and not (name == "vlm" and value is None):
+                raise ForgeConfigError(
+                    f"ParallelPlan({name}={value!r}): pass a {kind.__module__}.{kind.__name__}"
+                )
 
     @classmethod
     def from_config(
@@ -281,12 +229,11 @@ class ParallelPlan:
         """The plan ``forge build`` would use for ``config`` on ``device_mesh``.
 
         ``config``: a loaded ``ForgeConfig``, a dict of sections or a TOML path (both read with
-        ``forge.config.load_config``). Mapped fields: ``[training]`` ``ac_mode``, ``compile``,
-        ``compile_scope``, ``param_dtype``, ``reshard_after_forward``, ``cpu_offload``; ``[tp]``
-        ``plan``, ``sequence_parallel``, ``loss_parallel``, ``allow_import``; ``[float8]``;
-        ``[vlm]`` ``encoder_tp``, ``encoder_tp_plan``, ``ac_scope`` (-> ``ac_components``),
-        ``shard_frozen_encoder``. ``data`` is ``parallelism.data``, or ``"none"`` when no rank
-        is left for data parallelism (all of them used by tp/cp/domain) or without a mesh.
+        ``forge.config.load_config``). What the plan takes from it: the resolved layout
+        (:func:`forge.layout.resolve_layout`: ``data``, ``loss_parallel``), ``[training]``
+        ``ac_mode``, ``compile``, ``compile_scope``, ``param_dtype``, ``reshard_after_forward``,
+        ``cpu_offload``; ``[tp]`` ``plan``, ``sequence_parallel``, ``allow_import``; the
+        ``[float8]`` and ``[vlm]`` sections as they are. Without a mesh ``data`` is ``"none"``.
 
         The mesh must have the layout ``[parallelism]`` resolves to for its number of ranks (a
         ``ForgeConfigError`` says which axes differ): build it from the same config. Sections
@@ -309,7 +256,6 @@ class ParallelPlan:
             ) from None
         _check_mesh_matches(layout.parallelism, device_mesh)
         check_float8(cfg.float8, layout.tp)
-        data = layout.data if device_mesh is not None else "none"  # no mesh: one device
         names = {f.name for f in fields(cls) if f.init and f.name != "device_mesh"}
         for key in overrides:
             if key not in names:
@@ -317,7 +263,34 @@ class ParallelPlan:
                     f"ParallelPlan.from_config got unknown field '{key}'{did_you_mean(key, names)}; "
                     f"fields: {sorted(names)}"
                 )
-        return cls(device_mesh, **{"data": data, **_config_options(cfg), **overrides})
+        t = cfg.training
+        mapped: dict[str, Any] = {
+            "data": layout.data if device_mesh is not None else "none",  # no mesh: one device
+            "ac_mode": t.ac_mode,
+            "compile_model": t.compile,
+            "compile_scope": t.compile_scope,
+            "param_dtype": getattr(torch, t.param_dtype),
+            "reshard_after_forward": t.reshard_after_forward,
+            "cpu_offload": t.cpu_offload,
+            "tp_plan": cfg.tp.plan,
+            "sequence_parallel": cfg.tp.sequence_parallel_flag,  # None: the TP layer decides
+            "loss_parallel": layout.loss_parallel,
+            "allow_plan_import": cfg.tp.allow_import,
+            "float8": cfg.float8,
+            "vlm": cfg.vlm,
+        }
+        return cls(device_mesh, **{**mapped, **overrides})
+
+    @property
+    def ac_components(self) -> tuple[str, ...] | None:
+        """The components AC covers: a VLM's ``vlm.ac_scope``; None (all) for other models.
+
+        NOTE: resolved only when AC is on: ``ac_components`` refuses some scopes (vision with a
+        frozen encoder) that do not matter without AC.
+        """
+        if self.vlm is None or self.ac_mode == "none":
+            return None
+        return vlm_ac_components(self.vlm.ac_scope, self.vlm.freeze_encoder)
 
     @property
     def fp8_all_gather(self) -> bool:
@@ -326,9 +299,10 @@ class ParallelPlan:
         NOTE: off by default on gloo: an FSDP2 unit holding only fp8 weights all-gathers in a
         float8 dtype, which gloo cannot move (units with mixed dtypes all-gather bytes and work).
         """
-        if self.fp8_fsdp_all_gather is not None:
-            return self.fp8_fsdp_all_gather
-        if self.data != "fsdp2" or self.fp8_recipe != "tensorwise":
+        asked = self.float8.fsdp_all_gather_flag
+        if asked is not None:
+            return asked
+        if self.data != "fsdp2" or self.float8.recipe != "tensorwise":
             return False
         if axis_size(self.device_mesh, "tp") > 1:
             return False
@@ -359,10 +333,11 @@ class ParallelPlan:
                 "re-initialized); call parallelize(model) without device, after moving the model "
                 "to its device"
             )
-        self._apply_hf_patches(model)
+        self._skip_packed_sequence_check(model)
         parts = dict(model_components(model))
         decoder, encoder = parts.get("decoder", model), parts.get("encoder")
-        if self.encoder_tp and encoder is None:
+        encoder_tp = self.vlm is not None and self.vlm.encoder_tp
+        if encoder_tp and encoder is None:
             raise ForgeConfigError(
                 f"encoder_tp=True but {type(model).__name__} has no encoder component"
             )
@@ -375,13 +350,14 @@ class ParallelPlan:
                 loss_parallel=self.loss_parallel,
                 allow_import=self.allow_plan_import,
             )
-            if self.encoder_tp:
+            if encoder_tp:
+                assert self.vlm is not None and encoder is not None
                 if isinstance(getattr(encoder, "config", None), VisionEncoderConfig):
                     check_encoder_tp(encoder.config, axis_size(self.device_mesh, "tp"))
                 apply_tensor_parallel(
                     encoder,
                     self.device_mesh,
-                    plan=self.encoder_tp_plan,
+                    plan=self.vlm.encoder_tp_plan,
                     sequence_parallel=False,
                     allow_import=self.allow_plan_import,
                 )
@@ -392,18 +368,17 @@ class ParallelPlan:
                 "the mesh has an ep axis but the model has no forge_moe_ep.MoE layer; set "
                 "parallelism.ep=1 or use an MoE model (model.moe_every > 0)"
             )
-        if self.fp8:  # a VLM's decoder; its encoder and adapter stay in high precision
+        if self.float8.enabled:  # a VLM's decoder; its encoder and adapter stay in high precision
             apply_float8(
                 decoder,
-                recipe=self.fp8_recipe,
+                recipe=self.float8.recipe,
                 enable_fsdp_float8_all_gather=self.fp8_all_gather,
-                filter_fqns=tuple(self.fp8_filter_fqns),
+                filter_fqns=self.float8.filter_fqns,
             )
         if axis_size(self.device_mesh, "domain") > 1:
             apply_domain_parallel(model, self.device_mesh)
         if self.ac_mode != "none":
-            components = None if self.ac_components is None else tuple(self.ac_components)
-            apply_ac(model, self.ac_mode, components=components)
+            apply_ac(model, self.ac_mode, components=self.ac_components)
         if self.compile_model and self.compile_scope == "blocks":
             apply_compile(model, backend=self.compile_backend)
         if self.data == "fsdp2":
@@ -414,7 +389,7 @@ class ParallelPlan:
                 mp,
                 self.reshard_after_forward,
                 self.cpu_offload,
-                shard_frozen=self.shard_frozen,
+                shard_frozen=None if self.vlm is None else self.vlm.shard_frozen_flag,
             )
         if device is not None:
             # NOTE: with CPU offload the sharded parameters live on the CPU (FSDP2 copies them to
@@ -479,42 +454,27 @@ class ParallelPlan:
         model.compile(backend=self.compile_backend, dynamic=False)
         return model
 
-    def _apply_hf_patches(self, model: nn.Module) -> None:
-        """Apply the Hugging Face patches ``packed_sequences`` allows (see the class docstring)."""
+    def _skip_packed_sequence_check(self, model: nn.Module) -> None:
+        """Hook an HF model as ``packed_sequences`` allows (see the class docstring)."""
         if self.packed_sequences is None or not is_hf_model(model):
             return
         if self.packed_sequences:
-            if is_packed_sequence_patched():
+            if getattr(model, HOOKS_ATTR, None) or is_packed_sequence_patched():
                 raise ForgeConfigError(
-                    "packed_sequences=True, but transformers' packed-sequence check is patched to "
-                    "always say 'not packed' (forge.hf_patches.patch_is_packed_sequence, or a plan "
-                    "with packed_sequences=False): packed rows would attend across sequences; call "
-                    "forge.hf_patches.unpatch_is_packed_sequence() (or plan.revert_hf_patches()) first"
+                    "packed_sequences=True, but this model is hooked to skip transformers' "
+                    "packed-sequence check (a plan with packed_sequences=False parallelized it, "
+                    "or it runs inside forge.hf_patches.no_packed_sequence_sync): packed rows "
+                    "would attend across sequences; call "
+                    "forge.hf_patches.restore_packed_sequence_check(model) first"
                 )
             return
-        already = is_packed_sequence_patched()
-        if patch_is_packed_sequence():
-            if not already:
-                self.hf_patches.append("is_packed_sequence")
+        if skip_packed_sequence_check(model):
             logger.info(
-                "packed_sequences=False: transformers' _is_packed_sequence now returns False "
-                "(no host sync per attention layer)%s; undo with plan.revert_hf_patches()",
-                " (already patched)" if already else "",
+                "packed_sequences=False: transformers' packed-sequence check returns False while "
+                "this model runs (no host sync per attention layer)"
             )
         else:
-            logger.info(
-                "packed_sequences=False: this transformers has no _is_packed_sequence; nothing "
-                "to patch"
-            )
-
-    def revert_hf_patches(self) -> list[str]:
-        """Undo the process-wide patches this plan applied; returns the names it restored."""
-        restored = []
-        if "is_packed_sequence" in self.hf_patches:
-            if unpatch_is_packed_sequence():
-                restored.append("is_packed_sequence")
-            self.hf_patches.remove("is_packed_sequence")
-        return restored
+            logger.info("packed_sequences=False: this transformers has no such check; no hooks")
 
 
 @torch.no_grad()
@@ -582,10 +542,19 @@ def build_parallel_model(
     ``forge_vlm.VLMWrapper`` whose decoder is ``model_config``; ``vlm_config`` says whether the
     encoder is frozen, TP-split (its own plan) and which components AC covers (``ac_scope``).
 
-    The keywords are :class:`ParallelPlan`'s fields; with ``compile_scope='model'`` the
+    The keywords are :class:`ParallelPlan`'s fields (``fp8*`` are its ``float8`` section's,
+    ``vlm_config`` is its ``vlm``); with ``compile_scope='model'`` the
     returned model is already compiled as a whole (:meth:`ParallelPlan.maybe_compile`).
     """
     model = build_meta_model(model_config, vision_config, adapter_config, vlm_config)
+    # NOTE: the contract's flat fp8 keywords become forge-float8's own section here, the one
+    # place they are translated; ParallelPlan reads Float8Config as it is.
+    float8 = Float8Config(
+        enabled=fp8,
+        recipe=fp8_recipe,
+        fsdp_float8_all_gather="auto" if fp8_fsdp_all_gather is None else fp8_fsdp_all_gather,
+        filter_fqns=tuple(fp8_filter_fqns),
+    )
     plan = ParallelPlan(
         device_mesh,
         data=data,
@@ -597,15 +566,12 @@ def build_parallel_model(
         param_dtype=param_dtype,
         reshard_after_forward=reshard_after_forward,
         cpu_offload=cpu_offload,
-        fp8=fp8,
-        fp8_recipe=fp8_recipe,
-        fp8_fsdp_all_gather=fp8_fsdp_all_gather,
-        fp8_filter_fqns=fp8_filter_fqns,
         tp_plan=tp_plan,
         sequence_parallel=sequence_parallel,
         loss_parallel=loss_parallel,
         allow_plan_import=allow_plan_import,
-        **_vlm_options(vlm_config, ac_mode),
+        float8=float8,
+        vlm=vlm_config,
     )
     return plan.maybe_compile(plan.parallelize(model, device=device, seed=seed))
 

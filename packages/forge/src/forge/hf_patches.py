@@ -8,17 +8,19 @@ answer is a 0-dim tensor, and ``if <tensor>:`` reads it on the host (``aten::is_
 ``_local_scalar_dense``): the CPU waits for the GPU once per attention layer per forward, which
 stalls the launch queue and serialises compute with communication.
 
-When you *know* your sequences are not packed, the answer is always False, and
-:func:`patch_is_packed_sequence` replaces the check by a function returning the Python ``False``
-(no tensor, no sync).
+When you *know* your sequences are not packed, the answer is always False, and forge can
+replace the check by a function returning the Python ``False`` (no tensor, no sync), **only while
+your model runs**: :func:`skip_packed_sequence_check` hooks the model so the replacement is in
+place during its forward (and during the recompute of activation checkpointing, which re-runs
+each attention module), and :func:`no_packed_sequence_sync` does the same for a ``with`` block.
+Nothing stays replaced between calls, and forge keeps no process-wide state.
 
 .. warning::
    **Do NOT use this with packed sequences** (several documents in one row, ``position_ids``
-   that go back to 0 in the middle of a row). With the patch transformers no longer notices the
-   packing and runs plain causal attention over the whole row: tokens attend across document
-   boundaries and the loss is silently wrong. The patch is process-wide (it replaces a module
-   attribute of transformers) and so applies to every model in the process until
-   :func:`unpatch_is_packed_sequence` restores the original.
+   that go back to 0 in the middle of a row). With the replacement transformers no longer notices
+   the packing and runs plain causal attention over the whole row: tokens attend across document
+   boundaries and the loss is silently wrong. While a hooked model runs, the replacement is seen
+   by every caller in the process (it is a module attribute of transformers).
 
 transformers is imported only when a function here is called, never at import time, and
 everything is a no-op returning False when transformers (or the checked function, in versions
@@ -29,27 +31,24 @@ from __future__ import annotations
 
 import importlib
 import sys
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from types import ModuleType
 from typing import Any
 
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
 __all__ = [
     "is_hf_model",
     "is_packed_sequence_patched",
     "no_packed_sequence_sync",
-    "patch_is_packed_sequence",
-    "unpatch_is_packed_sequence",
+    "restore_packed_sequence_check",
+    "skip_packed_sequence_check",
 ]
 
 _MODULE = "transformers.modeling_flash_attention_utils"
 _ATTR = "_is_packed_sequence"
-_lock = threading.Lock()
-#: The function the patch replaced, while the patch is in place.
-_original: Callable[..., Any] | None = None
 
 
 def _never_packed(position_ids: Any, batch_size: int) -> bool:
@@ -77,60 +76,84 @@ def is_packed_sequence_patched() -> bool:
     return module is not None and getattr(module, _ATTR, None) is _never_packed
 
 
-def patch_is_packed_sequence() -> bool:
-    """Make transformers' ``_is_packed_sequence`` return the Python ``False`` (no host sync).
-
-    Returns True when the patch is in place after the call (applied now, or already by an earlier
-    call: calling twice is harmless and keeps the first original), False when there is nothing to
-    patch (transformers not installed, or this version has no ``_is_packed_sequence``).
-
-    **Only for sequences that are not packed**; see this module's docstring for why packed
-    sequences then train on silently wrong attention. Undo with :func:`unpatch_is_packed_sequence`.
-    """
-    global _original
-    module = _flash_utils()
-    if module is None or not callable(getattr(module, _ATTR, None)):
-        return False
-    with _lock:
-        current = getattr(module, _ATTR)
-        if current is not _never_packed:
-            _original = current
-            setattr(module, _ATTR, _never_packed)
-    return True
-
-
-def unpatch_is_packed_sequence() -> bool:
-    """Put transformers' own ``_is_packed_sequence`` back; returns whether it was restored.
-
-    False when the patch is not in place (never applied, already undone, transformers absent).
-    NOTE: if something else replaced the attribute after forge did, it is left alone: restoring
-    our saved original would silently drop that other patch.
-    """
-    global _original
-    module = sys.modules.get(_MODULE)
-    with _lock:
-        if module is None or _original is None or getattr(module, _ATTR, None) is not _never_packed:
-            return False
-        setattr(module, _ATTR, _original)
-        _original = None
-    return True
-
-
 @contextmanager
 def no_packed_sequence_sync() -> Iterator[bool]:
-    """Patch transformers' packed-sequence check inside the block (see :func:`patch_is_packed_sequence`).
+    """Inside the block, transformers' packed-sequence check is the always-False stand-in.
 
-    Yields whether the patch is in effect. On exit it restores the original only if this block
-    applied the patch, so nested blocks and an earlier process-wide patch keep working.
-    **Do NOT use with packed sequences.**
+    Yields whether the stand-in is in effect (False when transformers, or this version's
+    ``_is_packed_sequence``, is absent: nothing to replace). On exit the original is put back
+    only if this block replaced it and nothing else replaced it meanwhile, so nested blocks (and
+    hooked models called inside a block) keep working. **Do NOT use with packed sequences.**
     """
-    already = is_packed_sequence_patched()
-    active = patch_is_packed_sequence()
+    module = _flash_utils()
+    current = getattr(module, _ATTR, None)
+    if module is None or not callable(current):
+        yield False
+        return
+    if current is _never_packed:  # an enclosing block (or hooked forward) already did it
+        yield True
+        return
+    setattr(module, _ATTR, _never_packed)
     try:
-        yield active
+        yield True
     finally:
-        if active and not already:
-            unpatch_is_packed_sequence()
+        if getattr(module, _ATTR, None) is _never_packed:
+            setattr(module, _ATTR, current)
+
+
+#: The attribute on a model that :func:`skip_packed_sequence_check` hooked: its hook handles.
+HOOKS_ATTR = "_forge_skip_packed_sequence_check"
+
+
+def skip_packed_sequence_check(model: nn.Module) -> bool:
+    """Hook ``model`` so transformers' packed-sequence check is the stand-in while it runs.
+
+    The hooks wrap the forward of ``model`` and of every attention module of the Hugging Face
+    models inside it (their class names end in ``Attention``), each in a
+    :func:`no_packed_sequence_sync` block: the recompute of a checkpointed block, which runs in
+    backward outside the model's forward, is covered too. Returns True when the hooks are in
+    place (now or from an earlier call), False when ``model`` holds no Hugging Face model or
+    transformers has no such check. Undo with :func:`restore_packed_sequence_check`.
+    **Only for sequences that are not packed.**
+    """
+    if getattr(model, HOOKS_ATTR, None):
+        return True
+    if not is_hf_model(model) or not callable(getattr(_flash_utils(), _ATTR, None)):
+        return False
+    handles: list[RemovableHandle] = []
+    for module in (model, *_attention_modules(model)):
+        blocks: list[ExitStack] = []
+
+        def enter(*_: Any, blocks: list[ExitStack] = blocks) -> None:
+            stack = ExitStack()
+            stack.enter_context(no_packed_sequence_sync())
+            blocks.append(stack)
+
+        def leave(*_: Any, blocks: list[ExitStack] = blocks) -> None:
+            if blocks:
+                blocks.pop().close()
+
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+    setattr(model, HOOKS_ATTR, handles)
+    return True
+
+
+def restore_packed_sequence_check(model: nn.Module) -> bool:
+    """Remove the hooks :func:`skip_packed_sequence_check` put on ``model``; returns whether
+    there were any."""
+    handles = getattr(model, HOOKS_ATTR, None)
+    if not handles:
+        return False
+    for handle in handles:
+        handle.remove()
+    delattr(model, HOOKS_ATTR)
+    return True
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The attention modules of the Hugging Face models in ``model`` (by class-name suffix)."""
+    return [m for m in model.modules() if m is not model and type(m).__name__.endswith("Attention")]
 
 
 def is_hf_model(model: nn.Module) -> bool:

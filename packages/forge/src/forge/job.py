@@ -11,7 +11,7 @@ import os
 import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -41,12 +41,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from .build import (
-    ParallelPlan,
-    _float8_options,
-    build_parallel_model,
-    model_from_config,
-)
+from .build import ParallelPlan, model_from_config
 from .checks import check_config
 from .config import ForgeConfig, load_config
 from .layout import resolve_layout
@@ -58,13 +53,6 @@ __all__ = ["BuildReport", "check_config", "run_build"]
 class BuildReport:
     text: str
     passed: bool
-
-
-def _vlm_kwargs(cfg: ForgeConfig) -> dict[str, Any]:
-    """The configs that build a VLM (how it is parallelized comes from ParallelPlan.from_config)."""
-    if not cfg.is_vlm:
-        return {}
-    return {"vision_config": cfg.vision, "adapter_config": cfg.adapter, "vlm_config": cfg.vlm}
 
 
 def _vlm_report(cfg: ForgeConfig, par: ParallelismConfig, model: nn.Module) -> list[str]:
@@ -194,15 +182,19 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
     model = plan.maybe_compile(model)
     # NOTE: with Float8 the reference is the same Float8 model on one device (bf16 compute when
     # asked): parity then isolates the parallelism from fp8's own rounding.
-    reference = build_parallel_model(
-        cfg.model,
-        device,
-        None,
+    # The reference: the same plan on one device, without AC or compile, fp32 unless Float8
+    # asks for its own compute dtype (fp8 casts happen the same way in both).
+    one_device = replace(
+        plan,
+        device_mesh=None,
+        data="none",
+        ac_mode="none",
+        compile_model=False,
+        cpu_offload=False,
         param_dtype=dtype if cfg.float8.enabled else torch.float32,
-        seed=t.seed,
-        **_float8_options(cfg.float8, fsdp_all_gather=False),
-        **_vlm_kwargs(cfg),
+        float8=replace(cfg.float8, fsdp_float8_all_gather=False),
     )
+    reference = one_device.parallelize(model_from_config(cfg), device=device, seed=t.seed)
     local_bytes = _param_bytes(model)
     all_bytes: list[int] = [0] * world_size
     dist.all_gather_object(all_bytes, local_bytes)
