@@ -63,10 +63,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from benchlib import machine_facts, record_target, sync, time_interleaved  # noqa: E402 - sibling
-from forge_core import ModelConfig
 from forge_core.testing.harness import RankPool
 from forge_core.testing.sync_guard import count_host_syncs
 from forge_moe_ep import MoE
+from forge_moe_ep.config import MoEModelConfig
 from torch.distributed.tensor import DTensor
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -323,8 +323,8 @@ def build_torchtitan(
 _FORGE_MESH: dict[int, Any] = {}
 
 
-def _forge_config(shape: Shape, dispatch: str) -> ModelConfig:
-    return ModelConfig(
+def _forge_config(shape: Shape, dispatch: str) -> MoEModelConfig:
+    return MoEModelConfig(
         vocab_size=256,
         dim=shape.dim,
         n_layers=1,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 from forge_core import ForgeConfigError, ModelConfig, ParallelismConfig, load_config
+from forge_moe_ep.config import MoEModelConfig
 
 
 def test_forge_config_error_is_a_value_error():
@@ -161,7 +162,7 @@ def test_load_config_from_toml_with_overrides(tmp_path):
 
 
 def test_load_config_defaults_and_dicts():
-    assert load_config().model == ModelConfig.preset("debug")
+    assert load_config().model == MoEModelConfig.preset("debug")
     assert load_config({"parallelism": {"tensor": 2}}).parallelism.tp == 2
 
 

@@ -9,6 +9,7 @@ from forge_core import ModelConfig
 from forge_core.testing import StepRecord, train_steps
 from forge_core.training import synthetic_tokens
 from forge_mesh import build_device_mesh
+from forge_moe_ep.config import MoEModelConfig
 
 STEPS, BATCH, SEQ = 10, 8, 32
 
@@ -21,7 +22,7 @@ def train(
     **plan: object,
 ) -> list[StepRecord]:
     """10 bf16-compute steps of ``preset`` under ``layout`` (None: single device)."""
-    cfg = ModelConfig.preset(preset, dim=128, ffn_dim=256, n_heads=8, n_kv_heads=4)
+    cfg = MoEModelConfig.preset(preset, dim=128, ffn_dim=256, n_heads=8, n_kv_heads=4)
     mesh = (
         None
         if layout is None

@@ -16,6 +16,7 @@ from forge_float8 import apply_float8, float8_report
 from forge_fsdp_wrap import apply_ac
 from forge_mesh import build_device_mesh
 from forge_moe_ep import moe_transformer
+from forge_moe_ep.config import MoEModelConfig
 from forge_tp_plans import apply_tensor_parallel
 
 from tests.float8.jobs import (
@@ -109,7 +110,7 @@ class _Odd(nn.Module):
 
 
 def test_skipped_modules_are_reported_with_their_reason():
-    model = moe_transformer(ModelConfig.preset("debug_moe"))
+    model = moe_transformer(MoEModelConfig.preset("debug_moe"))
     apply_float8(model, enable_fsdp_float8_all_gather=False)
     report = float8_report(model)
     skipped = dict(report.skipped)

@@ -15,6 +15,7 @@ from forge.export import (
     to_hf_llama,
 )
 from forge_core import ForgeConfigError, ModelConfig, Transformer
+from forge_moe_ep.config import MoEModelConfig
 from safetensors import safe_open
 
 transformers = pytest.importorskip("transformers")
@@ -133,7 +134,7 @@ def test_tied_config_refuses_a_head_that_differs_from_the_embedding():
 
 
 def test_moe_config_is_refused():
-    moe = ModelConfig.preset("debug_moe")
+    moe = MoEModelConfig.preset("debug_moe")
     for fn in (lambda: to_hf_llama({}, moe), lambda: from_hf_llama({}, moe)):
         with pytest.raises(ForgeConfigError, match="no MoE layer.*moe_every=0"):
             fn()

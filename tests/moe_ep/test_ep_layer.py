@@ -6,12 +6,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from forge.build import build_parallel_model
-from forge_core import ForgeConfigError, ModelConfig, no_host_sync
+from forge_core import ForgeConfigError, no_host_sync
 from forge_core.testing.sync_guard import HostSyncError
 from forge_fsdp_wrap import apply_fsdp2
 from forge_kernels.permute import routing_layout
 from forge_mesh import build_device_mesh
 from forge_moe_ep import MoE, apply_expert_parallel, moe_transformer
+from forge_moe_ep.config import MoEModelConfig
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -22,7 +23,7 @@ D = 64
 def _moe_pair(dispatch: str, ep: int, **fields: object) -> tuple[MoE, MoE]:
     """The same MoE layer whole (reference) and expert-parallel over ``ep`` ranks."""
     fields = {"capacity_factor": 1.0, **fields}
-    cfg = ModelConfig.preset("debug_moe", moe_dispatch=dispatch, **fields)
+    cfg = MoEModelConfig.preset("debug_moe", moe_dispatch=dispatch, **fields)
     world = dist.get_world_size()
     mesh = build_device_mesh({"dp_shard": world, "ep": ep}, "cpu", num_experts=cfg.num_experts)
     reference = moe_transformer(cfg)
@@ -86,7 +87,7 @@ def test_a_rank_whose_experts_get_no_tokens_works_and_gets_zero_gradients(run_on
 
 
 def _fsdp_units() -> dict[str, object]:
-    cfg = ModelConfig.preset("debug_moe")
+    cfg = MoEModelConfig.preset("debug_moe")
     mesh = build_device_mesh({"dp_shard": 4, "ep": 2}, "cpu", num_experts=cfg.num_experts)
     model = build_parallel_model(cfg, "cpu", mesh, param_dtype=torch.float32)
     units = {n: m for n, m in model.named_modules() if isinstance(m, FSDPModule)}
@@ -121,7 +122,7 @@ def test_fsdp2_wraps_moe_blocks_per_sub_module_and_shards_experts_on_their_own_a
 
 
 def _groups_held_by_moe_layers() -> list[str]:
-    cfg = ModelConfig.preset("debug_moe")
+    cfg = MoEModelConfig.preset("debug_moe")
     mesh = build_device_mesh({"dp_shard": 2, "ep": 2}, "cpu", num_experts=cfg.num_experts)
     model = build_parallel_model(cfg, "cpu", mesh, param_dtype=torch.float32)
     found = []
@@ -190,7 +191,7 @@ def test_dropless_ep_exchanges_split_sizes_before_the_shared_expert_runs(run_on_
 
 def _refusals() -> list[str]:
     messages = []
-    cfg = ModelConfig.preset("debug_moe")
+    cfg = MoEModelConfig.preset("debug_moe")
     mesh = build_device_mesh({"dp_shard": 2, "ep": 2}, "cpu", num_experts=8)
     with torch.device("meta"):
         model = moe_transformer(cfg)
@@ -199,7 +200,7 @@ def _refusals() -> list[str]:
         lambda: apply_expert_parallel(model, mesh),  # after FSDP2: wrong order
         lambda: apply_expert_parallel(torch.nn.Linear(2, 2), mesh),  # no MoE
         lambda: apply_expert_parallel(
-            moe_transformer(ModelConfig.preset("debug_moe", num_experts=3, top_k=1)), mesh
+            moe_transformer(MoEModelConfig.preset("debug_moe", num_experts=3, top_k=1)), mesh
         ),
     ):
         with pytest.raises(ForgeConfigError) as err:

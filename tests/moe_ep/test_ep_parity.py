@@ -11,14 +11,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from forge.build import build_parallel_model
-from forge_core import ModelConfig
 from forge_core.testing import ParityResult, run_parity
 from forge_mesh import build_device_mesh
 from forge_moe_ep import MoE, moe_metrics
+from forge_moe_ep.config import MoEModelConfig
 
 
 def _models(layout: dict, **model_fields: object):
-    cfg = ModelConfig.preset("debug_moe", **model_fields)
+    cfg = MoEModelConfig.preset("debug_moe", **model_fields)
     mesh = build_device_mesh(layout, "cpu", num_experts=cfg.num_experts)
     parallel = build_parallel_model(cfg, "cpu", mesh, param_dtype=torch.float32)
     reference = build_parallel_model(cfg, "cpu", None, param_dtype=torch.float32)
@@ -136,7 +136,7 @@ def _compiled_ep_parity(layout: dict, ac_mode: str) -> ParityResult:
     from forge.build import ParallelPlan
     from forge_moe_ep import moe_transformer
 
-    cfg = ModelConfig.preset("debug_moe")
+    cfg = MoEModelConfig.preset("debug_moe")
     mesh = build_device_mesh(layout, "cpu", num_experts=cfg.num_experts)
     with torch.device("meta"):
         model = moe_transformer(cfg)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from forge_core import ForgeConfigError, ModelConfig, Transformer, no_host_sync
+from forge_core import ForgeConfigError, Transformer, no_host_sync
 from forge_core.contracts import attach_optimizer_hooks, pop_aux_losses
 from forge_core.testing.sync_guard import HostSyncError
 from forge_fsdp_wrap import apply_ac
@@ -17,13 +17,14 @@ from forge_moe_ep import (
     moe_metrics,
     moe_transformer,
 )
+from forge_moe_ep.config import MoEModelConfig
 from forge_moe_ep.dispatch import capacity_layout
 
 D = 64
 
 
 def make_moe(**fields: object) -> MoE:
-    moe = MoE(ModelConfig.preset("debug_moe", **fields), layer_id=0)
+    moe = MoE(MoEModelConfig.preset("debug_moe", **fields), layer_id=0)
     moe.init_weights(0)
     return moe
 
@@ -202,7 +203,7 @@ def test_load_hooks_see_the_counts_before_the_bias_update_and_can_be_removed():
 
 
 def _biases_after_one_step(grad_accum: int, ac: bool) -> list[torch.Tensor]:
-    cfg = ModelConfig.preset("debug_moe", moe_bias_update_rate=1e-2)
+    cfg = MoEModelConfig.preset("debug_moe", moe_bias_update_rate=1e-2)
     model = moe_transformer(cfg)
     model.init_weights(0)
     if ac:
@@ -282,17 +283,17 @@ def test_model_config_refuses_bad_moe_fields_with_the_fix():
     ]
     for fields, pattern in cases:
         with pytest.raises(ForgeConfigError, match=pattern):
-            ModelConfig.preset("debug_moe", **fields)
+            MoEModelConfig.preset("debug_moe", **fields)
 
 
 def test_transformer_with_moe_blocks_needs_an_ffn_factory():
     with pytest.raises(ForgeConfigError, match=r"forge_moe_ep\.moe_transformer"):
-        Transformer(ModelConfig.preset("debug_moe"))
+        Transformer(MoEModelConfig.preset("debug_moe"))
 
 
 @pytest.mark.parametrize("moe_every", [1, 2])
 def test_num_params_counts_moe_blocks(moe_every):
-    cfg = ModelConfig.preset("debug_moe", n_layers=4, moe_every=moe_every)
+    cfg = MoEModelConfig.preset("debug_moe", n_layers=4, moe_every=moe_every)
     model = moe_transformer(cfg)
     assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
     kinds = [type(b.feed_forward).__name__ for b in model.layers.values()]
@@ -300,7 +301,7 @@ def test_num_params_counts_moe_blocks(moe_every):
 
 
 def test_init_on_meta_then_materialize_equals_direct_init():
-    cfg = ModelConfig.preset("debug_moe")
+    cfg = MoEModelConfig.preset("debug_moe")
     with torch.device("meta"):
         meta = moe_transformer(cfg)
     meta.to_empty(device="cpu")

@@ -10,16 +10,16 @@ Module names are stable; TP plans, FSDP wrapping and AC refer to them:
 ``layers.<i>.ffn_norm``                RMSNorm before the FFN slot
 ``layers.<i>.feed_forward``            the FFN slot: SwiGLU ``{w1, w2, w3}`` by default;
                                        any module mapping ``[B, S, dim] -> [B, S, dim]``
-                                       (an MoE layer in the blocks ``is_moe_layer`` names)
+                                       (in the blocks ``config.custom_ffn_layers`` names)
 ``norm``                               final RMSNorm
 ``output``                             head ``[vocab_size, dim]`` (tied to the embedding
                                        when ``tie_embeddings``)
 =====================================  ==============================================
 
-MoE fields in :class:`ModelConfig` describe MoE blocks, but forge_core holds no MoE code (the
-dependency rule): ``Transformer(config, ffn_factory=...)`` builds the FFN slot of those blocks
-with a factory, e.g. ``forge_moe_ep.MoE.for_block``. A config with MoE blocks and no factory is
-refused with that advice.
+A config subclass may name blocks whose FFN slot holds another module
+(``ModelConfig.custom_ffn_layers``; forge-moe-ep's ``MoEModelConfig`` names its MoE blocks):
+``Transformer(config, ffn_factory=...)`` builds those slots with the factory (e.g.
+``forge_moe_ep.MoE.for_block``); such a config without a factory is refused.
 
 ``layers`` is a ModuleDict (not a ModuleList) so that removing blocks (pipeline stages) keeps the
 remaining names. Attention takes its local head count from the projection's output width, so a
@@ -40,12 +40,10 @@ import torch.nn.functional as F
 
 from .errors import ForgeConfigError
 from .init import canonical_name, fill_param_
-from .model_config import MOE_DISPATCH_MODES, MOE_ROUTERS, PRESETS, ModelConfig
+from .model_config import PRESETS, ModelConfig
 from .torch_compat import assert_on_device
 
 __all__ = [
-    "MOE_DISPATCH_MODES",
-    "MOE_ROUTERS",
     "PRESETS",
     "Attention",
     "FeedForward",
@@ -110,7 +108,8 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-#: ``factory(config, layer_id) -> nn.Module``: builds the FFN slot of MoE block ``layer_id``.
+#: ``factory(config, layer_id) -> nn.Module``: builds the FFN slot of block ``layer_id`` (one of
+#: ``config.custom_ffn_layers``).
 FFNFactory = Callable[[ModelConfig, int], nn.Module]
 
 
@@ -178,12 +177,12 @@ class Transformer(nn.Module):
 
     def __init__(self, config: ModelConfig, ffn_factory: FFNFactory | None = None) -> None:
         super().__init__()
-        if config.moe_layers and ffn_factory is None:
+        custom = config.custom_ffn_layers
+        if custom and ffn_factory is None:
             raise ForgeConfigError(
-                f"model config has MoE blocks {list(config.moe_layers)} (moe_every="
-                f"{config.moe_every}) but no ffn_factory builds them: install forge-moe-ep and "
-                "use forge_moe_ep.moe_transformer(config), or Transformer(config, "
-                "ffn_factory=forge_moe_ep.MoE.for_block)"
+                f"{type(config).__name__} puts its own FFN module in blocks {list(custom)}, but no "
+                "ffn_factory builds it: pass Transformer(config, ffn_factory=...) (for MoE "
+                "blocks, forge_moe_ep.moe_transformer(config))"
             )
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
@@ -191,9 +190,7 @@ class Transformer(nn.Module):
             {
                 str(i): TransformerBlock(
                     config,
-                    ffn_factory(config, i)
-                    if ffn_factory is not None and config.is_moe_layer(i)
-                    else None,
+                    ffn_factory(config, i) if ffn_factory is not None and i in custom else None,
                 )
                 for i in range(config.n_layers)
             }

@@ -9,17 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, Self, cast
 
 from .errors import ForgeConfigError, check_field_types, did_you_mean
 
-__all__ = ["MOE_DISPATCH_MODES", "MOE_ROUTERS", "PRESETS", "ModelConfig"]
-
-MOE_ROUTERS = ("softmax", "sigmoid")
-#: ``dropless``: exact, every routed token is computed (EP exchanges split sizes: one host wait
-#: per MoE layer per forward). ``capacity``: each sequence sends at most a fixed number of tokens
-#: to each expert (``capacity_factor``), the rest are dropped and counted; no host sync at all.
-MOE_DISPATCH_MODES = ("dropless", "capacity")
+__all__ = ["PRESETS", "ModelConfig"]
 
 
 @dataclass(frozen=True)
@@ -29,14 +23,9 @@ class ModelConfig:
     ``n_kv_heads`` defaults to ``n_heads`` (plain multi-head attention); ``ffn_dim`` defaults to
     the Llama rule (8/3 x dim rounded up to a multiple of 64).
 
-    Mixture of experts (``moe_every > 0``): block ``i`` is an MoE block when
-    ``(i + 1) % moe_every == 0`` (1: every block). Each has ``num_experts`` SwiGLU experts of
-    hidden size ``moe_ffn_dim`` (default ``ffn_dim``), a top-``top_k`` token-choice ``router``
-    (``softmax`` or ``sigmoid`` scores, computed in float32), ``num_shared_experts`` always-on
-    experts (one SwiGLU of hidden ``num_shared_experts * moe_ffn_dim``), and ``moe_dispatch``
-    (see ``MOE_DISPATCH_MODES``) with ``capacity_factor`` for the capacity mode. Load balancing:
-    ``moe_bias_update_rate`` (aux-loss-free expert bias, 0 disables it) and ``moe_aux_loss_coef``
-    (auxiliary load-balancing loss, 0 disables it).
+    Extension point: a config subclass may name blocks whose FFN slot holds its own module
+    (:attr:`custom_ffn_layers`; forge-moe-ep's ``MoEModelConfig`` names its MoE blocks), built
+    by the ``ffn_factory`` given to ``Transformer``. This class names none: a dense model.
     """
 
     vocab_size: int
@@ -49,16 +38,6 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
-    moe_every: int = 0
-    num_experts: int = 0
-    top_k: int = 2
-    moe_ffn_dim: int | None = None
-    num_shared_experts: int = 0
-    router: str = "softmax"
-    moe_dispatch: str = "dropless"
-    capacity_factor: float = 1.25
-    moe_bias_update_rate: float = 1e-3
-    moe_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         check_field_types(self, "model")
@@ -87,72 +66,33 @@ class ModelConfig:
             raise ForgeConfigError(
                 f"head dim dim/n_heads={self.head_dim} must be even for rotary embeddings"
             )
-        self._check_moe()
-
-    def _check_moe(self) -> None:
-        def non_negative_int(name: str) -> int:
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ForgeConfigError(f"model.{name}={v!r} must be a non-negative integer")
-            return v
-
-        for name in ("moe_every", "num_experts", "num_shared_experts", "top_k"):
-            non_negative_int(name)
-        if self.moe_ffn_dim is None:
-            object.__setattr__(self, "moe_ffn_dim", self.ffn_dim)
-        if not self.moe_every:
-            return
-        if self.num_experts < 1:
-            raise ForgeConfigError(
-                f"model.moe_every={self.moe_every} asks for MoE blocks but model.num_experts="
-                f"{self.num_experts}; set num_experts >= 1 (or moe_every=0 for a dense model)"
-            )
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ForgeConfigError(
-                f"model.top_k={self.top_k} must be in [1, num_experts={self.num_experts}]"
-            )
-        if not isinstance(self.moe_ffn_dim, int) or self.moe_ffn_dim < 1:
-            raise ForgeConfigError(f"model.moe_ffn_dim={self.moe_ffn_dim!r} must be >= 1")
-        for name, allowed in (("router", MOE_ROUTERS), ("moe_dispatch", MOE_DISPATCH_MODES)):
-            v = getattr(self, name)
-            if v not in allowed:
-                raise ForgeConfigError(
-                    f"model.{name}={v!r} is invalid: choose one of {list(allowed)}"
-                    + did_you_mean(str(v), allowed)
-                )
-        for name in ("capacity_factor", "moe_bias_update_rate", "moe_aux_loss_coef"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
-                raise ForgeConfigError(f"model.{name}={v!r} must be a non-negative number")
-        if self.capacity_factor <= 0:
-            raise ForgeConfigError(
-                f"model.capacity_factor={self.capacity_factor} must be > 0 (1.0 = each expert "
-                "takes its even share of a sequence's tokens)"
-            )
-
-    def is_moe_layer(self, layer_id: int) -> bool:
-        """Whether block ``layer_id`` holds an MoE layer in its FFN slot."""
-        return self.moe_every > 0 and (layer_id + 1) % self.moe_every == 0
 
     @property
-    def moe_layers(self) -> tuple[int, ...]:
-        """Indices of the MoE blocks."""
-        return tuple(i for i in range(self.n_layers) if self.is_moe_layer(i))
+    def custom_ffn_layers(self) -> tuple[int, ...]:
+        """Blocks whose FFN slot a subclass fills with its own module (none: a dense model)."""
+        return ()
+
+    @classmethod
+    def presets(cls) -> dict[str, ModelConfig]:
+        """The named configs :meth:`preset` knows (a subclass adds its own)."""
+        return PRESETS
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
     @classmethod
-    def preset(cls, name: str, **overrides: Any) -> ModelConfig:
+    def preset(cls, name: str, **overrides: Any) -> Self:
         """A named preset (see ``PRESETS``) with field overrides."""
         if not isinstance(name, str):
             raise ForgeConfigError(
-                f"model.preset={name!r} must be a preset name (a string): one of {sorted(PRESETS)}"
+                f"model.preset={name!r} must be a preset name (a string): one of "
+                f"{sorted(cls.presets())}"
             )
-        if name not in PRESETS:
+        known = cls.presets()
+        if name not in known:
             raise ForgeConfigError(
-                f"unknown model preset '{name}'{did_you_mean(name, PRESETS)}; presets: {sorted(PRESETS)}"
+                f"unknown model preset '{name}'{did_you_mean(name, known)}; presets: {sorted(known)}"
             )
         valid = {f.name for f in fields(cls)}
         for key in overrides:
@@ -160,22 +100,27 @@ class ModelConfig:
                 raise ForgeConfigError(
                     f"unknown model field '{key}'{did_you_mean(key, valid)}; fields: {sorted(valid)}"
                 )
-        base = PRESETS[name]
+        base = cast(Self, known[name])  # NOTE: a class's presets are of that class
         return replace(base, **overrides) if overrides else base
 
     def num_params(self) -> int:
-        """Parameter count of the model this config builds (tied weights counted once)."""
+        """Parameter count of the dense model this config builds (tied weights counted once).
+
+        A subclass with :attr:`custom_ffn_layers` adds its own modules' count and removes the
+        dense FFNs they replace (:meth:`dense_ffn_params` each).
+        """
         # NOTE: __post_init__ fills the defaults of the optional sizes
-        assert self.ffn_dim and self.n_kv_heads and self.moe_ffn_dim
-        d, f, kv = self.dim, self.ffn_dim, self.n_kv_heads * self.head_dim
+        assert self.n_kv_heads
+        d, kv = self.dim, self.n_kv_heads * self.head_dim
         attention_and_norms = d * d * 2 + d * kv * 2 + 2 * d
-        n_moe = len(self.moe_layers)
-        moe_ffn = d * self.num_experts + 3 * d * self.moe_ffn_dim * (
-            self.num_experts + self.num_shared_experts
-        )
-        blocks = self.n_layers * attention_and_norms + (self.n_layers - n_moe) * 3 * d * f
+        blocks = self.n_layers * (attention_and_norms + self.dense_ffn_params())
         head = 0 if self.tie_embeddings else self.vocab_size * d
-        return self.vocab_size * d + blocks + n_moe * moe_ffn + d + head
+        return self.vocab_size * d + blocks + d + head
+
+    def dense_ffn_params(self) -> int:
+        """Parameters of one block's SwiGLU FFN."""
+        assert self.ffn_dim
+        return 3 * self.dim * self.ffn_dim
 
 
 _DEBUG = ModelConfig(
@@ -186,10 +131,6 @@ PRESETS: dict[str, ModelConfig] = {
     # Tiny and CPU-fast: every test and `forge build` use it.
     "debug": _DEBUG,
     "debug_tied": replace(_DEBUG, tie_embeddings=True),
-    # debug with an MoE in every block: 8 experts, top-2, one shared expert.
-    "debug_moe": replace(
-        _DEBUG, moe_every=1, num_experts=8, top_k=2, moe_ffn_dim=64, num_shared_experts=1
-    ),
     # The decoder of the debug vision-language model (forge_vlm.config.VLM_PRESETS has
     # its vision encoder and adapter).
     "debug_vlm": _DEBUG,

@@ -1,7 +1,8 @@
 """forge_moe_ep: a mixture-of-experts layer and expert parallelism with a sync-free dispatch.
 
 - :class:`MoE` plugs into the reference Transformer's FFN slot (:func:`moe_transformer`);
-  ``ModelConfig``'s MoE fields configure it (``moe_every``, ``num_experts``, ``top_k``, ...).
+  :class:`MoEModelConfig` (forge_core's ``ModelConfig`` plus the MoE fields ``moe_every``,
+  ``num_experts``, ``top_k``, ...; torch-free, :mod:`forge_moe_ep.config`) configures it.
 - :func:`apply_expert_parallel` shards the experts over the ``ep`` mesh axis, which is carved
   out of the data-parallel ranks.
 - Dispatch modes: ``dropless`` (exact; with EP one deferred host wait per layer per forward) and
@@ -26,10 +27,15 @@ _EXPORTS = {
     "moe_transformer": "moe",
     "apply_expert_parallel": "parallel",
     "check_expert_parallel": "checks",
+    "MOE_DISPATCH_MODES": "config",
+    "MOE_PRESETS": "config",
+    "MOE_ROUTERS": "config",
+    "MoEModelConfig": "config",
 }
 
 if TYPE_CHECKING:
     from .checks import check_expert_parallel
+    from .config import MOE_DISPATCH_MODES, MOE_PRESETS, MOE_ROUTERS, MoEModelConfig
     from .dispatch import capacity_per_sequence
     from .moe import GroupedExperts, MoE, Router, moe_metrics, moe_transformer
     from .parallel import apply_expert_parallel
@@ -39,7 +45,11 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __version__ = "0.1.0"
 
 __all__ = [
+    "MOE_DISPATCH_MODES",
+    "MOE_PRESETS",
+    "MOE_ROUTERS",
     "GroupedExperts",
+    "MoEModelConfig",
     "MoE",
     "Router",
     "apply_expert_parallel",

@@ -50,6 +50,7 @@ from forge_kernels.permute import combine, permute, routing_layout
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
+from .config import MoEModelConfig
 from .dispatch import capacity_layout, capacity_per_sequence
 
 __all__ = ["GroupedExperts", "MoE", "Router", "moe_metrics", "moe_transformer"]
@@ -141,7 +142,7 @@ class MoE(nn.Module):
         "MoE experts run grouped GEMMs (not Float8Linear); router and shared expert stay with them"
     )
 
-    def __init__(self, config: ModelConfig, layer_id: int = 0) -> None:
+    def __init__(self, config: MoEModelConfig, layer_id: int = 0) -> None:
         super().__init__()
         c = config
         self.config, self.layer_id = c, layer_id
@@ -164,7 +165,9 @@ class MoE(nn.Module):
 
     @classmethod
     def for_block(cls, config: ModelConfig, layer_id: int) -> MoE:
-        """``Transformer``'s ``ffn_factory``: the MoE of block ``layer_id``."""
+        """``Transformer``'s ``ffn_factory``: the MoE of block ``layer_id`` (a block of
+        ``config.custom_ffn_layers``, which only an ``MoEModelConfig`` names)."""
+        assert isinstance(config, MoEModelConfig)
         return cls(config, layer_id)
 
     # ------------------------------------------------------------------ forward
@@ -299,7 +302,8 @@ class MoE(nn.Module):
 
 
 def moe_transformer(config: ModelConfig) -> Transformer:
-    """The reference Transformer with :class:`MoE` in the blocks ``config.moe_layers`` names."""
+    """The reference Transformer with :class:`MoE` in the blocks ``config.moe_layers`` names
+    (an ``MoEModelConfig``; any other ``ModelConfig`` gives the dense model)."""
     return Transformer(config, ffn_factory=MoE.for_block)
 
 

@@ -47,7 +47,7 @@ def check_transformer_tp(
 ) -> None:
     """Pure checks of the reference Transformer's sizes against ``tp`` (run before any launch)."""
     sizes = {"n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads}
-    if len(config.moe_layers) < config.n_layers:  # MoE blocks run replicated over tp
+    if len(config.custom_ffn_layers) < config.n_layers:  # MoE blocks run replicated over tp
         sizes["ffn_dim"] = config.ffn_dim
     if head_sharded:
         sizes["vocab_size"] = config.vocab_size

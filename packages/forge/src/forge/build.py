@@ -597,7 +597,7 @@ def build_meta_model(
     with torch.device("meta"):
         if vlm_config is None:
             return moe_transformer(model_config)
-        factory = MoE.for_block if model_config.moe_layers else None
+        factory = MoE.for_block if model_config.custom_ffn_layers else None
         return build_vlm(
             model_config, vision_config, adapter_config, vlm_config, ffn_factory=factory
         )

@@ -5,8 +5,9 @@
 vision-language model ``[vision]``, ``[adapter]``, ``[vlm]``) or a dict, applies ``key=value``
 overrides (``parallelism.tp=2``) and rejects unknown keys with a did-you-mean.
 
-Each section belongs to the layer it configures (``ParallelismConfig`` and ``ModelConfig`` to
-forge_core, ``TPConfig`` to forge_tp_plans, ``Float8Config`` to forge_float8, the VLM configs to
+Each section belongs to the layer it configures (``ParallelismConfig`` and the dense
+``ModelConfig`` to forge_core, its MoE fields to forge_moe_ep's ``MoEModelConfig`` (the
+``[model]`` section), ``TPConfig`` to forge_tp_plans, ``Float8Config`` to forge_float8, the VLM configs to
 forge_vlm, ``FieldConfig`` to forge_domain), which also checks it; this module only composes
 them, with the job's own sections (``[training]``, ``[data]``, ``[checkpoint]``). Every check
 here is pure Python on the values (no torch import): a bad config fails before any rank starts,
@@ -24,9 +25,9 @@ from typing import Any
 
 from forge_core.config import ParallelismConfig
 from forge_core.errors import ForgeConfigError, check_field_types, did_you_mean, parse_bool_word
-from forge_core.model_config import ModelConfig
 from forge_domain.config import FIELD_PRESETS, FieldConfig
 from forge_float8.config import Float8Config
+from forge_moe_ep.config import MoEModelConfig
 from forge_tp_plans.config import TPConfig
 from forge_vlm.config import VLM_PRESETS, AdapterConfig, VisionEncoderConfig, VLMConfig
 
@@ -178,7 +179,7 @@ class CheckpointConfig:
 class ForgeConfig:
     """Everything ``forge build`` needs: the model, the layout, TP options and the training job."""
 
-    model: ModelConfig = field(default_factory=lambda: ModelConfig.preset("debug"))
+    model: MoEModelConfig = field(default_factory=lambda: MoEModelConfig.preset("debug"))
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     tp: TPConfig = field(default_factory=TPConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
@@ -228,7 +229,7 @@ class ForgeConfig:
 
 
 _SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
+    "model": MoEModelConfig,
     "parallelism": ParallelismConfig,
     "tp": TPConfig,
     "training": TrainingConfig,
@@ -287,7 +288,7 @@ def _set_override(raw: dict[str, dict[str, Any]], override: str) -> None:
 def _check_keys(section: str, values: Mapping[str, Any]) -> Mapping[str, Any]:
     """Refuse keys that ``section``'s dataclass does not have; returns ``values``."""
     cls = _SECTIONS[section]
-    names = {f.name for f in fields(cls)} | ({"preset"} if cls is ModelConfig else set())
+    names = {f.name for f in fields(cls)} | ({"preset"} if cls is MoEModelConfig else set())
     for key in values:
         if key not in names:
             raise ForgeConfigError(
@@ -302,9 +303,9 @@ def _build_section(section: str, values: Mapping[str, Any]) -> Any:
     if cls is ParallelismConfig:  # also accepts CREDIT's {data, tensor, domain}
         return ParallelismConfig.from_any(values)
     _check_keys(section, values)
-    if cls is ModelConfig:
+    if cls is MoEModelConfig:
         values = dict(values)
-        return ModelConfig.preset(values.pop("preset", "debug"), **values)
+        return MoEModelConfig.preset(values.pop("preset", "debug"), **values)
     return cls(**values)
 
 
@@ -313,7 +314,7 @@ def load_config(
 ) -> ForgeConfig:
     """Load a :class:`ForgeConfig` from a TOML path or a dict, then apply ``key=value`` overrides.
 
-    ``[model]`` takes ``preset = "debug"`` plus any ``ModelConfig`` field to override the preset.
+    ``[model]`` takes ``preset = "debug"`` plus any ``MoEModelConfig`` field to override the preset.
     Missing sections take their defaults; unknown sections and keys are errors. With no path or
     dict, the start is :data:`EMBEDDED_DEFAULT` (what ``forge build`` runs by default).
     """

@@ -55,9 +55,9 @@ _BLOCK = (  # forge suffix, HF suffix, within block i
 
 
 def _check_dense(config: ModelConfig) -> None:
-    if config.moe_layers:
+    if config.custom_ffn_layers:
         raise ForgeConfigError(
-            f"model config has MoE blocks {list(config.moe_layers)} (moe_every={config.moe_every}) "
+            f"model config has MoE blocks {list(config.custom_ffn_layers)} "
             "but Hugging Face Llama has no MoE layer: export a dense model (moe_every=0)"
         )
 

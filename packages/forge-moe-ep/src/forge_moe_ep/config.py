@@ -1,0 +1,140 @@
+"""The MoE fields of a model config: :class:`MoEModelConfig` (pure Python, no torch import).
+
+forge-moe-ep owns them: forge_core's ``ModelConfig`` describes the dense decoder and names no
+MoE field; this subclass adds the MoE blocks (``[model]`` keys in a forge config, which uses it
+for every token model: ``moe_every = 0`` is a dense model). It tells the reference Transformer
+which blocks hold an MoE through ``ModelConfig.custom_ffn_layers``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from forge_core.errors import ForgeConfigError, did_you_mean
+from forge_core.model_config import PRESETS, ModelConfig
+
+__all__ = ["MOE_DISPATCH_MODES", "MOE_PRESETS", "MOE_ROUTERS", "MoEModelConfig"]
+
+MOE_ROUTERS = ("softmax", "sigmoid")
+#: ``dropless``: exact, every routed token is computed (EP exchanges split sizes: one host wait
+#: per MoE layer per forward). ``capacity``: each sequence sends at most a fixed number of tokens
+#: to each expert (``capacity_factor``), the rest are dropped and counted; no host sync at all.
+MOE_DISPATCH_MODES = ("dropless", "capacity")
+
+
+@dataclass(frozen=True)
+class MoEModelConfig(ModelConfig):
+    """The reference Transformer's shape with mixture-of-experts blocks.
+
+    ``moe_every > 0``: block ``i`` is an MoE block when ``(i + 1) % moe_every == 0`` (1: every
+    block). Each has ``num_experts`` SwiGLU experts of hidden size ``moe_ffn_dim`` (default
+    ``ffn_dim``), a top-``top_k`` token-choice ``router`` (``softmax`` or ``sigmoid`` scores,
+    computed in float32), ``num_shared_experts`` always-on experts (one SwiGLU of hidden
+    ``num_shared_experts * moe_ffn_dim``), and ``moe_dispatch`` (see ``MOE_DISPATCH_MODES``) with
+    ``capacity_factor`` for the capacity mode. Load balancing: ``moe_bias_update_rate``
+    (aux-loss-free expert bias, 0 disables it) and ``moe_aux_loss_coef`` (auxiliary
+    load-balancing loss, 0 disables it). ``moe_every = 0``: a dense model.
+    """
+
+    moe_every: int = 0
+    num_experts: int = 0
+    top_k: int = 2
+    moe_ffn_dim: int | None = None
+    num_shared_experts: int = 0
+    router: str = "softmax"
+    moe_dispatch: str = "dropless"
+    capacity_factor: float = 1.25
+    moe_bias_update_rate: float = 1e-3
+    moe_aux_loss_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+
+        def non_negative_int(name: str) -> int:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ForgeConfigError(f"model.{name}={v!r} must be a non-negative integer")
+            return v
+
+        for name in ("moe_every", "num_experts", "num_shared_experts", "top_k"):
+            non_negative_int(name)
+        if self.moe_ffn_dim is None:
+            object.__setattr__(self, "moe_ffn_dim", self.ffn_dim)
+        if not self.moe_every:
+            return
+        if self.num_experts < 1:
+            raise ForgeConfigError(
+                f"model.moe_every={self.moe_every} asks for MoE blocks but model.num_experts="
+                f"{self.num_experts}; set num_experts >= 1 (or moe_every=0 for a dense model)"
+            )
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ForgeConfigError(
+                f"model.top_k={self.top_k} must be in [1, num_experts={self.num_experts}]"
+            )
+        if not isinstance(self.moe_ffn_dim, int) or self.moe_ffn_dim < 1:
+            raise ForgeConfigError(f"model.moe_ffn_dim={self.moe_ffn_dim!r} must be >= 1")
+        for name, allowed in (("router", MOE_ROUTERS), ("moe_dispatch", MOE_DISPATCH_MODES)):
+            v = getattr(self, name)
+            if v not in allowed:
+                raise ForgeConfigError(
+                    f"model.{name}={v!r} is invalid: choose one of {list(allowed)}"
+                    + did_you_mean(str(v), allowed)
+                )
+        for name in ("capacity_factor", "moe_bias_update_rate", "moe_aux_loss_coef"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+                raise ForgeConfigError(f"model.{name}={v!r} must be a non-negative number")
+        if self.capacity_factor <= 0:
+            raise ForgeConfigError(
+                f"model.capacity_factor={self.capacity_factor} must be > 0 (1.0 = each expert "
+                "takes its even share of a sequence's tokens)"
+            )
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether block ``layer_id`` holds an MoE layer in its FFN slot."""
+        return self.moe_every > 0 and (layer_id + 1) % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the MoE blocks."""
+        return tuple(i for i in range(self.n_layers) if self.is_moe_layer(i))
+
+    @property
+    def custom_ffn_layers(self) -> tuple[int, ...]:
+        return self.moe_layers
+
+    @classmethod
+    def presets(cls) -> dict[str, ModelConfig]:
+        """forge_core's presets (dense: ``moe_every = 0``) and forge-moe-ep's ``MOE_PRESETS``."""
+        return {**{name: cls.from_dense(c) for name, c in PRESETS.items()}, **MOE_PRESETS}
+
+    @classmethod
+    def from_dense(cls, config: ModelConfig, **moe: object) -> MoEModelConfig:
+        """``config``'s shape with the MoE fields ``moe`` (none: still dense)."""
+        dense: dict[str, Any] = {f.name: getattr(config, f.name) for f in fields(ModelConfig)}
+        return cls(**dense, **moe)  # type: ignore[arg-type]  # NOTE: __post_init__ checks them
+
+    def num_params(self) -> int:
+        """Parameter count (tied weights counted once): the dense count with each MoE block's
+        router, experts and shared expert in place of its dense FFN."""
+        assert self.moe_ffn_dim
+        d, n_moe = self.dim, len(self.moe_layers)
+        moe_ffn = d * self.num_experts + 3 * d * self.moe_ffn_dim * (
+            self.num_experts + self.num_shared_experts
+        )
+        return super().num_params() + n_moe * (moe_ffn - self.dense_ffn_params())
+
+
+#: MoE presets (``model.preset``), next to forge_core's dense ones.
+MOE_PRESETS: dict[str, ModelConfig] = {
+    # debug with an MoE in every block: 8 experts, top-2, one shared expert.
+    "debug_moe": replace(
+        MoEModelConfig.from_dense(PRESETS["debug"]),
+        moe_every=1,
+        num_experts=8,
+        top_k=2,
+        moe_ffn_dim=64,
+        num_shared_experts=1,
+    ),
+}
