@@ -48,8 +48,8 @@ def _exchange(
 
 class _HaloExchange(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
+    def forward(
+        ctx,  # untyped like backward's: it carries the attributes set below
         x: torch.Tensor,
         top: int,
         bottom: int,
@@ -71,7 +71,7 @@ class _HaloExchange(torch.autograd.Function):
         return torch.cat([recv_top, x, recv_bottom], dim=-2)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         top, bottom, H = ctx.top, ctx.bottom, ctx.H
         grad = grad.contiguous()
         g_top, g_mid, g_bottom = grad.split([top, H, bottom], dim=-2)
@@ -105,14 +105,14 @@ def halo_exchange(x: torch.Tensor, top: int, bottom: int, group: ProcessGroup) -
 
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
         out = x.clone()
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         # NOTE: every rank's loss depends on the summed value, so the gradient of the total loss
         # with respect to one rank's contribution is the sum of all ranks' incoming gradients.
         out = grad.contiguous().clone()

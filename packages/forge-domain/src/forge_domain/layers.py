@@ -24,6 +24,8 @@ optimizers are unchanged.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -44,6 +46,8 @@ __all__ = [
     "apply_domain_parallel",
     "domain_group",
 ]
+
+_M = TypeVar("_M", bound=nn.Module)
 
 #: Layer classes that mix positions along the height and have no domain form here.
 REFUSED: tuple[type[nn.Module], ...] = (
@@ -91,14 +95,20 @@ class WidthCircularConv2d(nn.Conv2d):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        p_h, p_w = self.padding  # type: ignore[misc]
+        padding = self.padding
+        if isinstance(padding, str):  # unpacking "same" / "valid" raised a ValueError here too
+            raise ForgeConfigError(
+                f"WidthCircularConv2d takes numeric padding (p_h, p_w), not padding={padding!r}"
+            )
+        p_h, p_w = padding
         x = F.pad(x, (p_w, p_w, 0, 0), mode="circular")
         x = F.pad(x, (0, 0, p_h, p_h))
         return F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
 
 
 def _halo_sizes(conv: nn.Conv2d) -> tuple[int, int]:
-    k, d, s, p = conv.kernel_size[0], conv.dilation[0], conv.stride[0], conv.padding[0]  # type: ignore[index]
+    assert not isinstance(conv.padding, str)  # DomainConv2d.convert refuses string padding first
+    k, d, s, p = conv.kernel_size[0], conv.dilation[0], conv.stride[0], conv.padding[0]
     return p, max(0, d * (k - 1) - p - s + 1)
 
 
@@ -108,6 +118,9 @@ class DomainConv2d(nn.Conv2d):
     group: ProcessGroup
     domain_name: str
     circular_width: bool
+    halo: tuple[int, int]
+    # Narrower than Conv2d's ``str | tuple[int, ...]``: convert refuses string padding.
+    padding: tuple[int, ...]
 
     @classmethod
     def convert(cls, conv: nn.Conv2d, group: ProcessGroup, name: str) -> DomainConv2d:
@@ -122,7 +135,7 @@ class DomainConv2d(nn.Conv2d):
                 f"'{name}' uses padding_mode={conv.padding_mode!r}: domain parallelism supports "
                 "zero padding, and wrap-around in width only (forge_domain.WidthCircularConv2d)"
             )
-        return _adopt(  # type: ignore[return-value]
+        return _adopt(
             cls,
             conv,
             group=group,
@@ -132,11 +145,11 @@ class DomainConv2d(nn.Conv2d):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s = self.stride[0]  # type: ignore[index]
+        s = self.stride[0]
         size = torch.distributed.get_world_size(self.group)
         H_local = x.shape[-2]
         unsplit_out = (
-            H_local * size + 2 * self.padding[0] - self.dilation[0] * (self.kernel_size[0] - 1) - 1  # type: ignore[index]
+            H_local * size + 2 * self.padding[0] - self.dilation[0] * (self.kernel_size[0] - 1) - 1
         ) // s + 1
         if H_local % s or unsplit_out != H_local * size // s:
             raise ForgeConfigError(
@@ -153,7 +166,7 @@ class DomainConv2d(nn.Conv2d):
                 f"{H_local}; use fewer domain ranks or a larger field"
             )
         x = halo_exchange(x, top, bottom, self.group)
-        p_w = self.padding[1]  # type: ignore[index]
+        p_w = self.padding[1]
         if self.circular_width:
             x = F.pad(x, (p_w, p_w, 0, 0), mode="circular")
             p_w = 0
@@ -161,7 +174,7 @@ class DomainConv2d(nn.Conv2d):
         return out[..., : H_local // s, :]
 
 
-def _adopt(cls: type[nn.Module], module: nn.Module, **attrs: object) -> nn.Module:
+def _adopt(cls: type[_M], module: nn.Module, **attrs: object) -> _M:
     """An instance of ``cls`` (a subclass of ``module``'s class) sharing ``module``'s
     Parameters, buffers, hooks and attributes, plus ``attrs``."""
     new = cls.__new__(cls)
@@ -192,7 +205,7 @@ class DomainGroupNorm(nn.GroupNorm):
 
     @classmethod
     def convert(cls, norm: nn.GroupNorm, group: ProcessGroup) -> DomainGroupNorm:
-        return _adopt(cls, norm, group=group)  # type: ignore[return-value]
+        return _adopt(cls, norm, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, C = x.shape[:2]
@@ -212,7 +225,7 @@ class DomainLayerNorm(nn.LayerNorm):
 
     @classmethod
     def convert(cls, norm: nn.LayerNorm, group: ProcessGroup) -> DomainLayerNorm:
-        return _adopt(cls, norm, group=group)  # type: ignore[return-value]
+        return _adopt(cls, norm, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         size = torch.distributed.get_world_size(self.group)

@@ -64,4 +64,8 @@ class FieldNet(nn.Module):
             else:
                 fan_in = math.prod(param.shape[1:])  # the global shape, also for a DTensor
                 bound = (0.1 if name.startswith("head") else 1.0) / math.sqrt(fan_in)
-                fill_param_(param, name, seed, lambda t, g, b=bound: t.uniform_(-b, b, generator=g))
+
+                def uniform(t: torch.Tensor, g: torch.Generator, b: float = bound) -> torch.Tensor:
+                    return t.uniform_(-b, b, generator=g)
+
+                fill_param_(param, name, seed, uniform)

@@ -134,8 +134,8 @@ def sync_domain_gradients(
         if p.grad is not None
     ]
     by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault((g.dtype, g.device), []).append(g)
+    for grad in grads:
+        by_dtype.setdefault((grad.dtype, grad.device), []).append(grad)
     for bucket_grads in by_dtype.values():
         bucket: list[torch.Tensor] = []
         used = 0

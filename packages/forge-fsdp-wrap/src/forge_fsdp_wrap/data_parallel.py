@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,14 @@ __all__ = [
     "frozen_bytes_rule",
     "unshard_fsdp2_model",
 ]
+
+
+class _ShardKwargs(TypedDict):
+    """The keyword arguments every ``fully_shard`` call of :func:`apply_fsdp2` shares."""
+
+    mesh: DeviceMesh
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
 
 
 def default_mp_policy(param_dtype: torch.dtype = torch.bfloat16) -> MixedPrecisionPolicy:
@@ -150,7 +159,7 @@ def apply_fsdp2(
             if cpu_offload
             else OffloadPolicy()
         )
-        kwargs = {
+        kwargs: _ShardKwargs = {
             "mesh": dp_mesh,
             "mp_policy": mp_policy or default_mp_policy(),
             "offload_policy": offload,
@@ -221,27 +230,28 @@ def _shard_expert_parallel_block(
     experts: list[nn.Module],
     device_mesh: DeviceMesh,
     reshard: bool | int,
-    kwargs: dict,
+    kwargs: _ShardKwargs,
 ) -> None:
     """Per-sub-module FSDP2 units for a block holding expert-parallel modules."""
     dense_mesh = kwargs["mesh"]
-    expert_kwargs = {**kwargs, "mesh": get_expert_dp_mesh(device_mesh)}
+    expert_kwargs: _ShardKwargs = {**kwargs, "mesh": get_expert_dp_mesh(device_mesh)}
     for module in experts:
         # An int reshard size refers to the dense shard group; experts reshard fully instead.
-        fully_shard(
+        # fully_shard returns ``module`` itself, now an FSDPModule.
+        sharded = fully_shard(
             module,
             reshard_after_forward=reshard if isinstance(reshard, bool) else True,
             **expert_kwargs,
         )
         # NOTE: the expert gradient arrives summed over its ep peers' tokens; dividing by the
         # full data-parallel degree (not the smaller expert mesh) gives the dense average.
-        module.set_gradient_divide_factor(float(dense_mesh.size()))
+        sharded.set_gradient_divide_factor(float(dense_mesh.size()))
         expert_mesh = expert_kwargs["mesh"]
         shard_group = expert_mesh.get_group(expert_mesh.ndim - 1)
         if dist.get_backend(shard_group) == "gloo" and shard_group.size() > 1:
             # gloo has no PREMUL_SUM: reduce with SUM and divide afterwards. NOTE: not with a
             # shard group of one, where FSDP2 (torch 2.15) would then divide twice.
-            module.set_force_sum_reduction_for_comms(True)
+            sharded.set_force_sum_reduction_for_comms(True)
     # Composite children (attention; the MoE with its router and shared expert) get their own
     # units; leaf children (norms) stay with the block's unit.
     for child in block.children():

@@ -22,6 +22,7 @@ import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch.nn as nn
 from forge_core import Transformer
@@ -87,8 +88,11 @@ def reference_plan(model: nn.Module, ctx: PlanContext) -> dict[str, Style]:
     it runs replicated on the tp ranks with plain tensors (the full sequence: gathered on entry
     and re-split on exit under SP). Its experts are split by expert parallelism instead.
     """
-    sp, tied = ctx.sequence_parallel, model.config.tie_embeddings
-    slots = {name: block.feed_forward for name, block in model.layers.items()}
+    # cast: typing only (no check). This is the plan registered for Transformer and its
+    # subclasses, whose ``config`` and ``layers`` it reads.
+    transformer = cast(Transformer, model)
+    sp, tied = ctx.sequence_parallel, transformer.config.tie_embeddings
+    slots = {name: block.feed_forward for name, block in transformer.layers.items()}
     dense = [name for name, ffn in slots.items() if type(ffn) is FeedForward]
     other = [name for name in slots if name not in dense]
     # Wildcards when every block is dense (a compact plan); per-block names otherwise.

@@ -15,6 +15,8 @@ backward, and the row-parallel bias is added once, after the reduction.
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
+from typing import overload
 
 import torch
 import torch.distributed as dist
@@ -155,6 +157,10 @@ class _ReduceFromParallel(torch.autograd.Function):
         return grad, None
 
 
+@overload
+def _local(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def _local(t: torch.Tensor | None) -> torch.Tensor | None: ...
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -178,6 +184,8 @@ def _check_conv(module: nn.Module, path: str) -> None:
 class _Conv1x1Style(ParallelStyle):
     weight_dim: int
     bias_placement: Shard | Replicate
+    # Each subclass's static method: the conv forward that runs on local shards over ``group``.
+    _forward: Callable[[dist.ProcessGroup], Callable[[nn.Conv2d, torch.Tensor], torch.Tensor]]
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_conv(module, type(self).__name__)

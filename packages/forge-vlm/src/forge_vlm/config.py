@@ -246,6 +246,7 @@ def check_encoder_tp(vision: VisionEncoderConfig, tp: int) -> None:
             f"tp={tp} does not divide vision.n_heads={vision.n_heads} (the encoder's heads are "
             f"split across the tp ranks); choose tp in {divisors} or set vlm.encoder_tp=false"
         )
+    assert vision.mlp_dim is not None  # VisionEncoderConfig.__post_init__ fills it in
     if vision.mlp_dim % tp:
         raise ForgeConfigError(
             f"tp={tp} does not divide vision.mlp_dim={vision.mlp_dim} (the encoder's MLP hidden "

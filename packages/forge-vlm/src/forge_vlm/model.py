@@ -26,6 +26,7 @@ parallelism in the encoder). The SigLIP tower carries the same layout as a ``_tp
 from __future__ import annotations
 
 import math
+from typing import Protocol, cast
 
 import torch
 import torch.nn as nn
@@ -57,6 +58,12 @@ __all__ = [
 _OUTPUT_PROJECTIONS = ("wo", "fc2", "out_proj")
 
 
+class _InitWeights(Protocol):
+    """A VLM part that fills its own parameters from a seed."""
+
+    def init_weights(self, seed: int = 0) -> None: ...
+
+
 def _init_by_name(model: nn.Module, seed: int, depth_std: float) -> None:
     """Deterministic init, the same values sharded or not (each parameter from its own name's
     generator): norms weight 1 bias 0; biases 0; output projections truncated N(0, depth_std);
@@ -67,16 +74,19 @@ def _init_by_name(model: nn.Module, seed: int, depth_std: float) -> None:
             name = canonical_name(f"{mod_name}.{p_name}" if mod_name else p_name)
             if is_norm or p_name == "bias":
                 value = 1.0 if is_norm and p_name == "weight" else 0.0
-                fill_param_(param, name, seed, lambda t, g, v=value: t.fill_(v))
+
+                def constant(t: torch.Tensor, g: torch.Generator, v: float = value) -> torch.Tensor:
+                    return t.fill_(v)
+
+                fill_param_(param, name, seed, constant)
                 continue
             last = mod_name.rsplit(".", 1)[-1]
             std = depth_std if last in _OUTPUT_PROJECTIONS else 0.02
-            fill_param_(
-                param,
-                name,
-                seed,
-                lambda t, g, s=std: nn.init.trunc_normal_(t, 0.0, s, -3 * s, 3 * s, generator=g),
-            )
+
+            def trunc_normal(t: torch.Tensor, g: torch.Generator, s: float = std) -> torch.Tensor:
+                return nn.init.trunc_normal_(t, 0.0, s, -3 * s, 3 * s, generator=g)
+
+            fill_param_(param, name, seed, trunc_normal)
 
 
 class VisionAttention(nn.Module):
@@ -123,6 +133,7 @@ class VisionBlock(nn.Module):
         self.norm1 = nn.LayerNorm(config.dim, eps=config.norm_eps)
         self.attention = VisionAttention(config)
         self.norm2 = nn.LayerNorm(config.dim, eps=config.norm_eps)
+        assert config.mlp_dim is not None  # VisionEncoderConfig.__post_init__ fills it in
         self.mlp = VisionMLP(config.dim, config.mlp_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,6 +195,7 @@ class HFVisionEncoder(nn.Module):
                 "vision.backend='siglip' needs transformers: pip install 'forge-vlm[hf]'"
             ) from None
         self.config = config
+        assert config.mlp_dim is not None  # VisionEncoderConfig.__post_init__ fills it in
         hf_config = SiglipVisionConfig(
             hidden_size=config.dim,
             intermediate_size=config.mlp_dim,
@@ -295,8 +307,10 @@ class VLMWrapper(nn.Module):
     def init_weights(self, seed: int = 0) -> None:
         """Each part from its own seed stream (names repeat between encoder and decoder)."""
         self.decoder.init_weights(seed)
-        self.encoder.init_weights(seed + 1)
-        self.adapter.init_weights(seed + 2)
+        # cast: a VLM's encoder and adapter define init_weights(seed) (forge's own parts do);
+        # nn.Module's __getattr__ is typed Tensor | Module, which hides the method from mypy.
+        cast(_InitWeights, self.encoder).init_weights(seed + 1)
+        cast(_InitWeights, self.adapter).init_weights(seed + 2)
 
 
 def build_vlm(
