@@ -164,9 +164,10 @@ class SafeFileSystemReader(FileSystemReader):
                 "tensors only and forge does not unpickle arbitrary objects"
             )
         # NOTE: FileSystemReader.read_metadata also stamps a load id; keep that behaviour.
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta: StorageMeta | None = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 
@@ -228,6 +229,8 @@ class Checkpointer:
         if self.async_save:
             with _plain_errors(f"writing checkpoint {final.name}"):
                 future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+            # an AsyncSaveResponse comes only with a non-blocking async_stager, never passed here
+            assert isinstance(future, Future)
             self._pending = (future, tmp, final)
         else:
             with _plain_errors(f"writing checkpoint {final.name}"):
@@ -279,12 +282,14 @@ class Checkpointer:
         set_model_state_dict(model, model_sd)
         optim_sd["state"] = state["optim"]
         saved_groups = train_state["param_groups"]
-        if len(saved_groups) != len(optim_sd["param_groups"]):
+        groups = optim_sd["param_groups"]
+        assert isinstance(groups, list)  # get_optimizer_state_dict: a list of dicts, one a group
+        if len(saved_groups) != len(groups):
             raise ForgeConfigError(
                 f"{str(path)!r} has {len(saved_groups)} optimizer param groups, this optimizer "
-                f"{len(optim_sd['param_groups'])}: it was saved for another model or optimizer"
+                f"{len(groups)}: it was saved for another model or optimizer"
             )
-        for group, saved in zip(optim_sd["param_groups"], saved_groups, strict=True):
+        for group, saved in zip(groups, saved_groups, strict=True):
             group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
         set_optimizer_state_dict(model, optimizer, optim_sd)
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -308,7 +313,7 @@ def optimizer_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str
     ]
 
 
-def load_model_weights(path: str | Path, model: nn.Module) -> nn.Module:
+def load_model_weights(path: str | os.PathLike[str], model: nn.Module) -> nn.Module:
     """Load only the model weights of checkpoint ``path`` into a plain model, in one process.
 
     For export: ``model`` is the unsharded model (materialized on the CPU); no process group is

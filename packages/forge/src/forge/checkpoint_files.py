@@ -120,7 +120,7 @@ def write_manifest(path: Path) -> None:
         fsync_dir(d)
 
 
-def verify_checkpoint(path: str | Path) -> bool:
+def verify_checkpoint(path: str | os.PathLike[str]) -> bool:
     """Check every file of checkpoint ``path`` against its manifest.
 
     Returns True when verified, False for a checkpoint without a manifest (older forge: not
@@ -196,7 +196,7 @@ def checkpoint_lock(root: str | Path) -> Iterator[None]:
         os.close(fd)
 
 
-def read_train_state(path: str | Path) -> dict[str, Any]:
+def read_train_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The JSON part of a checkpoint: step, scheduler, layout, config."""
     file = Path(path) / STATE_FILE
     if not file.is_file():

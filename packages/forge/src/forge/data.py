@@ -18,6 +18,7 @@ import mmap
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 from forge_core import ForgeConfigError
@@ -45,7 +46,19 @@ class Batch:
     images: torch.Tensor | None = None
 
 
-class StepData(ABC):
+@dataclass(frozen=True)
+class FieldBatch:
+    """One rank's slice of a field model's global batch: ``inputs`` and ``targets [b, C, H, W]``."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+
+
+#: What a data source's ``batch(step)`` gives: token batches, or field batches for a field model.
+BatchT = TypeVar("BatchT", Batch, FieldBatch)
+
+
+class StepData(ABC, Generic[BatchT]):
     """Base: ``batch(step)`` gives this rank's slice ``[dp_rank]`` of the global batch of ``step``."""
 
     def __init__(self, global_batch: int, dp_rank: int, dp_size: int) -> None:
@@ -59,11 +72,11 @@ class StepData(ABC):
         self.first = dp_rank * self.local_batch
 
     @abstractmethod
-    def batch(self, step: int) -> Batch:
+    def batch(self, step: int) -> BatchT:
         """This rank's slice of the global batch of optimizer step ``step``."""
 
 
-class SyntheticData(StepData):
+class SyntheticData(StepData[Batch]):
     """Learnable synthetic token sequences (and images for a VLM); see ``synthetic_tokens``."""
 
     def __init__(
@@ -86,13 +99,15 @@ class SyntheticData(StepData):
         vocab = self.cfg.model.vocab_size
         if self.cfg.is_vlm:
             v = self.cfg.vision
+            # ForgeConfig sets vision, adapter and vlm together; the VLM wrapper gives the id
+            assert v is not None and self.image_token_id is not None
             tokens, images = synthetic_vlm_batch(
                 t.seed,
                 1,
                 t.global_batch_size,
                 t.seq_len,
                 vocab,
-                image_token_id=self.image_token_id,  # type: ignore[arg-type]
+                image_token_id=self.image_token_id,
                 image_tokens=self.image_tokens,
                 image_shape=(v.in_channels, v.image_size, v.image_size),
                 first_step=step,
@@ -102,7 +117,7 @@ class SyntheticData(StepData):
         return Batch(tokens[0, rows])
 
 
-class TokenFile(StepData):
+class TokenFile(StepData[Batch]):
     """A flat binary token file, memory-mapped (read-only pages, copy-on-write: never written)."""
 
     def __init__(
@@ -164,15 +179,7 @@ class TokenFile(StepData):
         return Batch(tokens)
 
 
-@dataclass(frozen=True)
-class FieldBatch:
-    """One rank's slice of a field model's global batch: ``inputs`` and ``targets [b, C, H, W]``."""
-
-    inputs: torch.Tensor
-    targets: torch.Tensor
-
-
-class SyntheticFields(StepData):
+class SyntheticFields(StepData[FieldBatch]):
     """Random smooth fields and the same fields one step of a fixed dynamic later.
 
     Inputs: bilinear upsampling of coarse noise (a quarter of the resolution). Targets: an
@@ -184,8 +191,9 @@ class SyntheticFields(StepData):
         super().__init__(cfg.training.global_batch_size, dp_rank, dp_size)
         self.field, self.seed = cfg.field, cfg.training.seed
 
-    def batch(self, step: int) -> FieldBatch:  # type: ignore[override]
+    def batch(self, step: int) -> FieldBatch:
         f = self.field
+        assert f is not None  # make_data builds this source for a field config only
         g = torch.Generator().manual_seed((self.seed + 3) * 1_000_003 + step)
         coarse = torch.randn(
             self.global_batch, f.channels, -(-f.height // 4), -(-f.width // 4), generator=g
@@ -209,7 +217,7 @@ def make_data(
     *,
     image_token_id: int | None = None,
     image_tokens: int = 0,
-) -> StepData:
+) -> StepData[Batch] | StepData[FieldBatch]:
     """The data source the config asks for: the token file at ``data.path``, else synthetic."""
     t = cfg.training
     if cfg.is_field:

@@ -64,9 +64,11 @@ def _check_dense(config: ModelConfig) -> None:
 
 def _name_table(config: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
     """``(forge name, HF name, shape)`` for every entry of a dense model's state dict."""
+    # ModelConfig.__post_init__ fills the defaults of the optional sizes
+    assert config.ffn_dim is not None and config.n_kv_heads is not None
     d, f, v, kv = config.dim, config.ffn_dim, config.vocab_size, config.n_kv_heads * config.head_dim
     shapes = [(d,), (d, d), (kv, d), (kv, d), (d, d), (d,), (f, d), (f, d), (d, f)]
-    table = [(*_EMBED, (v, d))]
+    table: list[tuple[str, str, tuple[int, ...]]] = [(*_EMBED, (v, d))]
     for i in range(config.n_layers):
         for (ours, theirs), shape in zip(_BLOCK, shapes, strict=True):
             table.append((f"layers.{i}.{ours}", f"model.layers.{i}.{theirs}", shape))
@@ -95,8 +97,8 @@ def _rename(sd: Mapping[str, Tensor], config: ModelConfig, src: int) -> dict[str
             "dense model, built with the same ModelConfig (n_layers, tie_embeddings)"
         )
     out: dict[str, Tensor] = {}
-    for row in table:
-        name, shape = row[src], row[2]
+    for *names, shape in table:
+        name, new = names[src], names[dst]
         if name == head and config.tie_embeddings:
             a, b = sd.get(name), sd[embed]
             if a is not None and a.data_ptr() != b.data_ptr() and not torch.equal(a, b):
@@ -104,14 +106,14 @@ def _rename(sd: Mapping[str, Tensor], config: ModelConfig, src: int) -> dict[str
                     f"config.tie_embeddings=True but {name} differs from {embed}: build the "
                     "config with tie_embeddings=False to keep a separate head"
                 )
-            out[row[dst]] = out[_EMBED[dst]]  # one tensor under both names
+            out[new] = out[_EMBED[dst]]  # one tensor under both names
             continue
         if tuple(sd[name].shape) != shape:
             raise ForgeConfigError(
                 f"{side} tensor {name} has shape {tuple(sd[name].shape)} but the model config "
                 f"gives {shape}: export with the ModelConfig the weights were trained with"
             )
-        out[row[dst]] = sd[name]
+        out[new] = sd[name]
     return out
 
 
@@ -133,12 +135,16 @@ def from_hf_llama(state_dict: Mapping[str, Tensor], config: ModelConfig) -> dict
 def hf_llama_config(config: ModelConfig) -> Any:
     """The ``transformers.LlamaConfig`` of the same shape (needs ``transformers``)."""
     _check_dense(config)
+    assert config.ffn_dim is not None  # ModelConfig.__post_init__ fills it
     try:
         from transformers import LlamaConfig
     except ImportError as e:
         raise ForgeConfigError(
             "Hugging Face export needs transformers: pip install 'transformers>=4.51'"
         ) from e
+    # transformers 5 folds rope_theta into rope_parameters: its typed __init__ lacks the keyword
+    # but still accepts it (as transformers 4 does), so it goes in untyped.
+    rope: dict[str, Any] = {"rope_theta": config.rope_theta}
     return LlamaConfig(
         architectures=["LlamaForCausalLM"],
         vocab_size=config.vocab_size,
@@ -151,10 +157,10 @@ def hf_llama_config(config: ModelConfig) -> Any:
         hidden_act="silu",
         max_position_embeddings=config.max_seq_len,
         rms_norm_eps=config.norm_eps,
-        rope_theta=config.rope_theta,  # transformers 5 folds it into rope_parameters
         tie_word_embeddings=config.tie_embeddings,
         attention_bias=False,
         mlp_bias=False,
+        **rope,
     )
 
 

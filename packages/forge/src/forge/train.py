@@ -31,6 +31,7 @@ import sys
 import time
 import uuid
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -98,6 +99,7 @@ def train_flops_per_token(cfg: ForgeConfig) -> float:
     m, s = cfg.model, cfg.training.seq_len
     active = m.num_params()
     if m.moe_layers:  # count only the experts a token visits
+        assert m.moe_ffn_dim is not None  # ModelConfig.__post_init__ defaults it to ffn_dim
         per_expert = 3 * m.dim * m.moe_ffn_dim
         active -= len(m.moe_layers) * (m.num_experts - m.top_k) * per_expert
     return 6.0 * active + 6.0 * m.n_layers * s * m.dim
@@ -135,7 +137,7 @@ class _StopFlag:
             )
 
     @contextmanager
-    def installed(self):  # type: ignore[no-untyped-def]
+    def installed(self) -> Iterator[_StopFlag]:
         previous = {s: signal.signal(s, self) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             yield self
@@ -231,6 +233,14 @@ def _nonfinite_values(model: nn.Module, optimizer: torch.optim.Optimizer) -> int
     return int(torch.stack(counts).sum()) if counts else 0
 
 
+def _gloo_group() -> dist.ProcessGroup:
+    """A new gloo group of every rank; this rank is a member, so it is a real group (never
+    ``GroupMember.NON_GROUP_MEMBER``)."""
+    group = dist.new_group(backend="gloo")
+    assert isinstance(group, dist.ProcessGroup)
+    return group
+
+
 def _agreed_resume_point(cfg: ForgeConfig, group: dist.ProcessGroup) -> Path | None:
     """The checkpoint every rank resumes from: rank 0 picks and verifies it
     (:func:`forge.checkpoint_files.resume_point`) and tells the others.
@@ -280,13 +290,13 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
     # NOTE: the stop vote and the checkpoint writer get gloo groups of their own: both are
     # host-side traffic, and an asynchronous save runs its collectives from a background thread,
     # which must never interleave with the training thread's collectives on one group.
-    control = dist.new_group(backend="gloo")
+    control = _gloo_group()
     ckpt_root = cfg.checkpoint_dir
     checkpointer = Checkpointer(
         ckpt_root,
         keep=ck.keep,
         async_save=ck.async_save,
-        process_group=dist.new_group(backend="gloo"),
+        process_group=_gloo_group(),
     )
     summary = TrainSummary()
     resume = _agreed_resume_point(cfg, control)
@@ -304,7 +314,7 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
         image_token_id=ignore,
         image_tokens=getattr(wrapper, "image_tokens", 0),
     )
-    if cfg.is_field:  # no MFU: a conv net's FLOPs are not 6 x parameters per item
+    if cfg.field is not None:  # no MFU: a conv net's FLOPs are not 6 x parameters per item
         flops_per_item, unit = None, "pts/s"
         items_per_step = t.global_batch_size * cfg.field.height * cfg.field.width
     else:
@@ -368,12 +378,10 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
         for step in range(summary.start_step, t.steps):
             begin = time.perf_counter()
-            if cfg.is_field:
-                loss_sum, global_count = _field_step(
-                    model, data.batch(step), mesh, device, t.grad_accum
-                )
+            batch = data.batch(step)
+            if isinstance(batch, FieldBatch):  # a field model (make_data: cfg.is_field)
+                loss_sum, global_count = _field_step(model, batch, mesh, device, t.grad_accum)
             else:
-                batch = data.batch(step)
                 loss_sum, global_count = forward_backward(
                     model,
                     batch.tokens.to(device),
@@ -395,7 +403,7 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
                         f"training.lr={t.lr}, raise training.warmup_steps or set "
                         "training.max_grad_norm)"
                     )
-            lr = scheduler.get_last_lr()[0]
+            lr = float(scheduler.get_last_lr()[0])  # a float already: LambdaLR scales float lrs
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -408,6 +416,7 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
             stop_voted = any(int(m[1]) for m in everyone)
             done = finished = step + 1
             if rank == 0:
+                assert metrics is not None and progress is not None  # rank 0 made both above
                 tps = items_per_step / elapsed
                 record = StepLog(done, loss, grad_norm, lr, tps)
                 summary.steps.append(record)
@@ -442,6 +451,7 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
         checkpointer.wait()
     hooks.remove()
     if rank == 0:
+        assert metrics is not None and progress is not None  # rank 0 made both above
         progress.close()
         metrics.write(
             json.dumps(
@@ -474,7 +484,7 @@ def _report(
     names, sizes = mesh_layout(par, world_size)
     t = cfg.training
     layout = " x ".join(f"{n}={z}" for n, z in zip(names, sizes, strict=True))
-    if cfg.is_field:
+    if cfg.field is not None:
         f = cfg.field
         model = f"field model FieldNet {f.n_blocks} blocks x {f.hidden} channels"
         data = f"synthetic fields {f.channels} x {f.height} x {f.width}"
