@@ -284,6 +284,9 @@ def test_model_config_refuses_bad_moe_fields_with_the_fix():
     for fields, pattern in cases:
         with pytest.raises(ForgeConfigError, match=pattern):
             MoEModelConfig.preset("debug_moe", **fields)
+    # a misspelt router or dispatch mode is refused on a dense config too (moe_every=0)
+    with pytest.raises(ForgeConfigError, match=r"model\.router='topk' is invalid"):
+        MoEModelConfig.preset("debug", router="topk")
 
 
 def test_transformer_with_moe_blocks_needs_an_ffn_factory():

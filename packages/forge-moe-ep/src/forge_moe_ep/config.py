@@ -61,6 +61,13 @@ class MoEModelConfig(ModelConfig):
             non_negative_int(name)
         if self.moe_ffn_dim is None:
             object.__setattr__(self, "moe_ffn_dim", self.ffn_dim)
+        for name, allowed in (("router", MOE_ROUTERS), ("moe_dispatch", MOE_DISPATCH_MODES)):
+            v = getattr(self, name)
+            if v not in allowed:
+                raise ForgeConfigError(
+                    f"model.{name}={v!r} is invalid: choose one of {list(allowed)}"
+                    + did_you_mean(str(v), allowed)
+                )
         if not self.moe_every:
             return
         if self.num_experts < 1:
@@ -74,13 +81,6 @@ class MoEModelConfig(ModelConfig):
             )
         if not isinstance(self.moe_ffn_dim, int) or self.moe_ffn_dim < 1:
             raise ForgeConfigError(f"model.moe_ffn_dim={self.moe_ffn_dim!r} must be >= 1")
-        for name, allowed in (("router", MOE_ROUTERS), ("moe_dispatch", MOE_DISPATCH_MODES)):
-            v = getattr(self, name)
-            if v not in allowed:
-                raise ForgeConfigError(
-                    f"model.{name}={v!r} is invalid: choose one of {list(allowed)}"
-                    + did_you_mean(str(v), allowed)
-                )
         for name in ("capacity_factor", "moe_bias_update_rate", "moe_aux_loss_coef"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
