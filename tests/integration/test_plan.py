@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from forge.build import ParallelPlan, build_parallel_model
-from forge.job import _param_bytes, _vlm_kwargs
+from forge.job import _param_bytes
 from forge.plan import build_on_meta, estimate_activations, plan_layout, run_plan
 from forge_core import ForgeConfigError, load_config
 from forge_core.stages import unwrap
@@ -59,6 +59,14 @@ BIG = ["model.preset=debug_moe", "parallelism.dp_replicate=2", "parallelism.ep=2
 BIG += ["model.vocab_size=254", "training.global_batch_size=8192"]
 AS_RANKS = (1, 37, 2053, 4095)
 BAD = ["parallelism.tp=4", "training.global_batch_size=1000"]
+
+
+def _vlm_configs(cfg: Any) -> dict[str, Any]:
+    """build_parallel_model's keywords for a VLM config's parts (none for a language model)."""
+    if not cfg.is_vlm:
+        return {}
+    vision, adapter, vlm = cfg.vlm_sections()
+    return {"vision_config": vision, "adapter_config": adapter, "vlm_config": vlm}
 
 
 def _experts(cfg: Any) -> int:
@@ -137,7 +145,7 @@ def _build_real(overrides: list[str], **kwargs: Any) -> tuple[Any, Any, Any]:
         param_dtype=torch.float32,
         sequence_parallel=cfg.tp.sequence_parallel_flag,
         loss_parallel=cfg.tp.loss_parallel,
-        **_vlm_kwargs(cfg),
+        **_vlm_configs(cfg),
         **kwargs,
     )
     return cfg, mesh, model
@@ -276,7 +284,7 @@ def test_activation_estimate_matches_saved_tensors(preset, dtype, ac_mode):
         }
     )
     model = build_parallel_model(
-        cfg.model, "cpu", None, ac_mode=ac_mode, param_dtype=torch.float32, **_vlm_kwargs(cfg)
+        cfg.model, "cpu", None, ac_mode=ac_mode, param_dtype=torch.float32, **_vlm_configs(cfg)
     )
     model.to(getattr(torch, dtype))
     for module in model.modules():

@@ -21,11 +21,23 @@ __all__ = [
     "check_field_types",
     "did_you_mean",
     "parse_bool_word",
+    "refuse",
 ]
 
 
 class ForgeConfigError(ValueError):
     """A configuration or call that forge refuses, raised before any collective starts."""
+
+
+def refuse(problems: Iterable[str]) -> None:
+    """Raise :class:`ForgeConfigError` with the first of ``problems``; return when there is none.
+
+    The bridge from a pure check that returns every problem it finds (``*_problems(...) ->
+    list[str]``, one line each) to the raising ``check_*`` of the same rule: ``check_x(...)`` is
+    ``refuse(x_problems(...))``, so both say the same words.
+    """
+    for message in problems:
+        raise ForgeConfigError(message)
 
 
 def did_you_mean(name: str, options: Iterable[str]) -> str:
@@ -53,6 +65,7 @@ def auto_flag(value: bool | str) -> bool | None:
 # annotations, and bool(any non-empty string) is True, so without this check a config value
 # "False" would switch a feature on.
 _WHAT = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+_PLURAL = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
 
 
 @functools.cache
@@ -88,7 +101,8 @@ def _describe(hint: object) -> str:
         text = " or ".join(_describe(a) for a in arms)
         return text + (" (or left out)" if len(arms) < len(typing.get_args(hint)) else "")
     if typing.get_origin(hint) is tuple:
-        return f"a list of {_describe(typing.get_args(hint)[0])}s"
+        item = typing.get_args(hint)[0]
+        return f"a list of {_PLURAL.get(item, str(item))}"
     return _WHAT.get(hint, str(hint))  # type: ignore[call-overload]
 
 

@@ -2,6 +2,8 @@
 
 No torch import: a launcher runs these on the config before any rank starts (in milliseconds,
 not after torch's import), and :mod:`forge_tp_plans.apply` runs them again on the real model.
+The ``*_problems`` functions return every problem as a one-line message (empty: fine); the
+``check_*`` of the same rule raise the first.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from forge_core.errors import ForgeConfigError
+from forge_core.errors import refuse
 
 if TYPE_CHECKING:
     from forge_core.model_config import ModelConfig
@@ -20,6 +22,9 @@ __all__ = [
     "check_plan_import",
     "check_transformer_tp",
     "default_sequence_parallel",
+    "divides_problems",
+    "plan_import_problems",
+    "transformer_tp_problems",
 ]
 
 
@@ -27,14 +32,46 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def divides_problems(tp: int, sizes: Mapping[str, int]) -> list[str]:
+    """One message per named size that does not split evenly over ``tp`` ranks, each listing
+    the tp that divide every size."""
+    bad = [(name, size) for name, size in sizes.items() if size % tp]
+    if not bad:
+        return []
+    choices = ", ".join(map(str, _divisors(math.gcd(*sizes.values()))))
+    return [
+        f"tp={tp} does not divide {name}={size}; choose tp in {{{choices}}}" for name, size in bad
+    ]
+
+
 def check_divides(tp: int, sizes: Mapping[str, int]) -> None:
     """Every named size must split evenly over ``tp`` ranks; the refusal lists the tp that do."""
-    for name, size in sizes.items():
-        if size % tp:
-            choices = _divisors(math.gcd(*sizes.values()))
-            raise ForgeConfigError(
-                f"tp={tp} does not divide {name}={size}; choose tp in {{{', '.join(map(str, choices))}}}"
-            )
+    refuse(divides_problems(tp, sizes))
+
+
+def transformer_tp_problems(
+    config: ModelConfig,
+    tp: int,
+    *,
+    head_sharded: bool = True,
+    seq_len: int | None = None,
+    sequence_parallel: bool = False,
+) -> list[str]:
+    """Every problem of the reference Transformer's sizes against ``tp`` (pure)."""
+    kv_heads, ffn_dim = config.n_kv_heads, config.ffn_dim
+    assert kv_heads and ffn_dim  # filled in by ModelConfig.__post_init__
+    sizes = {"n_heads": config.n_heads, "n_kv_heads": kv_heads}
+    if len(config.custom_ffn_layers) < config.n_layers:  # MoE blocks run replicated over tp
+        sizes["ffn_dim"] = ffn_dim
+    if head_sharded:
+        sizes["vocab_size"] = config.vocab_size
+    problems = divides_problems(tp, sizes)
+    if sequence_parallel and seq_len is not None and seq_len % tp:
+        problems.append(
+            f"sequence length {seq_len} is not divisible by tp={tp}, which sequence parallelism needs; "
+            f"choose a multiple of {tp} or sequence_parallel=False"
+        )
+    return problems
 
 
 def check_transformer_tp(
@@ -46,17 +83,36 @@ def check_transformer_tp(
     sequence_parallel: bool = False,
 ) -> None:
     """Pure checks of the reference Transformer's sizes against ``tp`` (run before any launch)."""
-    sizes = {"n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads}
-    if len(config.custom_ffn_layers) < config.n_layers:  # MoE blocks run replicated over tp
-        sizes["ffn_dim"] = config.ffn_dim
-    if head_sharded:
-        sizes["vocab_size"] = config.vocab_size
-    check_divides(tp, sizes)
-    if sequence_parallel and seq_len is not None and seq_len % tp:
-        raise ForgeConfigError(
-            f"sequence length {seq_len} is not divisible by tp={tp}, which sequence parallelism needs; "
-            f"choose a multiple of {tp} or sequence_parallel=False"
+    refuse(
+        transformer_tp_problems(
+            config,
+            tp,
+            head_sharded=head_sharded,
+            seq_len=seq_len,
+            sequence_parallel=sequence_parallel,
         )
+    )
+
+
+def plan_import_problems(path: str, allow_import: bool | Sequence[str]) -> list[str]:
+    """Why ``"package.module:NAME"`` may not be imported (pure): a malformed path, or a module
+    that ``allow_import`` does not permit. Importing runs the module's code: only
+    ``allow_import=True`` or a module prefix listed in ``allow_import`` permits it."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        return [f"plan={path!r}: an import path must look like 'package.module:NAME'"]
+    allowed = allow_import is True or (
+        not isinstance(allow_import, bool)
+        and any(
+            module_name == p or module_name.startswith(p.rstrip(".") + ".") for p in allow_import
+        )
+    )
+    if not allowed:
+        return [
+            f"plan={path!r}: importing '{module_name}' runs its code, and imports are off by default; "
+            "allow it with allow_import=True (Python) or list the module prefix in tp.allow_import (config)"
+        ]
+    return []
 
 
 def check_plan_import(path: str, allow_import: bool | Sequence[str]) -> str:
@@ -65,23 +121,8 @@ def check_plan_import(path: str, allow_import: bool | Sequence[str]) -> str:
     Importing runs the module's code: only ``allow_import=True`` or a module prefix listed in
     ``allow_import`` permits it.
     """
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ForgeConfigError(
-            f"plan={path!r}: an import path must look like 'package.module:NAME'"
-        )
-    allowed = allow_import is True or (
-        not isinstance(allow_import, bool)
-        and any(
-            module_name == p or module_name.startswith(p.rstrip(".") + ".") for p in allow_import
-        )
-    )
-    if not allowed:
-        raise ForgeConfigError(
-            f"plan={path!r}: importing '{module_name}' runs its code, and imports are off by default; "
-            "allow it with allow_import=True (Python) or list the module prefix in tp.allow_import (config)"
-        )
-    return module_name
+    refuse(plan_import_problems(path, allow_import))
+    return path.partition(":")[0]
 
 
 def default_sequence_parallel(

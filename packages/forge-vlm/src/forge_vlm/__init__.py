@@ -18,14 +18,13 @@ from typing import TYPE_CHECKING
 
 from forge_core.lazy import lazy_exports
 
+from .checks import check_encoder_tp, check_vlm
 from .config import (
     AC_SCOPES,
     VLM_PRESETS,
     AdapterConfig,
     VisionEncoderConfig,
     VLMConfig,
-    check_encoder_tp,
-    check_vlm,
     num_image_tokens,
 )
 

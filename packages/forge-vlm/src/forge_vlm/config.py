@@ -21,7 +21,6 @@ from forge_core.errors import (
     check_field_types,
     did_you_mean,
 )
-from forge_core.model_config import ModelConfig
 
 __all__ = [
     "AC_SCOPES",
@@ -31,8 +30,6 @@ __all__ = [
     "VLM_PRESETS",
     "VLMConfig",
     "VisionEncoderConfig",
-    "check_encoder_tp",
-    "check_vlm",
     "num_image_tokens",
 ]
 
@@ -192,66 +189,6 @@ class VLMConfig:
 def num_image_tokens(vision: VisionEncoderConfig, adapter: AdapterConfig) -> int:
     """Image tokens per image that the decoder sees."""
     return (vision.grid // adapter.pool) ** 2
-
-
-def check_vlm(
-    decoder: ModelConfig,
-    vision: VisionEncoderConfig,
-    adapter: AdapterConfig,
-    vlm: VLMConfig,
-    *,
-    seq_len: int | None = None,
-    tp: int = 1,
-) -> None:
-    """Every cross-config check of a VLM (pure: runs before any process group exists)."""
-    if vision.grid % adapter.pool:
-        raise ForgeConfigError(
-            f"adapter.pool={adapter.pool} does not divide the {vision.grid} x {vision.grid} patch "
-            f"grid (vision.image_size / vision.patch_size); choose a pool in "
-            f"{[p for p in range(1, vision.grid + 1) if vision.grid % p == 0]}"
-        )
-    if adapter.out_dim is not None and adapter.out_dim != decoder.dim:
-        raise ForgeConfigError(
-            f"adapter.out_dim={adapter.out_dim} differs from the decoder's model.dim={decoder.dim}: "
-            "image embeddings must have the decoder's width; set adapter.out_dim = model.dim "
-            "(or leave it unset)"
-        )
-    token_id = decoder.vocab_size - 1 if vlm.image_token_id is None else vlm.image_token_id
-    if token_id >= decoder.vocab_size:
-        raise ForgeConfigError(
-            f"vlm.image_token_id={token_id} is outside the decoder's vocabulary "
-            f"(model.vocab_size={decoder.vocab_size})"
-        )
-    n_img = num_image_tokens(vision, adapter)
-    limit, what = (
-        (decoder.max_seq_len, "model.max_seq_len")
-        if seq_len is None
-        else (seq_len, "training.seq_len")
-    )
-    if n_img > limit:
-        raise ForgeConfigError(
-            f"each image becomes {n_img} tokens ((vision.image_size/patch_size/adapter.pool)^2) "
-            f"but the sequence holds {limit} ({what}); raise adapter.pool or patch_size, or "
-            "lengthen the sequence"
-        )
-    if vlm.encoder_tp and tp > 1:
-        check_encoder_tp(vision, tp)
-
-
-def check_encoder_tp(vision: VisionEncoderConfig, tp: int) -> None:
-    """The encoder's own TP validation: heads and the MLP hidden size split over ``tp``."""
-    if vision.n_heads % tp:
-        divisors = [d for d in range(1, vision.n_heads + 1) if vision.n_heads % d == 0]
-        raise ForgeConfigError(
-            f"tp={tp} does not divide vision.n_heads={vision.n_heads} (the encoder's heads are "
-            f"split across the tp ranks); choose tp in {divisors} or set vlm.encoder_tp=false"
-        )
-    assert vision.mlp_dim is not None  # VisionEncoderConfig.__post_init__ fills it in
-    if vision.mlp_dim % tp:
-        raise ForgeConfigError(
-            f"tp={tp} does not divide vision.mlp_dim={vision.mlp_dim} (the encoder's MLP hidden "
-            "size is split across the tp ranks); change mlp_dim or set vlm.encoder_tp=false"
-        )
 
 
 #: Model presets that are VLMs: the decoder is ``PRESETS[name]``; these are the other parts.

@@ -35,11 +35,11 @@ from forge_core import ForgeConfigError, ModelConfig, Transformer
 from forge_core.init import canonical_name, fill_param_
 from forge_core.model import FFNFactory
 
+from .checks import check_vlm
 from .config import (
     AdapterConfig,
     VisionEncoderConfig,
     VLMConfig,
-    check_vlm,
     num_image_tokens,
 )
 
@@ -323,7 +323,7 @@ def build_vlm(
 ) -> VLMWrapper:
     """Build the VLM (on the current default device, e.g. under ``torch.device('meta')``).
 
-    Checks the configs against each other first (:func:`forge_vlm.config.check_vlm`).
+    Checks the configs against each other first (:func:`forge_vlm.checks.check_vlm`).
     ``ffn_factory`` builds the decoder's MoE blocks, as for ``Transformer``.
     """
     check_vlm(model_config, vision_config, adapter_config, vlm_config)

@@ -65,6 +65,7 @@ from forge_vlm import (
 from forge_vlm import ac_components as vlm_ac_components
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from .checks import NOT_YET, check_float8, check_plan
 from .config import COMPILE_SCOPES, ForgeConfig, load_config
@@ -182,7 +183,7 @@ class ParallelPlan:
     param_dtype: torch.dtype = torch.bfloat16
     reshard_after_forward: bool | int = True
     cpu_offload: bool = False
-    tp_plan: Mapping[str, object] | str | None = None
+    tp_plan: Mapping[str, ParallelStyle | str | None] | str | None = None
     sequence_parallel: bool | None = None
     loss_parallel: bool = False
     allow_plan_import: bool | Sequence[str] = False
@@ -199,8 +200,11 @@ class ParallelPlan:
             sizes,
             ac_mode=self.ac_mode,
         )
-        if self.data == "fsdp2" and not has_dp_mesh(self.device_mesh):
-            raise ForgeConfigError("data='fsdp2' needs a mesh with a data-parallel axis")
+        if self.data in ("fsdp2", "ddp") and not has_dp_mesh(self.device_mesh):
+            raise ForgeConfigError(
+                f"data={self.data!r} needs a mesh with a data-parallel axis; use data='none' on "
+                "one device, or a mesh with dp_shard / dp_replicate > 1"
+            )
         if self.compile_scope not in COMPILE_SCOPES:
             raise ForgeConfigError(
                 f"compile_scope={self.compile_scope!r} is invalid: choose 'blocks' (each block "
@@ -306,7 +310,8 @@ class ParallelPlan:
             return False
         if axis_size(self.device_mesh, "tp") > 1:
             return False
-        group = get_dp_mesh(self.device_mesh).get_group(0)  # type: ignore[arg-type]
+        assert self.device_mesh is not None  # data='fsdp2' has a DP axis (__post_init__)
+        group = get_dp_mesh(self.device_mesh).get_group(0)
         return dist.get_backend(group) != "gloo"
 
     def parallelize(
@@ -341,10 +346,12 @@ class ParallelPlan:
             raise ForgeConfigError(
                 f"encoder_tp=True but {type(model).__name__} has no encoder component"
             )
-        if axis_size(self.device_mesh, "tp") > 1:
+        mesh = self.device_mesh
+        if axis_size(mesh, "tp") > 1:
+            assert mesh is not None  # a tp axis of size > 1 implies a mesh
             apply_tensor_parallel(
                 decoder,
-                self.device_mesh,
+                mesh,
                 plan=self.tp_plan,
                 sequence_parallel=self.sequence_parallel,
                 loss_parallel=self.loss_parallel,
@@ -352,18 +359,19 @@ class ParallelPlan:
             )
             if encoder_tp:
                 assert self.vlm is not None and encoder is not None
-                if isinstance(getattr(encoder, "config", None), VisionEncoderConfig):
-                    check_encoder_tp(encoder.config, axis_size(self.device_mesh, "tp"))
+                encoder_config = getattr(encoder, "config", None)
+                if isinstance(encoder_config, VisionEncoderConfig):
+                    check_encoder_tp(encoder_config, axis_size(mesh, "tp"))
                 apply_tensor_parallel(
                     encoder,
-                    self.device_mesh,
+                    mesh,
                     plan=self.vlm.encoder_tp_plan,
                     sequence_parallel=False,
                     allow_import=self.allow_plan_import,
                 )
-        if self.device_mesh is not None and any(isinstance(m, MoE) for m in decoder.modules()):
-            apply_expert_parallel(decoder, self.device_mesh)
-        elif axis_size(self.device_mesh, "ep") > 1:
+        if mesh is not None and any(isinstance(m, MoE) for m in decoder.modules()):
+            apply_expert_parallel(decoder, mesh)
+        elif axis_size(mesh, "ep") > 1:
             raise ForgeConfigError(
                 "the mesh has an ep axis but the model has no forge_moe_ep.MoE layer; set "
                 "parallelism.ep=1 or use an MoE model (model.moe_every > 0)"
@@ -375,17 +383,19 @@ class ParallelPlan:
                 enable_fsdp_float8_all_gather=self.fp8_all_gather,
                 filter_fqns=self.float8.filter_fqns,
             )
-        if axis_size(self.device_mesh, "domain") > 1:
-            apply_domain_parallel(model, self.device_mesh)
+        if axis_size(mesh, "domain") > 1:
+            assert mesh is not None  # a domain axis of size > 1 implies a mesh
+            apply_domain_parallel(model, mesh)
         if self.ac_mode != "none":
             apply_ac(model, self.ac_mode, components=self.ac_components)
         if self.compile_model and self.compile_scope == "blocks":
             apply_compile(model, backend=self.compile_backend)
         if self.data == "fsdp2":
             mp = self.mp_policy or default_mp_policy(self.param_dtype)
+            assert mesh is not None  # data='fsdp2' has a DP axis (__post_init__)
             apply_fsdp2(
                 model,
-                self.device_mesh,
+                mesh,
                 mp,
                 self.reshard_after_forward,
                 self.cpu_offload,
@@ -402,7 +412,8 @@ class ParallelPlan:
         if self.data in ("ddp", "none") and self.param_dtype != torch.float32:
             enable_autocast(model, self.param_dtype)
         if self.data == "ddp":
-            return apply_ddp(model, self.device_mesh)
+            assert mesh is not None  # data='ddp' has a DP axis (__post_init__)
+            return apply_ddp(model, mesh)
         return model
 
     def maybe_compile(self, model: nn.Module) -> nn.Module:
@@ -489,13 +500,14 @@ def materialize(
 
     Parameters go to ``param_device`` (default ``device``), buffers to ``device``.
     """
-    if not callable(getattr(model, "init_weights", None)):
+    init_weights = getattr(model, "init_weights", None)
+    if not callable(init_weights):
         raise ForgeConfigError(
             f"{type(model).__name__} has no init_weights(seed); materialize it yourself"
         )
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        model.to_empty(device=param_device or device)
-    model.init_weights(seed)
+        model.to_empty(device=param_device or device)  # in place: init_weights stays bound to it
+    init_weights(seed)
     for module in model.modules():
         for name, buf in module.named_buffers(recurse=False):
             if buf.device != torch.device(device):
@@ -527,7 +539,7 @@ def build_parallel_model(
     seed: int = 0,
     reshard_after_forward: bool | int = True,
     cpu_offload: bool = False,
-    tp_plan: Mapping[str, object] | str | None = None,
+    tp_plan: Mapping[str, ParallelStyle | str | None] | str | None = None,
     sequence_parallel: bool | None = None,
     loss_parallel: bool = False,
     allow_plan_import: bool | Sequence[str] = False,
@@ -587,16 +599,16 @@ def build_meta_model(
     The VLM needs all three of ``vision_config``, ``adapter_config`` and ``vlm_config``; their
     cross-config checks run here (the TP ones in :meth:`ParallelPlan.parallelize`).
     """
-    vlm_parts = (vision_config, adapter_config, vlm_config)
-    if any(p is not None for p in vlm_parts) and any(p is None for p in vlm_parts):
-        raise ForgeConfigError(
-            "a vision-language model needs vision_config, adapter_config and vlm_config together"
-        )
-    if vlm_config is not None:
-        check_vlm(model_config, vision_config, adapter_config, vlm_config)  # TP: parallelize
-    with torch.device("meta"):
-        if vlm_config is None:
+    if vision_config is None or adapter_config is None or vlm_config is None:
+        if any(p is not None for p in (vision_config, adapter_config, vlm_config)):
+            raise ForgeConfigError(
+                "a vision-language model needs vision_config, adapter_config and vlm_config "
+                "together"
+            )
+        with torch.device("meta"):
             return moe_transformer(model_config)
+    check_vlm(model_config, vision_config, adapter_config, vlm_config)  # TP: parallelize
+    with torch.device("meta"):
         factory = MoE.for_block if model_config.custom_ffn_layers else None
         return build_vlm(
             model_config, vision_config, adapter_config, vlm_config, ffn_factory=factory
@@ -608,7 +620,7 @@ def model_from_config(cfg: ForgeConfig) -> nn.Module:
     ``forge_domain.FieldNet``), a VLM, or the reference Transformer (MoE blocks if asked)."""
     if cfg.is_field:
         with torch.device("meta"):
-            return FieldNet(cfg.field)
+            return FieldNet(cfg.field_section())
     if cfg.is_vlm:
-        return build_meta_model(cfg.model, cfg.vision, cfg.adapter, cfg.vlm)
+        return build_meta_model(cfg.model, *cfg.vlm_sections())
     return build_meta_model(cfg.model)

@@ -1,15 +1,19 @@
 """Every check of a ``ForgeConfig`` that needs no process group, in two phases.
 
 ``forge build`` / ``forge train`` run them in the launcher before any rank starts, so a bad
-config is one line (exit 2) instead of a traceback from every rank:
+config is a few lines (exit 2), every broken rule at once, instead of a traceback from every
+rank; ``forge plan`` lists the same lines.
 
-- :func:`check_config_values` is pure Python on the config's values and imports no torch (it
-  runs in a fraction of a second, before the launcher pays for torch's import);
-- :func:`check_config_imports` then imports what the config names: a ``tp.plan`` module, checked
-  against a meta-device copy of the model, and torchao when Float8 is on.
+- :func:`config_problems` is pure Python on the config's values and imports no torch (it runs
+  in a fraction of a second, before the launcher pays for torch's import);
+- :func:`import_problems` then imports what the config names: a ``tp.plan`` module, checked
+  against a meta-device copy of the model, and torchao when Float8 is on. Run it once the
+  values are clean (the plan check builds the model the values describe).
 
-:func:`check_config` runs both. Each layer owns its own pure checks (``<layer>.checks``); this
-module only composes them for forge's config.
+Both return one-line messages, each naming the field and the fix (empty: fine). The raising
+forms :func:`check_config_values`, :func:`check_config_imports` and :func:`check_config` raise
+``ForgeConfigError`` with the first message, for callers that stop at one. Each layer owns its
+own pure checks (``<layer>.checks``); this module only composes them for forge's config.
 """
 
 from __future__ import annotations
@@ -17,19 +21,19 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING
 
-from forge_core.config import ParallelismConfig
-from forge_core.errors import ForgeConfigError
-from forge_float8.checks import check_float8, check_torchao
-from forge_fsdp_wrap.checks import check_ac_mode
-from forge_moe_ep.checks import check_expert_parallel
-from forge_tp_plans.checks import check_plan_import, check_transformer_tp
-from forge_vlm.checks import ac_components
+from forge_core.errors import ForgeConfigError, refuse
+from forge_float8.checks import check_float8, float8_problems, torchao_problems
+from forge_fsdp_wrap.checks import ac_mode_problems
+from forge_moe_ep.checks import expert_parallel_problems
+from forge_tp_plans.checks import plan_import_problems, transformer_tp_problems
+from forge_vlm.checks import ac_scope_problems, vlm_problems
 
 from .layout import resolve_layout
 
 if TYPE_CHECKING:
+    from forge_core.config import ParallelismConfig
+
     from .config import ForgeConfig
-from forge_vlm.config import check_vlm
 
 __all__ = [
     "NOT_YET",
@@ -38,6 +42,9 @@ __all__ = [
     "check_config_values",
     "check_float8",
     "check_plan",
+    "config_problems",
+    "import_problems",
+    "plan_problems",
 ]
 
 #: Axes whose layer this forge does not have yet -> what provides them. Refused, never ignored.
@@ -47,6 +54,24 @@ NOT_YET = {
 }
 
 
+def plan_problems(data: str, axis_sizes: dict[str, int], *, ac_mode: str = "none") -> list[str]:
+    """What this forge cannot do with ``data``, these axis sizes and ``ac_mode`` (pure)."""
+    problems = []
+    if data not in ("fsdp2", "ddp", "none"):
+        problems.append(f"data={data!r}: choose 'fsdp2', 'ddp' or 'none'")
+    for axis, layer in NOT_YET.items():
+        if axis_sizes.get(axis, 1) > 1:
+            problems.append(
+                f"parallelism.{axis}={axis_sizes[axis]} needs {layer}, which this forge does not have yet; set {axis}=1"
+            )
+    if data == "ddp" and axis_sizes.get("tp", 1) > 1:
+        problems.append(
+            f"data='ddp' with tp={axis_sizes['tp']}: DDP does not handle tensor-parallel (DTensor) "
+            "parameters; use data='fsdp2' (FSDP2 shards them on the dp axis: 2-D)"
+        )
+    return problems + ac_mode_problems(ac_mode)
+
+
 def check_plan(
     data: str,
     axis_sizes: dict[str, int],
@@ -54,19 +79,70 @@ def check_plan(
     ac_mode: str = "none",
 ) -> None:
     """Refuse what this forge cannot do, before any process group exists (pure checks)."""
-    if data not in ("fsdp2", "ddp", "none"):
-        raise ForgeConfigError(f"data={data!r}: choose 'fsdp2', 'ddp' or 'none'")
-    for axis, layer in NOT_YET.items():
-        if axis_sizes.get(axis, 1) > 1:
-            raise ForgeConfigError(
-                f"parallelism.{axis}={axis_sizes[axis]} needs {layer}, which this forge does not have yet; set {axis}=1"
-            )
-    if data == "ddp" and axis_sizes.get("tp", 1) > 1:
-        raise ForgeConfigError(
-            f"data='ddp' with tp={axis_sizes['tp']}: DDP does not handle tensor-parallel (DTensor) "
-            "parameters; use data='fsdp2' (FSDP2 shards them on the dp axis: 2-D)"
+    refuse(plan_problems(data, axis_sizes, ac_mode=ac_mode))
+
+
+def config_problems(cfg: ForgeConfig, world_size: int) -> list[str]:
+    """Every problem of the config's values on ``world_size`` ranks (no torch import).
+
+    A layout that does not resolve (the degrees do not fit ``world_size``) is the only message:
+    the other checks need the layout."""
+    try:
+        layout = resolve_layout(cfg, world_size)
+    except ForgeConfigError as err:
+        return [str(err)]
+    par, t, m = layout.parallelism, cfg.training, cfg.model
+    sizes = {name: getattr(par, name) for name in (*NOT_YET, "tp")}
+    problems = plan_problems(par.data, sizes, ac_mode=t.ac_mode)
+    if cfg.field is not None:
+        problems += _field_problems(cfg, par)
+    elif par.domain > 1:
+        problems.append(
+            f"parallelism.domain={par.domain}: domain parallelism splits 2-D fields (conv nets), "
+            "and this model is a token model. Train a field model (model.preset=debug_field, "
+            "[field] section), or set domain=1"
         )
-    check_ac_mode(ac_mode)
+    problems += float8_problems(cfg.float8, par.tp)
+    if par.ep > 1 and not m.moe_layers:
+        problems.append(
+            f"parallelism.ep={par.ep} but model has no MoE blocks (model.moe_every=0); set "
+            "ep=1 or an MoE model (e.g. model.preset=debug_moe)"
+        )
+    elif par.ep > 1:
+        problems += expert_parallel_problems(m.num_experts, par.ep)
+    if cfg.tp.plan is not None:
+        problems += _importable_problems("tp.plan", cfg.tp.plan, cfg.tp.allow_import)
+    if cfg.vision is not None and cfg.adapter is not None and cfg.vlm is not None:
+        vlm = cfg.vlm
+        problems += vlm_problems(m, cfg.vision, cfg.adapter, vlm, seq_len=t.seq_len, tp=par.tp)
+        problems += ac_scope_problems(vlm.ac_scope, vlm.freeze_encoder)
+        if vlm.encoder_tp_plan is not None:
+            plan, allow = vlm.encoder_tp_plan, cfg.tp.allow_import
+            problems += _importable_problems("vlm.encoder_tp_plan", plan, allow)
+    if par.tp > 1:
+        sp = layout.sequence_parallel
+        problems += transformer_tp_problems(m, par.tp, seq_len=t.seq_len, sequence_parallel=sp)
+    if t.global_batch_size % (par.dp_degree * t.grad_accum):
+        problems.append(
+            f"training.global_batch_size={t.global_batch_size} must be divisible by the "
+            f"{par.dp_degree} data-parallel ranks x training.grad_accum={t.grad_accum}"
+        )
+    if t.seq_len > m.max_seq_len:
+        problems.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    return list(dict.fromkeys(problems))  # the same words twice are one problem
+
+
+def import_problems(cfg: ForgeConfig, world_size: int) -> list[str]:
+    """The problems found by importing what the config names (torchao, a tp.plan module
+    checked on a meta-device model); run once :func:`config_problems` is empty."""
+    try:
+        par = resolve_layout(cfg, world_size).parallelism
+    except ForgeConfigError as err:
+        return [str(err)]
+    problems = torchao_problems() if cfg.float8.enabled else []
+    if cfg.tp.plan is not None and par.tp > 1:
+        problems += _explicit_plan_problems(cfg, par.tp)
+    return problems
 
 
 def check_config(cfg: ForgeConfig, world_size: int) -> None:
@@ -76,82 +152,41 @@ def check_config(cfg: ForgeConfig, world_size: int) -> None:
 
 
 def check_config_values(cfg: ForgeConfig, world_size: int) -> None:
-    """The checks on the config's values alone (no torch import; see the module docstring)."""
-    layout = resolve_layout(cfg, world_size)
-    par = layout.parallelism
-    sizes = {name: getattr(par, name) for name in (*NOT_YET, "tp")}
-    check_plan(par.data, sizes, ac_mode=cfg.training.ac_mode)
-    if cfg.is_field:
-        _check_field(cfg, par)
-    elif par.domain > 1:
-        raise ForgeConfigError(
-            f"parallelism.domain={par.domain}: domain parallelism splits 2-D fields (conv nets), "
-            "and this model is a token model. Train a field model (model.preset=debug_field, "
-            "[field] section), or set domain=1"
-        )
-    check_float8(cfg.float8, par.tp, torchao=False)
-    if par.ep > 1:
-        if not cfg.model.moe_layers:
-            raise ForgeConfigError(
-                f"parallelism.ep={par.ep} but model has no MoE blocks (model.moe_every=0); set "
-                "ep=1 or an MoE model (e.g. model.preset=debug_moe)"
-            )
-        check_expert_parallel(cfg.model.num_experts, par.ep)
-    t = cfg.training
-    if cfg.tp.plan is not None:
-        _check_importable("tp.plan", cfg.tp.plan, cfg.tp.allow_import)
-    if cfg.is_vlm:
-        check_vlm(cfg.model, cfg.vision, cfg.adapter, cfg.vlm, seq_len=t.seq_len, tp=par.tp)
-        ac_components(cfg.vlm.ac_scope, cfg.vlm.freeze_encoder)
-        if cfg.vlm.encoder_tp_plan is not None:
-            _check_importable("vlm.encoder_tp_plan", cfg.vlm.encoder_tp_plan, cfg.tp.allow_import)
-    if par.tp > 1:
-        check_transformer_tp(
-            cfg.model, par.tp, seq_len=t.seq_len, sequence_parallel=layout.sequence_parallel
-        )
-    if t.global_batch_size % (par.dp_degree * t.grad_accum):
-        raise ForgeConfigError(
-            f"training.global_batch_size={t.global_batch_size} must be divisible by the "
-            f"{par.dp_degree} data-parallel ranks x training.grad_accum={t.grad_accum}"
-        )
-    if t.seq_len > cfg.model.max_seq_len:
-        raise ForgeConfigError(
-            f"training.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}"
-        )
+    """The checks on the config's values alone (no torch import): raises the first of
+    :func:`config_problems`."""
+    refuse(config_problems(cfg, world_size))
 
 
 def check_config_imports(cfg: ForgeConfig, world_size: int) -> None:
     """The checks that import what the config names (torch, torchao, a tp.plan module); run
-    after :func:`check_config_values`."""
-    par = resolve_layout(cfg, world_size).parallelism
-    if cfg.float8.enabled:
-        check_torchao()
-    if cfg.tp.plan is not None and par.tp > 1:
-        _check_explicit_plan(cfg, par.tp)
+    after :func:`check_config_values`. Raises the first of :func:`import_problems`."""
+    refuse(import_problems(cfg, world_size))
 
 
-def _check_field(cfg: ForgeConfig, par: ParallelismConfig) -> None:
-    """What a field model (forge_domain.FieldNet) can be combined with."""
+def _field_problems(cfg: ForgeConfig, par: ParallelismConfig) -> list[str]:
+    """What a field model (forge_domain.FieldNet) cannot be combined with."""
+    assert cfg.field is not None
     unsupported = {
         "parallelism.tp": par.tp > 1,
         "parallelism.ep": par.ep > 1,
         "float8.enabled": cfg.float8.enabled,
         "data.path": cfg.data.path is not None,
     }
-    for key, bad in unsupported.items():
-        if bad:
-            raise ForgeConfigError(
-                f"{key} is set for a field model ([field]): FieldNet is a conv net; it takes data "
-                "parallelism and parallelism.domain (height split), not this; unset it"
-            )
+    problems = [
+        f"{key} is set for a field model ([field]): FieldNet is a conv net; it takes data "
+        "parallelism and parallelism.domain (height split), not this; unset it"
+        for key, bad in unsupported.items()
+        if bad
+    ]
     if cfg.field.height < par.domain:
-        raise ForgeConfigError(
+        problems.append(
             f"field.height={cfg.field.height} gives fewer rows than parallelism.domain="
             f"{par.domain} ranks; lower domain or raise the height"
         )
+    return problems
 
 
-def _check_explicit_plan(cfg: ForgeConfig, tp: int) -> None:
+def _explicit_plan_problems(cfg: ForgeConfig, tp: int) -> list[str]:
     """Import ``tp.plan`` here and check it against a meta-device copy of the model, so that a
     wrong plan is one line before launch instead of a traceback from every rank."""
     from forge_core.contracts import model_components
@@ -159,9 +194,12 @@ def _check_explicit_plan(cfg: ForgeConfig, tp: int) -> None:
 
     from .build import model_from_config
 
-    model = model_from_config(cfg)
-    decoder = dict(model_components(model)).get("decoder", model)
     try:
+        model = model_from_config(cfg)
+    except ForgeConfigError as err:
+        return [str(err)]
+    decoder = dict(model_components(model)).get("decoder", model)
+    try:  # NOTE: the plan's checks on a model raise (forge_tp_plans.check_tensor_parallel)
         check_tensor_parallel(
             decoder,
             tp,
@@ -170,13 +208,14 @@ def _check_explicit_plan(cfg: ForgeConfig, tp: int) -> None:
             loss_parallel=cfg.tp.loss_parallel,
             allow_import=cfg.tp.allow_import,
         )
-    except ForgeConfigError as e:
-        raise ForgeConfigError(f"tp.plan: {e}") from None
+    except ForgeConfigError as err:
+        return [f"tp.plan: {err}"]
+    return []
 
 
-def _check_importable(key: str, path: str, allow_import: tuple[str, ...]) -> None:
-    module_name = check_plan_import(path, allow_import)
-    if importlib.util.find_spec(module_name.split(".")[0]) is None:
-        raise ForgeConfigError(
-            f"{key}={path!r}: module '{module_name}' is not importable from here"
-        )
+def _importable_problems(key: str, path: str, allow_import: tuple[str, ...]) -> list[str]:
+    problems = plan_import_problems(path, allow_import)
+    module_name = path.partition(":")[0]
+    if not problems and importlib.util.find_spec(module_name.split(".")[0]) is None:
+        problems.append(f"{key}={path!r}: module '{module_name}' is not importable from here")
+    return problems

@@ -52,12 +52,13 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple[dict, int] | int:
 
     The checks on the config's values, and the checkpoint a resume starts from, come before
     torch is imported (they take milliseconds, torch's import seconds); then the checks that
-    import what the config names (a tp.plan module on a meta-device model, torchao).
+    import what the config names (a tp.plan module on a meta-device model, torchao). Every
+    problem of a phase is printed, one ``forge <command>: config error: ...`` line each.
     """
     from forge_core.errors import ForgeConfigError
 
     from .checkpoint_files import CheckpointDamaged
-    from .checks import check_config_imports, check_config_values
+    from .checks import config_problems, import_problems
     from .config import load_config
 
     try:
@@ -73,14 +74,16 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple[dict, int] | int:
             nproc = torch.cuda.device_count() if nproc is None else nproc
         nproc = 4 if nproc is None else nproc
         world_size = int(os.environ["WORLD_SIZE"]) if _under_launcher() else nproc
-        check_config_values(cfg, world_size)
+        problems = config_problems(cfg, world_size)
         if command == "build" and cfg.is_field:
-            raise ForgeConfigError(
+            problems.append(
                 "forge build checks token models against one device; a field model "
                 "(model.preset=debug_field) trains with forge train (its parity is in the tests)"
             )
         if command == "train" and cfg.data.path is not None and not os.path.isfile(cfg.data.path):
-            raise ForgeConfigError(f"data.path={cfg.data.path!r} does not exist or is not a file")
+            problems.append(f"data.path={cfg.data.path!r} does not exist or is not a file")
+        if problems:
+            return _refuse(command, problems)
         # NOTE: under torchrun every rank runs this; rank 0 alone reads the checkpoint, once
         # the process group exists (forge.train), instead of every rank reading all of it.
         if command == "train" and cfg.checkpoint.resume != "none" and not _under_launcher():
@@ -89,14 +92,22 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple[dict, int] | int:
         # (_launch_local); the checks here import it the same way.
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
-        check_config_imports(cfg, world_size)
+        problems = import_problems(cfg, world_size)
+        if problems:
+            return _refuse(command, problems)
     except CheckpointDamaged as e:
         print(f"forge {command}: damaged checkpoint: {e}", file=sys.stderr)
         return EXIT_DAMAGED
     except ForgeConfigError as e:
-        print(f"forge {command}: config error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
+        return _refuse(command, [str(e)])
     return dataclasses.asdict(cfg), nproc
+
+
+def _refuse(command: str, problems: Sequence[str]) -> int:
+    """Print each problem as ``forge <command>: config error: <problem>``; EXIT_CONFIG."""
+    for problem in problems:
+        print(f"forge {command}: config error: {problem}", file=sys.stderr)
+    return EXIT_CONFIG
 
 
 #: Exit status of forge's commands (README "Failures and recovery").

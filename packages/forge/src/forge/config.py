@@ -220,6 +220,31 @@ class ForgeConfig:
     def is_vlm(self) -> bool:
         return self.vlm is not None
 
+    def vlm_sections(self) -> tuple[VisionEncoderConfig, AdapterConfig, VLMConfig]:
+        """``(vision, adapter, vlm)`` of a vision-language model config (``is_vlm``).
+
+        ``__post_init__`` guarantees the three are set together; a config that is not a VLM is
+        refused with a ``ForgeConfigError``.
+        """
+        if self.vision is None or self.adapter is None or self.vlm is None:
+            raise ForgeConfigError(
+                "this config is not a vision-language model: it has no [vision], [adapter] and "
+                "[vlm] sections (use a VLM preset such as model.preset=debug_vlm, or set them)"
+            )
+        return self.vision, self.adapter, self.vlm
+
+    def field_section(self) -> FieldConfig:
+        """The ``[field]`` section of a field model config (``is_field``).
+
+        A config that is not a field model is refused with a ``ForgeConfigError``.
+        """
+        if self.field is None:
+            raise ForgeConfigError(
+                "this config is not a field model: it has no [field] section (use a field "
+                "preset such as model.preset=debug_field, or set [field])"
+            )
+        return self.field
+
     def resolved_parallelism(self, world_size: int) -> ParallelismConfig:
         """``parallelism`` resolved for ``world_size`` and this model (``ep=-1`` needs it): the
         degrees of :func:`forge.layout.resolve_layout`, which decides everything else too."""
@@ -351,18 +376,19 @@ def load_config(
     preset = raw.get("model", {}).get("preset", "debug")
     vlm_preset = VLM_PRESETS.get(preset)
     is_vlm = vlm_preset is not None or any(name in raw for name in _VLM_SECTIONS)
-    built = {}
+    # NOTE: one value per section, each of its own dataclass: ForgeConfig(**built) checks them.
+    built: dict[str, Any] = {}
     field_preset = FIELD_PRESETS.get(preset)
     for name in _SECTIONS:
         if name == "field":
             if field_preset is not None or "field" in raw:
-                base = field_preset or FieldConfig()
-                built[name] = replace(base, **_check_keys(name, raw.get(name, {})))
+                field_base = field_preset or FieldConfig()
+                built[name] = replace(field_base, **_check_keys(name, raw.get(name, {})))
         elif name not in _VLM_SECTIONS:
             built[name] = _build_section(name, raw.get(name, {}))
         elif is_vlm:
-            base = vlm_preset[_VLM_SECTIONS.index(name)] if vlm_preset else _SECTIONS[name]()
-            built[name] = replace(base, **_check_keys(name, raw.get(name, {})))
+            vlm_base = vlm_preset[_VLM_SECTIONS.index(name)] if vlm_preset else _SECTIONS[name]()
+            built[name] = replace(vlm_base, **_check_keys(name, raw.get(name, {})))
     return ForgeConfig(**built)
 
 

@@ -12,7 +12,7 @@ import time
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from forge_moe_ep import moe_metrics
 from forge_tp_plans import (
     describe_tp_plan,
 )
-from forge_vlm import ac_components, num_image_tokens
+from forge_vlm import VLMWrapper, ac_components, num_image_tokens
 from forge_vlm.data import synthetic_vlm_batch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -55,12 +55,19 @@ class BuildReport:
     passed: bool
 
 
+def _vlm_wrapper(model: nn.Module) -> VLMWrapper:
+    """The ``forge_vlm.VLMWrapper`` inside a VLM config's model (DDP / compile unwrapped)."""
+    # NOTE: only called when cfg.is_vlm, whose model_from_config is build_vlm's VLMWrapper
+    # (FSDP2 swaps in a subclass); unwrap is typed nn.Module only.
+    return cast(VLMWrapper, unwrap(model))
+
+
 def _vlm_report(cfg: ForgeConfig, par: ParallelismConfig, model: nn.Module) -> list[str]:
     """The VLM lines of the report: parts, image tokens, what is frozen, TP per component."""
     if not cfg.is_vlm:
         return []
-    v, a, vlm = cfg.vision, cfg.adapter, cfg.vlm
-    wrapper = unwrap(model)
+    v, a, vlm = cfg.vlm_sections()
+    wrapper = _vlm_wrapper(model)
     encoder = wrapper.encoder
     if not vlm.freeze_encoder:
         state = "trainable, FSDP2 per block"
@@ -200,8 +207,8 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
     dist.all_gather_object(all_bytes, local_bytes)
     vlm_batch: dict[str, Any] = {}
     if cfg.is_vlm:
-        wrapper = unwrap(reference)
-        v = cfg.vision
+        wrapper = _vlm_wrapper(reference)
+        v = cfg.vlm_sections()[0]
         tokens, images = synthetic_vlm_batch(
             t.seed,
             t.steps,

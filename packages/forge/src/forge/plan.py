@@ -25,9 +25,10 @@ materialized (asserted). Every other rank's numbers are arithmetic:
   TP/SP, EP, DDP and the per-step reductions from the config, for AC none or full (selective
   and op count as none). Float8's fp8 all-gather and amax reductions are not modelled.
 
-Broken rules (``forge.checks.check_config`` and the checks it stops before, and a
-``ForgeConfigError`` from the build) are collected and reported, not raised. ``plan_layout``
-refuses to run where a process group exists, and destroys the fake one it creates.
+Broken rules (every problem ``forge.checks.config_problems`` finds, then, when those are clean,
+``forge.checks.import_problems``'s, and a ``ForgeConfigError`` from the build) are collected and
+reported, not raised. ``plan_layout`` refuses to run where a process group exists, and destroys
+the fake one it creates.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ import math
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -51,15 +53,14 @@ from forge_core.torch_compat import (
     strided_shard_type,
 )
 from forge_mesh import build_device_mesh, mesh_layout
-from forge_moe_ep import check_expert_parallel
-from forge_tp_plans import applied_tp_plan, check_transformer_tp
+from forge_tp_plans import applied_tp_plan
 from forge_vlm import ac_components, num_image_tokens
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 from .build import ParallelPlan, model_from_config
-from .checks import check_config
+from .checks import config_problems, import_problems
 from .config import ForgeConfig, load_config
 from .layout import Layout, resolve_layout
 
@@ -76,6 +77,14 @@ __all__ = [
 _DDP_BUCKET = 25 * 2**20  # DDP's default bucket_cap_mb
 _STRIDED_SHARD = strided_shard_type()
 _SHARDS = (Shard, _STRIDED_SHARD)  # NOTE: torch 2.15's _StridedShard is not a Shard subclass
+#: How a parameter groups for the per-rank arithmetic: shape, mesh, placements, FSDP2's mesh dim.
+_ParamKey = tuple[tuple[int, ...], DeviceMesh | None, tuple[Placement, ...], int | None]
+
+
+class _ShardLike(Protocol):
+    """What ``Shard`` and ``_StridedShard`` (no common base but ``Placement``) share here."""
+
+    dim: int
 
 
 @dataclass(frozen=True)
@@ -147,7 +156,7 @@ class LayoutPlan:
         if p is not None:
             axes = " x ".join(f"{n}={s}" for n, s in self.mesh)
             out.append(f"mesh:   {axes}  (data={self.data})" + (f"; ep={p.ep}" if p.ep > 1 else ""))
-        if self.param_bytes:
+        if self.param_bytes and p is not None:  # per-rank numbers: a layout was resolved
             rows: dict[tuple[int, ...], list[int]] = {}
             cols = (self.param_bytes, self.padded_param_bytes, self.grad_bytes, self.optim_bytes)
             acts = (self.activation_none, self.activation_full)
@@ -252,17 +261,19 @@ def estimate_activations(
     """
     layout = resolve_layout(cfg, world_size)
     m, t = cfg.model, layout.tp
+    kv_heads, ffn, hidden = m.n_kv_heads, m.ffn_dim, m.moe_ffn_dim
+    assert kv_heads and ffn and hidden  # filled in by (MoE)ModelConfig.__post_init__
     sp, lp = layout.sequence_parallel, layout.loss_parallel
     e, s, b, d = _itemsize(cfg), cfg.training.seq_len, layout.micro_batch, m.dim
     r = s // t if sp else s
     low = e != 4  # below fp32: casts that fp32 does not make
     norm_in = 8 * b * r * d if device == "cpu" else b * r * d * e
     norm = norm_in + 4 * b * r + b * s * d * e
-    attn = 2 * b * s * (d // t) * e + 2 * b * s * (m.n_kv_heads * m.head_dim // t) * e
+    attn = 2 * b * s * (d // t) * e + 2 * b * s * (kv_heads * m.head_dim // t) * e
     attn += 4 * b * s * (m.n_heads // t) + (4 * s * m.head_dim * e if low else 0)
-    dense = moe = 2 * norm + attn + 4 * b * s * (m.ffn_dim // t) * e
+    dense = moe = 2 * norm + attn + 4 * b * s * (ffn // t) * e
     if m.moe_layers:
-        tok, n_exp, hidden = b * s, m.num_experts, m.moe_ffn_dim
+        tok, n_exp = b * s, m.num_experts
         moe = 2 * norm + attn + 4 * tok * n_exp + 4 * n_exp + tok * m.top_k * 20
         moe += _routed_rows(cfg, b) * (8 + 2 * d * e + 4 * hidden * e)
         moe += 4 * d * (tok + n_exp) if low else 0
@@ -274,15 +285,17 @@ def estimate_activations(
     in_ac = "decoder" in _checkpointed(cfg)
     none, full = sum(blocks) + outside, (kept if in_ac else sum(blocks)) + outside
     top = max(blocks) if in_ac else 0
-    if cfg.is_vlm:
-        v, a = cfg.vision, cfg.adapter
-        n, n_img, tv = v.num_patches, num_image_tokens(v, a), t if cfg.vlm.encoder_tp else 1
+    v, a, vlm = cfg.vision, cfg.adapter, cfg.vlm
+    if v is not None and a is not None and vlm is not None:  # a VLM (ForgeConfig: all or none)
+        n, n_img, tv = v.num_patches, num_image_tokens(v, a), t if vlm.encoder_tp else 1
         extra = b * n * v.dim * e + 2 * b * n_img * (a.hidden_dim or d) * e + b * n_img * d * e
         extra += 9 * b * s + (b * n_img * v.dim * e if a.pool > 1 else 0)
         none, full = none + extra, full + extra
-        if not cfg.vlm.freeze_encoder:
+        if not vlm.freeze_encoder:
+            mlp = v.mlp_dim
+            assert mlp  # filled in by VisionEncoderConfig.__post_init__
             vit = 4 * b * n * v.dim * e + 16 * b * n + 4 * b * n * (v.dim // tv) * e
-            vit += 4 * b * n * (v.n_heads // tv) + 2 * b * n * (v.mlp_dim // tv) * e
+            vit += 4 * b * n * (v.n_heads // tv) + 2 * b * n * (mlp // tv) * e
             stem = b * v.in_channels * v.image_size**2 * e + b * n * v.dim * e + 8 * b * n
             in_ac = "encoder" in _checkpointed(cfg)
             none += v.n_layers * vit + stem
@@ -292,36 +305,10 @@ def estimate_activations(
 
 
 def _broken_rules(cfg: ForgeConfig, world_size: int) -> list[str]:
-    """``check_config``'s error, then the checks it stops before, each on its own (all shown)."""
-    found: list[str] = []
-
-    def attempt(check: Callable[[], object]) -> None:
-        try:
-            check()
-        except ForgeConfigError as err:
-            if str(err) not in found:
-                found.append(str(err))
-
-    attempt(lambda: check_config(cfg, world_size))
-    try:
-        layout = resolve_layout(cfg, world_size)
-    except ForgeConfigError:
-        return found
-    par, sp = layout.parallelism, layout.sequence_parallel
-    t, m = cfg.training, cfg.model
-    if par.tp > 1:
-        attempt(lambda: check_transformer_tp(m, par.tp, seq_len=t.seq_len, sequence_parallel=sp))
-    if par.ep > 1 and m.moe_layers:
-        attempt(lambda: check_expert_parallel(m.num_experts, par.ep))
-    said = " ".join(found)
-    if t.global_batch_size % (par.dp_degree * t.grad_accum) and "global_batch_size" not in said:
-        found.append(
-            f"training.global_batch_size={t.global_batch_size} must be divisible by the "
-            f"{par.dp_degree} data-parallel ranks x training.grad_accum={t.grad_accum}"
-        )
-    if t.seq_len > m.max_seq_len and "max_seq_len" not in said:
-        found.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    return found
+    """Every broken rule of ``cfg`` on ``world_size`` ranks: the value problems
+    (:func:`forge.checks.config_problems`), else the import problems
+    (:func:`forge.checks.import_problems`), as ``forge build`` / ``forge train`` refuse them."""
+    return config_problems(cfg, world_size) or import_problems(cfg, world_size)
 
 
 def _coordinates(mesh: DeviceMesh, world_size: int) -> torch.Tensor:
@@ -346,8 +333,8 @@ def _local_sizes(
     sizes = [torch.full((coords.shape[0],), n, dtype=torch.long) for n in shape]
     by_dim: dict[int, list[int]] = {}
     for j, p in enumerate(placements):
-        if isinstance(p, _SHARDS):
-            by_dim.setdefault(p.dim % len(shape), []).append(j)
+        if isinstance(p, _SHARDS):  # both kinds name the tensor dim they split
+            by_dim.setdefault(cast(_ShardLike, p).dim % len(shape), []).append(j)
     for k, dims in by_dim.items():
         if any(isinstance(placements[j], _STRIDED_SHARD) for j in dims):
             dims.reverse()  # FSDP2 sharded the TP/EP-local tensor: inner mesh dims first
@@ -372,29 +359,40 @@ def _per_rank_bytes(model: nn.Module, world_size: int) -> dict[str, torch.Tensor
         k: torch.zeros(world_size, dtype=torch.long) for k in ("params", "padded", "grads", "optim")
     }
     coords: dict[DeviceMesh, torch.Tensor] = {}
-    groups: dict[tuple, list[nn.Parameter]] = {}  # params that shard alike share the arithmetic
+    groups: dict[_ParamKey, list[nn.Parameter]] = {}  # params that shard alike: one arithmetic
     for p in model.parameters():
-        key = (tuple(p.shape), None, (), None)
+        key: _ParamKey = (tuple(p.shape), None, (), None)
         if isinstance(p, DTensor):
             key = (tuple(p.shape), p.device_mesh, tuple(p.placements), fsdp_dim.get(id(p)))
         groups.setdefault(key, []).append(p)
     for (shape, mesh, placements, fdim), params in groups.items():
-        local = padded = math.prod(shape)
+        local: int | torch.Tensor = math.prod(shape)  # a DTensor's: per rank, [world_size]
+        padded = local
         if mesh is not None:
             if mesh not in coords:
                 coords[mesh] = _coordinates(mesh, world_size)
             sizes = _local_sizes(shape, placements, mesh, coords[mesh])
-            rank0, truth = [int(x[0]) for x in sizes], list(params[0].to_local().shape)
+            first = params[0]
+            assert isinstance(first, DTensor)  # a mesh in the key: DTensor parameters
+            rank0, truth = [int(x[0]) for x in sizes], list(first.to_local().shape)
             if rank0 != truth:
                 raise AssertionError(f"{shape} {placements}: rank 0 {rank0} != to_local {truth}")
-            local = math.prod(sizes)
-            padded = math.prod(_local_sizes(shape, placements, mesh, coords[mesh], fdim))
+            local = _product(sizes)
+            padded = _product(_local_sizes(shape, placements, mesh, coords[mesh], fdim))
         trained = [q for q in params if q.requires_grad]
         out["params"] += local * sum(q.element_size() for q in params)
         out["padded"] += padded * sum(q.element_size() for q in params)
         out["grads"] += local * sum(q.element_size() for q in trained)
         out["optim"] += local * 8 * len(trained)  # AdamW: exp_avg, exp_avg_sq in float32
     return out
+
+
+def _product(sizes: list[torch.Tensor]) -> int | torch.Tensor:
+    """Elementwise product of per-rank sizes (1 for none), as ``math.prod`` would give."""
+    total: int | torch.Tensor = 1
+    for n in sizes:
+        total = total * n
+    return total
 
 
 def _fold(name: str) -> str:
@@ -409,15 +407,18 @@ def _collectives(cfg: ForgeConfig, layout: Layout, model: nn.Module) -> list[Col
     e, b, s, acc = _itemsize(cfg), layout.micro_batch, tr.seq_len, tr.grad_accum
     sizes = {"tp": par.tp, "ep": par.ep, "dp": par.dp_degree, "dp_replicate": par.dp_replicate}
     sizes["dp_shard"] = par.dp_shard
-    counts: dict[tuple, int] = {}
+    counts: dict[tuple[str, str, str, int, int, str], int] = {}
 
     def add(op: str, group: str, nbytes: int, n: int, what: str, size: int = 0) -> None:
         size = size or sizes[group]
         if size > 1 and n > 0:
-            key = (*op.split(), group, size, nbytes, what)
+            phase, kind = op.split()
+            key = (phase, kind, group, size, nbytes, what)
             counts[key] = counts.get(key, 0) + n
 
-    for name, unit in model.named_modules():
+    # NOTE: torch leaves named_modules' return type unannotated (Any); typed here for the checker
+    named: Iterator[tuple[str, nn.Module]] = model.named_modules()
+    for name, unit in named:
         if not isinstance(unit, FSDPModule):
             continue
         for group in fsdp_param_groups(unit):  # one per unit in forge
@@ -485,7 +486,7 @@ def _collectives(cfg: ForgeConfig, layout: Layout, model: nn.Module) -> list[Col
     if m.moe_layers and m.moe_bias_update_rate > 0:
         add("step all_reduce", "dp", 4 * m.num_experts, len(m.moe_layers), "MoE expert loads")
     sharded = {  # a gradient norm sums over every mesh dim some gradient is sharded on
-        (p.device_mesh.mesh_dim_names[j], p.device_mesh.shape[j]): None
+        (_dim_name(p.device_mesh, j), p.device_mesh.shape[j]): None
         for p in model.parameters()
         if isinstance(p, DTensor) and p.requires_grad
         for j, pl in enumerate(p.placements)
@@ -495,7 +496,17 @@ def _collectives(cfg: ForgeConfig, layout: Layout, model: nn.Module) -> list[Col
         add("step all_reduce", axis, 4, 1, "grad norm partial sum (fp32 scalar)", size)
     order = {"forward": 0, "backward": 1, "step": 2}
     ranked = sorted(counts.items(), key=lambda kv: (order[kv[0][0]], kv[0][2], kv[0][5]))
-    return [Collective(*key[:5], count=n, what=key[5]) for key, n in ranked]
+    return [
+        Collective(phase, kind, group, size, nbytes, count=n, what=what)
+        for (phase, kind, group, size, nbytes, what), n in ranked
+    ]
+
+
+def _dim_name(mesh: DeviceMesh, j: int) -> str:
+    """The name of ``mesh``'s dim ``j`` (forge names every dim of the meshes it builds)."""
+    names = mesh.mesh_dim_names
+    assert names is not None, "forge's meshes name their dims"
+    return names[j]
 
 
 def build_on_meta(cfg: ForgeConfig, mesh: DeviceMesh, data: str) -> nn.Module:
