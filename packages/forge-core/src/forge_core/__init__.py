@@ -25,8 +25,6 @@ from .lazy import lazy_exports
 # ``forge_core.errors`` load without torch: the launcher checks a config in a fraction of a second
 # before it imports torch (seconds) to start ranks.
 _EXPORTS = {
-    "find_block_container": "blocks",
-    "find_blocks": "blocks",
     "ParallelismConfig": "config",
     "load_config": "config",
     "attach_optimizer_hooks": "contracts",
@@ -57,7 +55,6 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from .blocks import find_block_container, find_blocks
     from .config import ParallelismConfig, load_config
     from .contracts import attach_optimizer_hooks, pop_aux_losses
     from .errors import ForgeConfigError
@@ -99,8 +96,6 @@ __all__ = [
     "axis_size",
     "check_stage",
     "dp_rank_and_size",
-    "find_block_container",
-    "find_blocks",
     "get_dp_mesh",
     "get_ep_mesh",
     "get_expert_dp_mesh",

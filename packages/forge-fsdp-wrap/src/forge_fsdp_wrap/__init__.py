@@ -25,6 +25,8 @@ _EXPORTS = {
     "AC_MODES": "checks",
     "check_ac_mode": "checks",
     "apply_ac": "ac",
+    "find_block_container": "blocks",
+    "find_blocks": "blocks",
     "apply_compile": "compile",
     "apply_ddp": "data_parallel",
     "apply_fsdp2": "data_parallel",
@@ -36,6 +38,7 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from .ac import apply_ac
+    from .blocks import find_block_container, find_blocks
     from .checks import AC_MODES, check_ac_mode
     from .compile import apply_compile
     from .data_parallel import (
@@ -59,6 +62,8 @@ __all__ = [
     "apply_fsdp2",
     "default_mp_policy",
     "enable_autocast",
+    "find_block_container",
+    "find_blocks",
     "frozen_bytes_rule",
     "unshard_fsdp2_model",
 ]

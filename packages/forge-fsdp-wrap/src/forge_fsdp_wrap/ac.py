@@ -23,7 +23,6 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-from forge_core.blocks import component_blocks
 from forge_core.errors import ForgeConfigError
 from forge_core.stages import stage
 from forge_core.torch_compat import checkpoint_wrapper
@@ -33,6 +32,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from .blocks import component_blocks
 from .checks import AC_MODES, check_ac_mode
 
 __all__ = ["AC_MODES", "apply_ac"]

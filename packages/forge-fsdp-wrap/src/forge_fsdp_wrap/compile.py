@@ -17,9 +17,10 @@ could not be traced.
 from __future__ import annotations
 
 import torch.nn as nn
-from forge_core.blocks import component_blocks
 from forge_core.contracts import opts_out_of_compile
 from forge_core.stages import stage
+
+from .blocks import component_blocks
 
 __all__ = ["apply_compile"]
 

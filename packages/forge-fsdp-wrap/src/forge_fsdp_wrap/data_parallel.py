@@ -22,7 +22,6 @@ from typing import TypedDict
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from forge_core.blocks import component_blocks
 from forge_core.contracts import expert_parallel_modules
 from forge_core.errors import ForgeConfigError
 from forge_core.mesh_dims import get_dp_mesh, get_expert_dp_mesh, has_dp_mesh
@@ -37,6 +36,8 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
+
+from .blocks import component_blocks
 
 __all__ = [
     "apply_ddp",

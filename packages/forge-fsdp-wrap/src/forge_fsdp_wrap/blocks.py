@@ -9,9 +9,8 @@ parameters among such containers.
 from __future__ import annotations
 
 import torch.nn as nn
-
-from .contracts import model_components
-from .errors import ForgeConfigError, did_you_mean
+from forge_core.contracts import model_components
+from forge_core.errors import ForgeConfigError, did_you_mean
 
 __all__ = ["Block", "component_blocks", "find_block_container", "find_blocks"]
 
