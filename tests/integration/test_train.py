@@ -143,57 +143,109 @@ def test_async_save_and_resume_latest(run_on_ranks, tmp_path):
 
 _KILLED_SAVE = textwrap.dedent(
     """
-    import sys, time, torch
+    import os, sys, time, torch
     import forge.checkpoint as fc
     from torch.distributed.checkpoint import FileSystemWriter
     from forge.checkpoint import Checkpointer, optimizer_hyperparameters
     from forge_core import ModelConfig, Transformer
 
-    root, phase = sys.argv[1], sys.argv[2]
-    model = Transformer(ModelConfig.preset("debug"))
-    model.init_weights(0)
-    opt = torch.optim.AdamW(model.parameters())
-    ckpt = Checkpointer(root)
-    ckpt.save(2, model, opt, {"step": 2, "param_groups": optimizer_hyperparameters(opt), "world_size": 1})
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
+    def save_and_stall(root, phase):
+        model = Transformer(ModelConfig.preset("debug"))
+        model.init_weights(0)
+        opt = torch.optim.AdamW(model.parameters())
+        ckpt = Checkpointer(root)
+        ckpt.save(2, model, opt, {"step": 2, "param_groups": optimizer_hyperparameters(opt), "world_size": 1})
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
 
-    def stall(*args, **kwargs):
-        print("STALLED", flush=True)
-        time.sleep(120)
+        def stall(*args, **kwargs):
+            print("STALLED", phase, os.getpid(), flush=True)
+            time.sleep(120)
 
-    def then_stall(fn):
-        def wrapped(*args, **kwargs):
-            out = fn(*args, **kwargs)
-            stall()
-            return out
-        return wrapped
+        def then_stall(fn):
+            def wrapped(*args, **kwargs):
+                out = fn(*args, **kwargs)
+                stall()
+                return out
+            return wrapped
 
-    if phase == "before shards":  # the JSON and RNG files exist, no tensor data
-        FileSystemWriter.write_data = stall
-    elif phase == "after shards":  # shards written; DCP's .metadata not yet
-        FileSystemWriter.finish = stall
-    elif phase == "before the manifest":  # every DCP file written
-        fc.write_manifest = stall
-    elif phase == "before the rename":  # manifest written and fsynced, not yet published
-        fc.write_manifest = then_stall(fc.write_manifest)
-    ckpt.save(4, model, opt, {"step": 4, "param_groups": optimizer_hyperparameters(opt), "world_size": 1})
+        if phase == "before shards":  # the JSON and RNG files exist, no tensor data
+            FileSystemWriter.write_data = stall
+        elif phase == "after shards":  # shards written; DCP's .metadata not yet
+            FileSystemWriter.finish = stall
+        elif phase == "before the manifest":  # every DCP file written
+            fc.write_manifest = stall
+        elif phase == "before the rename":  # manifest written and fsynced, not yet published
+            fc.write_manifest = then_stall(fc.write_manifest)
+        ckpt.save(4, model, opt, {"step": 4, "param_groups": optimizer_hyperparameters(opt), "world_size": 1})
+
+    # NOTE: one interpreter imports torch and forge once (seconds), then forks one process per
+    # phase (before any tensor work, so no thread pool is forked); each saves into its own root
+    # and is killed by the test. The parent reports how each ended.
+    children = {}
+    for root, phase in zip(sys.argv[1::2], sys.argv[2::2]):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                save_and_stall(root, phase)
+            finally:
+                os._exit(1)
+        children[pid] = phase
+    while children:
+        pid, status = os.wait()
+        print("ENDED", children.pop(pid), os.WTERMSIG(status) if os.WIFSIGNALED(status) else -1, flush=True)
     """
 )
 
+_PHASES = ["before shards", "after shards", "before the manifest", "before the rename"]
 
-@pytest.mark.parametrize(
-    "phase", ["before shards", "after shards", "before the manifest", "before the rename"]
-)
-def test_a_save_killed_half_way_leaves_the_previous_checkpoint_intact(tmp_path, phase):
-    root = tmp_path / "ckpt"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_SAVE, str(root), phase], stdout=subprocess.PIPE, text=True
-    )
-    assert proc.stdout.readline().strip() == "STALLED"
-    proc.kill()  # SIGKILL: no cleanup runs
-    proc.wait()
+
+class _StalledSaves:
+    """The process of _KILLED_SAVE and what it printed: ``STALLED <phase> <pid>`` when the save
+    of a phase stalls, ``ENDED <phase> <signal>`` once that process is gone."""
+
+    def __init__(self, base: Path) -> None:
+        self.roots = {phase: base / phase.replace(" ", "-") / "ckpt" for phase in _PHASES}
+        args = [str(a) for phase, root in self.roots.items() for a in (root, phase)]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _KILLED_SAVE, *args],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its own process group: close() ends it and every child
+        )
+        self.lines: list[str] = []
+
+    def line(self, prefix: str, phase: str) -> list[str]:
+        """The words after ``<prefix> <phase>``, reading on until that line has come."""
+        while True:
+            for line in self.lines:
+                if line.startswith(f"{prefix} {phase} "):
+                    return line[len(prefix) + len(phase) + 2 :].split()
+                assert not line.startswith(f"ENDED {phase} "), f"it ended before {prefix}"
+            line = self.proc.stdout.readline()
+            assert line, f"{prefix} {phase} never came: {self.lines}"
+            self.lines.append(line.strip())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:  # NOTE: alive, so its group id is still its own
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def stalled_saves(tmp_path_factory):
+    saves = _StalledSaves(tmp_path_factory.mktemp("killed-saves"))
+    yield saves
+    saves.close()
+
+
+@pytest.mark.parametrize("phase", _PHASES)
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint_intact(stalled_saves, phase):
+    root = stalled_saves.roots[phase]
+    (pid,) = stalled_saves.line("STALLED", phase)
+    os.kill(int(pid), signal.SIGKILL)  # no cleanup runs
+    assert stalled_saves.line("ENDED", phase) == [str(int(signal.SIGKILL))]  # and it is gone
     leftovers = sorted(p.name for p in root.iterdir())
     assert leftovers == [".tmp-step-00000004", "step-00000002"]
     tmp = root / ".tmp-step-00000004"

@@ -15,10 +15,14 @@ Nothing happens without ``FORGE_FAULT``.
 from __future__ import annotations
 
 import os
+import sys
 
 _FAULT = os.environ.get("FORGE_FAULT")
+#: multiprocessing's resource tracker, a helper the launcher starts: never a rank, and without
+#: this test it would not import torch (seconds of CPU beside the launch).
+_HELPER = "multiprocessing.resource_tracker" in " ".join(sys.orig_argv)
 
-if _FAULT:
+if _FAULT and not _HELPER:
     import errno
     import signal
     import time

@@ -165,7 +165,6 @@ def _train(args: argparse.Namespace) -> int:
 
     from .checkpoint_files import CheckpointDamaged, checkpoint_lock, find_latest
     from .config import load_config
-    from .train import run_train
 
     cfg_dict, nproc = prepared
     # NOTE: the launcher (or torchrun's rank 0) holds the checkpoint directory for the run.
@@ -174,6 +173,10 @@ def _train(args: argparse.Namespace) -> int:
     try:
         with checkpoint_lock(ckpt_dir) if owner else contextlib.nullcontext():
             if _under_launcher():
+                # NOTE: imported here: forge's own launcher only starts ranks, which import it
+                # in their forkserver (seconds of torch imports the launcher need not pay).
+                from .train import run_train
+
                 summary = run_train(cfg_dict, args.device)
             else:
                 summary = _launch_local(
@@ -369,8 +372,10 @@ def _launch_local(
     )
     # NOTE: ranks fork from a forkserver that has imported torch and forge once, instead of
     # each importing them (seconds per rank, serialized on few cores); the forkserver is a
-    # clean single-threaded process that has not touched CUDA.
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", fn.__module__])
+    # clean single-threaded process that has not touched CUDA. The module that runs the job
+    # (forge.train, forge.job: DTensor, FSDP2, DCP) is preloaded there too.
+    job_module = "forge.train" if fn is _train_rank else fn.__module__
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", job_module])
     run_id = f"forge-{uuid.uuid4().hex[:8]}"
     config = launch_config(
         min_nodes=1,
