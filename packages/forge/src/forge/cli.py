@@ -145,7 +145,9 @@ def _build(args: argparse.Namespace) -> int:
         report = run_build(cfg_dict, args.device)
     else:
         try:
-            report = _launch_local(run_build, cfg_dict, args.device, nproc, _log_dir(cfg_dict))
+            report = _launch_local(
+                run_build, cfg_dict, args.device, nproc, _log_dir(cfg_dict), preload="forge.job"
+            )
         except _RankFailed as e:
             print(f"forge build: FAIL: {e}", file=sys.stderr)
             return EXIT_FAILED
@@ -180,7 +182,12 @@ def _train(args: argparse.Namespace) -> int:
                 summary = run_train(cfg_dict, args.device)
             else:
                 summary = _launch_local(
-                    _train_rank, cfg_dict, args.device, nproc, _log_dir(cfg_dict)
+                    _train_rank,
+                    cfg_dict,
+                    args.device,
+                    nproc,
+                    _log_dir(cfg_dict),
+                    preload="forge.train",  # _train_rank imports it in the rank
                 )
     except CheckpointDamaged as e:  # under torchrun: rank 0 verified it, every rank says so
         print(f"forge train: damaged checkpoint: {e}", file=sys.stderr)
@@ -345,9 +352,17 @@ def _rank_main(fn: Callable[[dict, str], Any], cfg_dict: dict, device: str) -> A
 
 
 def _launch_local(
-    fn: Callable[[dict, str], Any], cfg_dict: dict, device: str, nproc: int, log_dir: Path
+    fn: Callable[[dict, str], Any],
+    cfg_dict: dict,
+    device: str,
+    nproc: int,
+    log_dir: Path,
+    *,
+    preload: str,
 ) -> Any:
     """Start ``nproc`` local ranks running ``fn(cfg_dict, device)``; returns rank 0's result.
+
+    ``preload``: the module that runs the job, imported once in the ranks' forkserver.
 
     Rank 0 keeps this terminal (progress, report); the other ranks' output goes to
     ``log_dir/<run id>/attempt_0/<rank>/{stdout,stderr}.log``. A failed rank becomes one line
@@ -373,9 +388,8 @@ def _launch_local(
     # NOTE: ranks fork from a forkserver that has imported torch and forge once, instead of
     # each importing them (seconds per rank, serialized on few cores); the forkserver is a
     # clean single-threaded process that has not touched CUDA. The module that runs the job
-    # (forge.train, forge.job: DTensor, FSDP2, DCP) is preloaded there too.
-    job_module = "forge.train" if fn is _train_rank else fn.__module__
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", job_module])
+    # (forge.train, forge.job: DTensor, FSDP2, DCP) is preloaded there, next to fn's module.
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", fn.__module__, preload])
     run_id = f"forge-{uuid.uuid4().hex[:8]}"
     config = launch_config(
         min_nodes=1,

@@ -32,7 +32,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
@@ -86,19 +86,31 @@ def no_packed_sequence_sync() -> Iterator[bool]:
     hooked models called inside a block) keep working. **Do NOT use with packed sequences.**
     """
     module = _flash_utils()
-    current = getattr(module, _ATTR, None)
-    if module is None or not callable(current):
+    if module is None or not callable(getattr(module, _ATTR, None)):
         yield False
         return
-    if current is _never_packed:  # an enclosing block (or hooked forward) already did it
-        yield True
-        return
-    setattr(module, _ATTR, _never_packed)
+    original = _replace(module)
     try:
         yield True
     finally:
-        if getattr(module, _ATTR, None) is _never_packed:
-            setattr(module, _ATTR, current)
+        _restore(module, original)
+
+
+def _replace(module: ModuleType) -> Any:
+    """Put the stand-in in place; returns the function it replaced, or None when it was already
+    in place (an enclosing block or hooked forward did it: that one restores)."""
+    current = getattr(module, _ATTR)
+    if current is _never_packed:
+        return None
+    setattr(module, _ATTR, _never_packed)
+    return current
+
+
+def _restore(module: ModuleType, original: Any) -> None:
+    """Undo :func:`_replace` (nothing if it replaced nothing, or if something else has replaced
+    the stand-in since)."""
+    if original is not None and getattr(module, _ATTR, None) is _never_packed:
+        setattr(module, _ATTR, original)
 
 
 #: The attribute on a model that :func:`skip_packed_sequence_check` hooked: its hook handles.
@@ -118,20 +130,21 @@ def skip_packed_sequence_check(model: nn.Module) -> bool:
     """
     if getattr(model, HOOKS_ATTR, None):
         return True
-    if not is_hf_model(model) or not callable(getattr(_flash_utils(), _ATTR, None)):
+    utils = _flash_utils() if is_hf_model(model) else None
+    if utils is None or not callable(getattr(utils, _ATTR, None)):
         return False
     handles: list[RemovableHandle] = []
     for module in (model, *_attention_modules(model)):
-        blocks: list[ExitStack] = []
+        # NOTE: the hooks run per attention layer per forward: the module is looked up once
+        # here, and a call nested in the model's forward finds the stand-in and does nothing.
+        originals: list[Any] = []
 
-        def enter(*_: Any, blocks: list[ExitStack] = blocks) -> None:
-            stack = ExitStack()
-            stack.enter_context(no_packed_sequence_sync())
-            blocks.append(stack)
+        def enter(*_: Any, originals: list[Any] = originals) -> None:
+            originals.append(_replace(utils))
 
-        def leave(*_: Any, blocks: list[ExitStack] = blocks) -> None:
-            if blocks:
-                blocks.pop().close()
+        def leave(*_: Any, originals: list[Any] = originals) -> None:
+            if originals:
+                _restore(utils, originals.pop())
 
         handles.append(module.register_forward_pre_hook(enter))
         handles.append(module.register_forward_hook(leave, always_call=True))
