@@ -31,6 +31,7 @@ from forge.checkpoint import (
 )
 from forge.data import SyntheticData, TokenFile
 from forge.export import export_checkpoint, from_hf_llama, hf_llama_config, load_safetensors
+from forge.optim import clip_grad_norm_, warmup_cosine
 from forge.train import (
     _nonfinite_values,
     peak_flops,
@@ -38,7 +39,7 @@ from forge.train import (
     train_flops_per_token,
 )
 from forge_core import ForgeConfigError, ModelConfig, Transformer, load_config
-from forge_core.training import clip_grad_norm_, forward_backward, warmup_cosine
+from forge_core.training import forward_backward
 
 ROOT = Path(__file__).resolve().parents[2]
 FORGE = [sys.executable, "-m", "forge.cli"]

@@ -5,8 +5,7 @@
   run it)
 - :func:`local_batch`, :func:`reduce_over_dp`: a rank's data-parallel slice, sums over the DP axes
 - :func:`set_gradient_sync`: gradient accumulation on FSDP2 / DDP
-- :func:`global_grad_norm`, :func:`clip_grad_norm_`: norms over gradients on several meshes
-- :func:`warmup_cosine`: the learning-rate schedule of forge train
+- :func:`global_grad_norm`: the norm of gradients on several meshes
 - :func:`synthetic_tokens`: a learnable token stream, the same on every rank
 
 The parity harness built on them is :mod:`forge_core.testing`.
@@ -32,7 +31,6 @@ from .mesh_dims import DP_AXES, dp_rank_and_size, has_axis, sub_mesh
 
 __all__ = [
     "IGNORE_INDEX",
-    "clip_grad_norm_",
     "forward_backward",
     "global_grad_norm",
     "local_batch",
@@ -40,7 +38,6 @@ __all__ = [
     "set_gradient_sync",
     "step_generator",
     "synthetic_tokens",
-    "warmup_cosine",
 ]
 
 
@@ -146,44 +143,6 @@ def global_grad_norm(
             squares += part**2
         return squares.sqrt()
     return torch.stack(parts).pow(p).sum().pow(1.0 / p)
-
-
-def clip_grad_norm_(
-    parameters: list[nn.Parameter], max_norm: float, norm_type: float = 2.0
-) -> torch.Tensor:
-    """Scale gradients so that their global ``norm_type``-norm is at most ``max_norm``; returns
-    the norm, in the gradients' dtype and on their device (as torch's does).
-
-    Unlike ``torch.nn.utils.clip_grad_norm_``, the norm covers gradients on several meshes at
-    once (TP DTensors, FSDP2 shards, EP experts on their own mesh, plain tensors): each mesh's
-    part is reduced over that mesh, then the parts are combined (:func:`global_grad_norm`).
-    ``max_norm <= 0`` only measures. Clipping multiplies by ``max_norm / (norm + 1e-6)`` when
-    that is below 1, as torch does.
-    """
-    norm = global_grad_norm(parameters, norm_type)
-    if max_norm > 0:
-        coef = max_norm / (float(norm) + 1e-6)
-        if coef < 1.0:
-            for q in parameters:
-                if q.grad is not None:
-                    q.grad.mul_(coef)
-    first = next((q.grad for q in parameters if q.grad is not None), None)
-    if first is None:
-        return norm
-    local = first.to_local() if isinstance(first, DTensor) else first
-    return norm.to(device=local.device, dtype=local.dtype)
-
-
-def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
-    """LR factor at optimizer step ``step`` (0-based): linear warmup, then cosine to ``min_ratio``.
-
-    Warmup reaches the full LR at step ``warmup_steps - 1``; the cosine then falls from 1 to
-    ``min_ratio`` at step ``total_steps`` and stays there.
-    """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def reduce_over_dp(

@@ -47,11 +47,9 @@ from forge_core import (
 from forge_core.mesh_dims import axis_size, dp_rank_and_size
 from forge_core.stages import unwrap
 from forge_core.training import (
-    clip_grad_norm_,
     forward_backward,
     reduce_over_dp,
     set_gradient_sync,
-    warmup_cosine,
 )
 from forge_domain import domain_group, shard_spatial, sync_domain_gradients
 from forge_mesh import mesh_layout
@@ -65,6 +63,7 @@ from .checkpoint_files import CheckpointDamaged, resume_point
 from .config import ForgeConfig, load_config
 from .data import FieldBatch, make_data
 from .job import setup_rank
+from .optim import clip_grad_norm_, warmup_cosine
 
 __all__ = ["StepLog", "TrainSummary", "peak_flops", "run_train", "train_flops_per_token"]
 
