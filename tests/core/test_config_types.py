@@ -39,7 +39,8 @@ def _accepts(hint: object, value: object) -> bool:
         if arm is str and isinstance(value, str):
             return True
         if typing.get_origin(arm) is tuple and isinstance(value, list):
-            return all(isinstance(v, str) for v in value)
+            (item, *_) = typing.get_args(arm)
+            return all(_accepts(item, v) for v in value)
     return False
 
 

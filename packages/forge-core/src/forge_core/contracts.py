@@ -29,6 +29,14 @@ mark. No registry, no global state: everything lives on the modules.
   one (a vision-language model). :func:`model_components` lists them; FSDP2, AC and compile then
   work per component (each component's own blocks), and the stage-order contract checks and
   records every stage on the model and on each component.
+- **Pipeline stages.** A model class with ``forge_pipeline_parts = {"first": (...), "blocks":
+  "layers", "last": (...)}`` can be cut into pipeline stages: ``blocks`` names an
+  ``nn.ModuleDict`` of blocks run in order, ``first`` the modules only the first stage keeps
+  (embeddings), ``last`` those only the last keeps (final norm, head); a stage sets the others to
+  None and its forward must then pass hidden states through. A model whose instance has a
+  callable ``forge_pipeline_step`` (:func:`pipeline_step`) is split over pipeline ranks and runs
+  its forward and backward itself, through a schedule: the training step hands it the inputs,
+  the targets and the loss function instead of calling it.
 - **Left out of torch.compile.** A module class with ``forge_no_compile = True`` cannot be traced
   as one graph (e.g. it reads split sizes on the host). Per-block compilation then compiles the
   block's other composite children and runs this module eagerly.
@@ -53,6 +61,7 @@ from torch.utils.hooks import RemovableHandle
 __all__ = [
     "TPRecord",
     "AFTER_STEP_METHOD",
+    "after_step_functions",
     "apply_tp_styles",
     "register_after_optimizer_step",
     "restyle_tp",
@@ -64,6 +73,7 @@ __all__ = [
     "mark_expert_parallel",
     "model_components",
     "opts_out_of_compile",
+    "pipeline_step",
     "pop_aux_losses",
 ]
 
@@ -83,6 +93,11 @@ def register_after_optimizer_step(model: nn.Module, fn: Callable[[], None]) -> N
     """Have :func:`attach_optimizer_hooks` also call ``fn()`` after each step (e.g. Float8's
     scale precompute for FSDP2, which needs the whole model)."""
     model.__dict__.setdefault(_AFTER_STEP_FNS, []).append(fn)
+
+
+def after_step_functions(model: nn.Module) -> list[Callable[[], None]]:
+    """The functions :func:`register_after_optimizer_step` registered on ``model`` itself."""
+    return list(model.__dict__.get(_AFTER_STEP_FNS, ()))
 
 
 def attach_optimizer_hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -> RemovableHandle:
@@ -126,6 +141,20 @@ def model_components(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def opts_out_of_compile(module: nn.Module) -> bool:
     """Whether ``module`` or a module inside it declares ``forge_no_compile = True``."""
     return any(getattr(m, "forge_no_compile", False) is True for m in module.modules())
+
+
+PIPELINE_STEP_ATTR = "forge_pipeline_step"
+
+
+def pipeline_step(model: nn.Module) -> Callable[..., torch.Tensor] | None:
+    """The pipeline schedule step of a model split over pipeline ranks, else None.
+
+    ``step(inputs, targets, loss_fn) -> loss sum``: runs the forward and backward of every
+    micro-batch; ``loss_fn(output, targets) -> (loss to back-propagate, detached loss to report)``
+    runs on the last stage; the returned report sum is the same on every pipeline rank.
+    """
+    step = model.__dict__.get(PIPELINE_STEP_ATTR)
+    return step if callable(step) else None
 
 
 def mark_expert_parallel(module: nn.Module, ep_size: int) -> None:

@@ -22,7 +22,10 @@ A config subclass may name blocks whose FFN slot holds another module
 ``forge_moe_ep.MoE.for_block``); such a config without a factory is refused.
 
 ``layers`` is a ModuleDict (not a ModuleList) so that removing blocks (pipeline stages) keeps the
-remaining names. Attention takes its local head count from the projection's output width, so a
+remaining names. A pipeline stage is a copy holding some blocks, with ``tok_embeddings`` (not the
+first stage) or ``norm`` and ``output`` (not the last) set to None: it then takes hidden states
+``[B, S, dim]`` instead of tokens, or returns them instead of logits (``forge_pipeline_parts``
+names these parts for forge-pp). Attention takes its local head count from the projection's output width, so a
 column-sharded ``wq`` needs no change here. RoPE tables are non-persistent buffers recomputed by
 :meth:`Transformer.init_weights`, which also fills every parameter deterministically (same values
 sharded or not; see :mod:`forge_core.init`). Build it on the meta device, parallelize, then
@@ -174,6 +177,15 @@ class Transformer(nn.Module):
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    tok_embeddings: nn.Embedding | None
+    norm: nn.RMSNorm | None
+    output: nn.Linear | None
+    #: The parts forge-pp splits into pipeline stages (``forge_core.contracts``, Pipeline stages).
+    forge_pipeline_parts = {
+        "first": ("tok_embeddings",),
+        "blocks": "layers",
+        "last": ("norm", "output"),
+    }
 
     def __init__(self, config: ModelConfig, ffn_factory: FFNFactory | None = None) -> None:
         super().__init__()
@@ -207,6 +219,8 @@ class Transformer(nn.Module):
 
     def tie_weights(self) -> None:
         """Share the embedding with the head when ``tie_embeddings`` (``to_empty`` unties them)."""
+        if self.output is None or self.tok_embeddings is None:  # a pipeline stage: not both
+            return
         if self.config.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
 
@@ -229,7 +243,8 @@ class Transformer(nn.Module):
             raise ForgeConfigError(
                 f"sequence length {S} exceeds model.max_seq_len={self.config.max_seq_len}"
             )
-        h = self.tok_embeddings(tokens)
+        # NOTE: a pipeline stage after the first has no embedding and gets hidden states.
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         if (insert_embeds is None) != (insert_mask is None):
             raise ForgeConfigError("insert_embeds and insert_mask go together: pass both or none")
         if insert_embeds is not None and insert_mask is not None:
@@ -237,7 +252,9 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[:S], self.rope_sin[:S]
         for block in self.layers.values():
             h = block(h, cos, sin)
-        return self.output(self.norm(h))
+        if self.norm is not None:  # NOTE: None on a pipeline stage before the last
+            h = self.norm(h)
+        return h if self.output is None else self.output(h)
 
     @torch.no_grad()
     def reset_rope(self) -> None:

@@ -1,6 +1,7 @@
-"""The stage-order contract: TP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2/DDP.
+"""The stage-order contract: PP split -> TP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2/DDP.
 
-Why an order: TP must see raw ``nn.Linear`` modules; Float8 swaps Linears after TP/EP split them
+Why an order: the pipeline split comes first because every later stage applies to each stage
+module (a stage records ``pp`` and then its own order); TP must see raw ``nn.Linear`` modules; Float8 swaps Linears after TP/EP split them
 and before AC wraps blocks; domain parallelism swaps convolutions and norms for their
 height-slab forms, which AC and compile must then see; FSDP2 shards last so it sees the final parameters (DTensors from TP,
 float8 weights). Applied in another order the model still runs but computes different numbers,
@@ -38,6 +39,7 @@ __all__ = [
 
 #: Stage name -> rank in the order. fsdp2 and ddp share a rank: a model gets one of them.
 STAGES: dict[str, int] = {
+    "pp": -1,
     "tp": 0,
     "ep": 1,
     "float8": 2,
@@ -47,7 +49,7 @@ STAGES: dict[str, int] = {
     "fsdp2": 6,
     "ddp": 6,
 }
-ORDER_TEXT = "TP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2 (or DDP)"
+ORDER_TEXT = "PP split -> TP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2 (or DDP)"
 _ATTR = "_forge_stages"
 
 

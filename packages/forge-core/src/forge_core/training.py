@@ -25,9 +25,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
-from .contracts import pop_aux_losses
+from .contracts import pipeline_step, pop_aux_losses
 from .errors import ForgeConfigError
-from .mesh_dims import DP_AXES, dp_rank_and_size, has_axis, sub_mesh
+from .mesh_dims import DP_AXES, axis_size, dp_rank_and_size, has_axis, sub_mesh
 
 __all__ = [
     "IGNORE_INDEX",
@@ -106,17 +106,22 @@ def _check_norm_type(norm_type: float) -> float:
 
 
 def global_grad_norm(
-    parameters: list[nn.Parameter] | object, norm_type: float = 2.0
+    parameters: list[nn.Parameter] | object,
+    norm_type: float = 2.0,
+    *,
+    mesh: DeviceMesh | None = None,
 ) -> torch.Tensor:
     """The ``norm_type``-norm (default L2; ``inf``: the largest magnitude) of all gradients across
-    every shard (DTensor gradients are reduced over their mesh), as a float64 CPU scalar."""
+    every shard (DTensor gradients are reduced over their mesh), as a float64 CPU scalar.
+
+    With a ``mesh`` that has a ``pp`` axis, ``parameters`` are this rank's pipeline stages' and
+    the other stages' parts are added (one all-reduce over the pipeline ranks).
+    """
     p = _check_norm_type(norm_type)
     grads = [q.grad for q in parameters if q.grad is not None]  # type: ignore[union-attr]
-    if not grads:
-        return torch.zeros(())
     plain = [g for g in grads if not isinstance(g, DTensor)]
     sharded = [g for g in grads if isinstance(g, DTensor)]
-    parts: list[torch.Tensor] = []  # float64 CPU norms of disjoint groups of gradients
+    parts: list[torch.Tensor] = [torch.zeros((), dtype=torch.float64)]  # float64 CPU norms
     if plain:
         parts.append(torch.nn.utils.get_total_norm(plain, p).double().cpu())
     # Group by mesh: a norm of DTensors on one mesh reduces with one collective.
@@ -136,13 +141,22 @@ def global_grad_norm(
     finally:
         redistribute_log.setLevel(level)
     if math.isinf(p):
-        return torch.stack(parts).max()
-    if p == 2.0:  # NOTE: the sum of squares, as before norm_type existed (parity records)
-        squares = torch.zeros((), dtype=torch.float64)
+        total = torch.stack(parts).max()
+    elif p == 2.0:  # NOTE: the sum of squares, as before norm_type existed (parity records)
+        total = torch.zeros((), dtype=torch.float64)
         for part in parts:
-            squares += part**2
-        return squares.sqrt()
-    return torch.stack(parts).pow(p).sum().pow(1.0 / p)
+            total += part**2
+    else:
+        total = torch.stack(parts).pow(p).sum()
+    if axis_size(mesh, "pp") > 1:  # every pipeline rank joins, with or without gradients
+        device = grads[0].device if grads else torch.device("cpu")
+        summed = total.to(device)
+        op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+        dist.all_reduce(summed, op=op, group=sub_mesh(mesh, "pp").get_group())
+        total = summed.cpu()
+    if math.isinf(p):
+        return total
+    return total.sqrt() if p == 2.0 else total.pow(1.0 / p)
 
 
 def reduce_over_dp(
@@ -183,6 +197,13 @@ def forward_backward(
     Returns ``(loss sum, token count)`` over the global batch (both reduced over the
     data-parallel ranks, on the device): their ratio is the step's loss.
     """
+    step = pipeline_step(model)
+    if step is not None and (grad_accum != 1 or images is not None):
+        raise ForgeConfigError(
+            "a model split into pipeline stages runs its micro-batches through the schedule: "
+            "use pp.microbatches instead of grad_accum (set grad_accum=1); images are not "
+            "supported with pipeline parallelism"
+        )
     if tokens_BS.shape[0] % grad_accum:
         raise ForgeConfigError(
             f"per-rank batch {tokens_BS.shape[0]} is not divisible by grad_accum={grad_accum}"
@@ -192,6 +213,24 @@ def forward_backward(
         targets = targets.masked_fill(targets == ignore_token, IGNORE_INDEX)
     count = reduce_over_dp((targets != IGNORE_INDEX).sum().to(torch.int64), mesh)
     scale = dp_rank_and_size(mesh)[1] / count
+
+    def token_loss(logits: torch.Tensor, micro_targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(
+            logits.float().flatten(0, 1),
+            micro_targets.flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+
+    if step is not None:  # the schedule runs every micro-batch (auxiliary losses included)
+
+        def pipeline_loss(
+            logits: torch.Tensor, micro_targets: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            micro_sum = token_loss(logits, micro_targets)
+            return micro_sum * scale, micro_sum.detach()
+
+        return reduce_over_dp(step(tokens_BS[:, :-1], targets, pipeline_loss), mesh), count
     micro_images = images.chunk(grad_accum) if images is not None else [None] * grad_accum
     micro_targets = targets.chunk(grad_accum)
     loss_sum = torch.zeros((), device=tokens_BS.device)
@@ -203,12 +242,7 @@ def forward_backward(
         # Vocab-sharded logits (loss parallel): the cross entropy reduces over the tp ranks
         # without gathering the logits; forward and backward both need the context.
         with loss_parallel() if isinstance(logits, DTensor) else nullcontext():
-            micro_sum = F.cross_entropy(
-                logits.float().flatten(0, 1),
-                micro_targets[i].flatten(),
-                ignore_index=IGNORE_INDEX,
-                reduction="sum",
-            )
+            micro_sum = token_loss(logits, micro_targets[i])
             loss = micro_sum * scale
             aux = pop_aux_losses(model)  # e.g. the MoE balancing loss: a mean over micro-batches
             if aux is not None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import KW_ONLY, dataclass, fields
+from dataclasses import KW_ONLY, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,8 @@ from forge_fsdp_wrap import (
     enable_autocast,
 )
 from forge_moe_ep import MoE, apply_expert_parallel, moe_transformer
+from forge_pp import attach_schedule, pipeline_split, share_buffers
+from forge_pp.config import PPConfig
 from forge_tp_plans import apply_tensor_parallel
 from forge_vlm import (
     AdapterConfig,
@@ -190,9 +192,12 @@ class ParallelPlan:
     float8: Float8Config = Float8Config()
     vlm: VLMConfig | None = None
     packed_sequences: bool | None = None
+    pp: PPConfig = PPConfig()
 
     def __post_init__(self) -> None:
-        sizes = {axis: axis_size(self.device_mesh, axis) for axis in (*NOT_YET, "tp", "domain")}
+        sizes = {
+            axis: axis_size(self.device_mesh, axis) for axis in (*NOT_YET, "pp", "tp", "domain")
+        }
         if self.data is None:  # frozen: the resolved default is set once, here
             object.__setattr__(self, "data", "fsdp2" if has_dp_mesh(self.device_mesh) else "none")
         check_plan(
@@ -216,7 +221,7 @@ class ParallelPlan:
             raise ForgeConfigError(
                 f"packed_sequences={self.packed_sequences!r} must be None (unknown), True or False"
             )
-        for name, kind in (("float8", Float8Config), ("vlm", VLMConfig)):
+        for name, kind in (("float8", Float8Config), ("vlm", VLMConfig), ("pp", PPConfig)):
             value = getattr(self, name)
             if not isinstance(value, kind) and not (name == "vlm" and value is None):
                 raise ForgeConfigError(
@@ -282,6 +287,7 @@ class ParallelPlan:
             "allow_plan_import": cfg.tp.allow_import,
             "float8": cfg.float8,
             "vlm": cfg.vlm,
+            "pp": cfg.pp,
         }
         return cls(device_mesh, **{**mapped, **overrides})
 
@@ -329,6 +335,53 @@ class ParallelPlan:
         A model made of components (a VLM) gets TP on its ``decoder`` (and on its ``encoder``
         with ``encoder_tp``), EP and Float8 on the decoder, AC on ``ac_components`` (None: all).
         """
+        if axis_size(self.device_mesh, "pp") > 1:
+            return self._parallelize_pipeline(model, device=device, seed=seed)
+        return self._parallelize_one(model, device=device, seed=seed)
+
+    def _parallelize_pipeline(
+        self, model: nn.Module, *, device: torch.device | str | None, seed: int | None
+    ) -> nn.Module:
+        """PP split first, then every stage module through :meth:`_parallelize_one` (TP without
+        sequence parallelism, FSDP2 keeping parameters gathered between micro-batches), then the
+        schedule over them. Returns the rank model (the unsplit names, this rank's blocks)."""
+        mesh = self.device_mesh
+        assert mesh is not None  # a pp axis of size > 1 implies a mesh
+        if device is None:
+            raise ForgeConfigError(
+                "pipeline parallelism builds its stages on the meta device: call "
+                "parallelize(model_on_meta, device=..., seed=...)"
+            )
+        if self.data == "ddp" or self.compile_scope == "model" and self.compile_model:
+            raise ForgeConfigError(
+                "parallelism.pp > 1 supports data='fsdp2' or 'none' and per-block compile; "
+                "set parallelism.data='fsdp2' and training.compile_scope='blocks'"
+            )
+        if self.loss_parallel or self.sequence_parallel:
+            raise ForgeConfigError(
+                "parallelism.pp > 1: what passes between stages must be plain tensors; set "
+                "tp.sequence_parallel=false and tp.loss_parallel=false (basic TP on each stage)"
+            )
+        # NOTE: reshard_after_forward=False under PP: a stage runs the forwards of several
+        # micro-batches before their backwards; resharding after each forward would all-gather
+        # the stage's parameters again for every micro-batch (twice, forward and backward).
+        # Keeping them gathered until the last backward costs one stage's unsharded parameters.
+        stage_plan = replace(
+            self,
+            sequence_parallel=False,
+            reshard_after_forward=False
+            if self.reshard_after_forward is True
+            else self.reshard_after_forward,
+        )
+        split = pipeline_split(model, mesh, self.pp)
+        for stage in split.stages:
+            stage_plan._parallelize_one(stage, device=device, seed=seed)
+        share_buffers(split)
+        return attach_schedule(split, mesh, self.pp, device)
+
+    def _parallelize_one(
+        self, model: nn.Module, *, device: torch.device | str | None, seed: int | None
+    ) -> nn.Module:
         if device is not None and not any(
             t.is_meta for t in (*model.parameters(), *model.buffers())
         ):

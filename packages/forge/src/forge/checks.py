@@ -50,7 +50,6 @@ __all__ = [
 #: Axes whose layer this forge does not have yet -> what provides them. Refused, never ignored.
 NOT_YET = {
     "cp": "context parallelism",
-    "pp": "pipeline parallelism",
 }
 
 
@@ -64,6 +63,11 @@ def plan_problems(data: str, axis_sizes: dict[str, int], *, ac_mode: str = "none
             problems.append(
                 f"parallelism.{axis}={axis_sizes[axis]} needs {layer}, which this forge does not have yet; set {axis}=1"
             )
+    if data == "ddp" and axis_sizes.get("pp", 1) > 1:
+        problems.append(
+            f"data='ddp' with pp={axis_sizes['pp']}: pipeline stages are data-parallel with FSDP2 "
+            "here; use data='fsdp2' (or 'none')"
+        )
     if data == "ddp" and axis_sizes.get("tp", 1) > 1:
         problems.append(
             f"data='ddp' with tp={axis_sizes['tp']}: DDP does not handle tensor-parallel (DTensor) "
@@ -92,7 +96,7 @@ def config_problems(cfg: ForgeConfig, world_size: int) -> list[str]:
     except ForgeConfigError as err:
         return [str(err)]
     par, t, m = layout.parallelism, cfg.training, cfg.model
-    sizes = {name: getattr(par, name) for name in (*NOT_YET, "tp")}
+    sizes = {name: getattr(par, name) for name in (*NOT_YET, "pp", "tp")}
     problems = plan_problems(par.data, sizes, ac_mode=t.ac_mode)
     if cfg.field is not None:
         problems += _field_problems(cfg, par)

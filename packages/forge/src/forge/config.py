@@ -28,6 +28,7 @@ from forge_core.errors import ForgeConfigError, check_field_types, did_you_mean,
 from forge_domain.config import FIELD_PRESETS, FieldConfig
 from forge_float8.config import Float8Config
 from forge_moe_ep.config import MoEModelConfig
+from forge_pp.config import PPConfig
 from forge_tp_plans.config import TPConfig
 from forge_vlm.config import VLM_PRESETS, AdapterConfig, VisionEncoderConfig, VLMConfig
 
@@ -184,6 +185,7 @@ class ForgeConfig:
     tp: TPConfig = field(default_factory=TPConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     float8: Float8Config = field(default_factory=Float8Config)
+    pp: PPConfig = field(default_factory=PPConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     #: A vision-language model when set (all three together): ``[vision]``, ``[adapter]`` and
@@ -259,6 +261,7 @@ _SECTIONS: dict[str, type] = {
     "tp": TPConfig,
     "training": TrainingConfig,
     "float8": Float8Config,
+    "pp": PPConfig,
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "vision": VisionEncoderConfig,

@@ -7,13 +7,18 @@ import math
 import torch
 import torch.nn as nn
 from forge_core.training import global_grad_norm
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 __all__ = ["clip_grad_norm_", "warmup_cosine"]
 
 
 def clip_grad_norm_(
-    parameters: list[nn.Parameter], max_norm: float, norm_type: float = 2.0
+    parameters: list[nn.Parameter],
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    mesh: DeviceMesh | None = None,
 ) -> torch.Tensor:
     """Scale gradients so that their global ``norm_type``-norm is at most ``max_norm``; returns
     the norm, in the gradients' dtype and on their device (as torch's does).
@@ -22,9 +27,10 @@ def clip_grad_norm_(
     once (TP DTensors, FSDP2 shards, EP experts on their own mesh, plain tensors): each mesh's
     part is reduced over that mesh, then the parts are combined (:func:`global_grad_norm`).
     ``max_norm <= 0`` only measures. Clipping multiplies by ``max_norm / (norm + 1e-6)`` when
-    that is below 1, as torch does.
+    that is below 1, as torch does. With a ``mesh`` that has a ``pp`` axis the norm covers every
+    pipeline stage (:func:`global_grad_norm`).
     """
-    norm = global_grad_norm(parameters, norm_type)
+    norm = global_grad_norm(parameters, norm_type, mesh=mesh)
     if max_norm > 0:
         coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:

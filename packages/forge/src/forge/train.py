@@ -389,7 +389,7 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
                     images=None if batch.images is None else batch.images.to(device),
                     ignore_token=ignore,
                 )
-            grad_norm = float(clip_grad_norm_(trainable, t.max_grad_norm))
+            grad_norm = float(clip_grad_norm_(trainable, t.max_grad_norm, mesh=mesh))
             loss = float(loss_sum / global_count)
             # NOTE: before optimizer.step(): a non-finite loss or gradient norm (both reduced
             # over every rank, so every rank stops here together) never reaches the parameters,

@@ -84,7 +84,7 @@ def train_steps(
             images=None if images is None else local_batch(images[step], mesh).to(device),
             ignore_token=ignore_token,
         )
-        grad_norm = global_grad_norm(trainable)
+        grad_norm = global_grad_norm(trainable, mesh=mesh)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         records.append(StepRecord(loss=float(loss_sum / count), grad_norm=float(grad_norm)))

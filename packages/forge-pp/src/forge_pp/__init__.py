@@ -1,0 +1,66 @@
+"""forge_pp: pipeline parallelism, the first stage of forge's order (PP split -> TP -> EP -> ...).
+
+- :class:`PPConfig` (``[pp]``) and :data:`SCHEDULES`: schedule, micro-batches, stages per rank,
+  split points (:mod:`forge_pp.config`, no torch import)
+- :func:`pp_problems`, :func:`schedule_problems`, :func:`check_pp`: pre-launch checks
+  (:mod:`forge_pp.checks`)
+- :func:`pipeline_split`: cut a model on meta into this rank's stages (the rank model keeps the
+  unsplit parameter names); :func:`balanced_blocks`, :func:`stage_indices`: which blocks and
+  stages go where
+- :func:`attach_schedule`: run the parallelized stages with a torch.distributed.pipelining
+  schedule, through ``forge_core.training.forward_backward``
+- :func:`bubble_fraction`: the idle fraction a schedule leaves, in theory
+
+Depends on forge_core and torch.
+"""
+
+from typing import TYPE_CHECKING
+
+from forge_core.lazy import lazy_exports
+
+_EXPORTS = {
+    "SCHEDULES": "config",
+    "PPConfig": "config",
+    "ScheduleInfo": "config",
+    "check_pp": "checks",
+    "pp_problems": "checks",
+    "schedule_problems": "checks",
+    "stage_count": "checks",
+    "PipelineSplit": "split",
+    "balanced_blocks": "split",
+    "pipeline_split": "split",
+    "split_model": "split",
+    "stage_indices": "split",
+    "attach_schedule": "schedule",
+    "share_buffers": "schedule",
+    "bubble_fraction": "theory",
+}
+
+if TYPE_CHECKING:
+    from .checks import check_pp, pp_problems, schedule_problems, stage_count
+    from .config import SCHEDULES, PPConfig, ScheduleInfo
+    from .schedule import attach_schedule, share_buffers
+    from .split import PipelineSplit, balanced_blocks, pipeline_split, split_model, stage_indices
+    from .theory import bubble_fraction
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PPConfig",
+    "PipelineSplit",
+    "SCHEDULES",
+    "ScheduleInfo",
+    "attach_schedule",
+    "balanced_blocks",
+    "bubble_fraction",
+    "check_pp",
+    "pipeline_split",
+    "pp_problems",
+    "schedule_problems",
+    "share_buffers",
+    "split_model",
+    "stage_count",
+    "stage_indices",
+]

@@ -1,0 +1,134 @@
+"""Pre-launch checks of pipeline settings (no torch import at module level).
+
+:func:`pp_problems` returns every problem of a ``[pp]`` section with its layout as a one-line
+message naming the field and the fix; :func:`schedule_problems` whether the installed torch has
+the schedule (imports torch). :func:`check_pp` raises the first.
+"""
+
+from __future__ import annotations
+
+from forge_core.errors import refuse
+
+from .config import SCHEDULES, PPConfig
+
+__all__ = ["check_pp", "pp_problems", "schedule_problems", "stage_count"]
+
+
+def stage_count(pp_cfg: PPConfig, pp: int) -> int:
+    """Pipeline stages in all: ``pp x stages_per_rank``."""
+    return pp * pp_cfg.local_stages()
+
+
+def pp_problems(
+    pp_cfg: PPConfig,
+    *,
+    pp: int,
+    n_layers: int,
+    batch_per_rank: int,
+    grad_accum: int = 1,
+    tie_embeddings: bool = False,
+) -> list[str]:
+    """Every setting that cannot work with ``pp`` pipeline ranks (pure: no torch).
+
+    ``batch_per_rank`` is a data-parallel rank's share of the global batch (what the schedule
+    splits into micro-batches); ``n_layers`` the model's blocks.
+    """
+    if pp <= 1:
+        return []
+    info, spr = pp_cfg.info, pp_cfg.local_stages()
+    problems = []
+    if info.stages_per_rank == "one" and spr != 1:
+        problems.append(
+            f"pp.schedule={pp_cfg.schedule!r} runs one stage per rank, but pp.stages_per_rank="
+            f"{spr}; set stages_per_rank=1, or pick an interleaved schedule (Interleaved1F1B, "
+            "InterleavedZeroBubble, LoopedBFS)"
+        )
+    if info.stages_per_rank == "several" and spr < 2:
+        problems.append(
+            f"pp.schedule={pp_cfg.schedule!r} interleaves several stages per rank, but "
+            "pp.stages_per_rank=1; set stages_per_rank >= 2, or use 1F1B / GPipe"
+        )
+    if info.stages_per_rank == "two" and spr != 2:
+        problems.append(
+            f"pp.schedule={pp_cfg.schedule!r} places exactly two stages per rank (a V), but "
+            f"pp.stages_per_rank={spr}; set stages_per_rank=2 (or 0)"
+        )
+    stages = pp * spr
+    if stages > n_layers:
+        problems.append(
+            f"parallelism.pp={pp} x pp.stages_per_rank={spr} = {stages} stages, but the model has "
+            f"{n_layers} blocks (every stage needs one); lower pp or stages_per_rank, or use a "
+            f"deeper model"
+        )
+    points = pp_cfg.split_points
+    if points and (
+        len(points) != stages - 1
+        or list(points) != sorted(set(points))
+        or points[0] < 1
+        or points[-1] >= n_layers
+    ):
+        problems.append(
+            f"pp.split_points={list(points)} must be {stages - 1} increasing block indices in "
+            f"1..{n_layers - 1} (where stages 1..{stages - 1} begin), or [] for a balanced split"
+        )
+    micro = pp_cfg.num_microbatches(pp)
+    if info.one_f_one_b and micro < pp:
+        problems.append(
+            f"pp.microbatches={micro} with {pp_cfg.schedule}: a 1F1B-family schedule needs at "
+            f"least one micro-batch per pipeline rank; set pp.microbatches >= {pp}"
+        )
+    if batch_per_rank % micro:
+        fits = [m for m in range(1, batch_per_rank + 1) if batch_per_rank % m == 0]
+        problems.append(
+            f"pp.microbatches={micro} does not divide the {batch_per_rank} samples each "
+            f"data-parallel rank gets (training.global_batch_size / dp); choose one of {fits}, "
+            "or change the batch size"
+        )
+    if grad_accum != 1:
+        problems.append(
+            f"training.grad_accum={grad_accum} with parallelism.pp={pp}: the pipeline's "
+            "micro-batches already accumulate gradients; set grad_accum=1 and use pp.microbatches"
+        )
+    if tie_embeddings:
+        problems.append(
+            f"model.tie_embeddings=true with parallelism.pp={pp}: the embedding (first stage) and "
+            "the head (last stage) cannot share one weight across pipeline ranks; use untied "
+            "embeddings or pp=1"
+        )
+    return problems
+
+
+def schedule_problems(pp_cfg: PPConfig) -> list[str]:
+    """``[message]`` when the installed torch lacks the schedule class (imports torch)."""
+    import torch
+    import torch.distributed.pipelining.schedules as schedules
+
+    if hasattr(schedules, pp_cfg.info.torch_class):
+        return []
+    have = [name for name, info in SCHEDULES.items() if hasattr(schedules, info.torch_class)]
+    return [
+        f"pp.schedule={pp_cfg.schedule!r}: torch {torch.__version__} has no "
+        f"{pp_cfg.info.torch_class}; this torch has {have}"
+    ]
+
+
+def check_pp(
+    pp_cfg: PPConfig,
+    *,
+    pp: int,
+    n_layers: int,
+    batch_per_rank: int,
+    grad_accum: int = 1,
+    tie_embeddings: bool = False,
+) -> None:
+    """Raise :class:`~forge_core.errors.ForgeConfigError` with the first of :func:`pp_problems`."""
+    refuse(
+        pp_problems(
+            pp_cfg,
+            pp=pp,
+            n_layers=n_layers,
+            batch_per_rank=batch_per_rank,
+            grad_accum=grad_accum,
+            tie_embeddings=tie_embeddings,
+        )
+    )

@@ -1,0 +1,181 @@
+"""Cutting a model into pipeline stages on the meta device.
+
+A model class that declares ``forge_pipeline_parts`` (``forge_core.contracts``: forge's
+Transformer and its MoE variant do) is cut by blocks. Each rank keeps only what its stages need:
+
+- the **rank model**: the model itself, pruned in place to the union of this rank's stages
+  (blocks of other ranks deleted, the embedding kept only with stage 0, the final norm and head
+  only with the last stage). Its parameter and state-dict names are the unsplit model's
+  (``layers.5.attention.wq.weight`` stays that on whichever rank holds block 5), so checkpoints
+  move between pipeline layouts. Optimizers and checkpoints use it; it is not called itself.
+- one **stage module** per local stage: a new instance of the model's class holding the very
+  same submodules (no copies) for that stage's blocks; the pipeline schedule calls it, and
+  forge's later stages (TP, EP, Float8, AC, compile, FSDP2) apply to it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn as nn
+from forge_core.errors import ForgeConfigError
+from forge_core.stages import check_stage, record_stage
+from torch.distributed.device_mesh import DeviceMesh
+
+from .config import PPConfig
+
+__all__ = ["PipelineSplit", "balanced_blocks", "pipeline_split", "split_model", "stage_indices"]
+
+PARTS_ATTR = "forge_pipeline_parts"
+
+
+def balanced_blocks(
+    n_blocks: int, n_stages: int, split_points: tuple[int, ...] = ()
+) -> list[range]:
+    """The blocks of each stage: at ``split_points`` if given, else balanced.
+
+    Balanced: the embedding (stage 0) and the final norm + head (last stage) weigh one block
+    each; every stage gets at least one block; the heaviest stage is as light as it can be,
+    earlier stages filled first.
+    """
+    if not 1 <= n_stages <= n_blocks:
+        raise ForgeConfigError(
+            f"{n_stages} pipeline stages for {n_blocks} blocks: every stage needs a block; "
+            f"use at most {n_blocks} stages"
+        )
+    if split_points:
+        edges = [0, *split_points, n_blocks]
+        if len(edges) != n_stages + 1 or any(a >= b for a, b in itertools.pairwise(edges)):
+            raise ForgeConfigError(
+                f"split_points={list(split_points)} must be {n_stages - 1} increasing block "
+                f"indices in 1..{n_blocks - 1}"
+            )
+        return [range(a, b) for a, b in itertools.pairwise(edges)]
+    cap = math.ceil((n_blocks + 2) / n_stages)  # the lightest possible heaviest stage
+    while True:
+        sizes, left = [], n_blocks
+        for s in range(n_stages):
+            room = cap - (s == 0) - (s == n_stages - 1)
+            take = left if s == n_stages - 1 else min(room, left - (n_stages - 1 - s))
+            sizes.append(take)
+            left -= take
+        if sizes[-1] <= cap - 1 - (n_stages == 1) and min(sizes) >= 1:
+            break
+        cap += 1
+    starts = [sum(sizes[:i]) for i in range(n_stages)]
+    return [range(a, a + n) for a, n in zip(starts, sizes, strict=True)]
+
+
+def stage_indices(rank: int, pp: int, stages_per_rank: int, placement: str) -> list[int]:
+    """The stages pipeline rank ``rank`` holds, in increasing order.
+
+    ``"loop"``: stage ``s`` on rank ``s % pp``. ``"v"`` (two per rank): rank ``r`` holds ``r`` and
+    ``2 pp - 1 - r``, so the first and the last stage share rank 0.
+    """
+    if placement == "v":
+        return sorted({rank, 2 * pp - 1 - rank})
+    return [rank + i * pp for i in range(stages_per_rank)]
+
+
+@dataclass
+class PipelineSplit:
+    """A rank's share of a model: the pruned rank model and its stage modules (in stage order)."""
+
+    model: nn.Module
+    stages: list[nn.Module]
+    indices: list[int]
+    num_stages: int
+
+
+def _parts(model: nn.Module) -> dict[str, Any]:
+    parts = getattr(type(model), PARTS_ATTR, None)
+    if not isinstance(parts, dict) or not isinstance(
+        getattr(model, str(parts.get("blocks")), None), nn.ModuleDict
+    ):
+        raise ForgeConfigError(
+            f"{type(model).__name__} cannot be cut into pipeline stages: pipeline parallelism "
+            "needs a model class that declares forge_pipeline_parts (forge's Transformer and MoE "
+            "transformer do; Hugging Face models and vision-language models are not supported "
+            "yet); set parallelism.pp=1"
+        )
+    return parts
+
+
+def _stage_module(
+    model: nn.Module, parts: dict[str, Any], blocks: list[str], first: bool, last: bool
+) -> nn.Module:
+    """A new object of ``model``'s class sharing ``model``'s submodules, for one stage."""
+    stage = type(model).__new__(type(model))
+    nn.Module.__init__(stage)  # fresh hooks and registries; the class's own __init__ is not run
+    for name, value in vars(model).items():  # plain attributes (config, ...)
+        if not name.startswith("_") and name != "training":
+            setattr(stage, name, value)
+    stage.train(model.training)
+    for name, child in model.named_children():
+        setattr(stage, name, child)
+    for name, buffer in model.named_buffers(recurse=False):
+        stage.register_buffer(name, buffer, persistent=False)
+    own = getattr(model, parts["blocks"])
+    setattr(stage, parts["blocks"], nn.ModuleDict({k: own[k] for k in blocks}))
+    for name in () if first else parts["first"]:
+        setattr(stage, name, None)
+    for name in () if last else parts["last"]:
+        setattr(stage, name, None)
+    return stage
+
+
+def split_model(
+    model: nn.Module,
+    *,
+    pp_rank: int,
+    pp: int,
+    stages_per_rank: int = 1,
+    placement: str = "loop",
+    split_points: tuple[int, ...] = (),
+) -> PipelineSplit:
+    """Prune ``model`` (on meta) in place to pipeline rank ``pp_rank``'s stages and build them.
+
+    Buffers are shared with the stage modules as registered; a model materialized later must
+    re-register them (:func:`forge_pp.share_buffers`).
+    """
+    parts = _parts(model)
+    blocks: nn.ModuleDict = getattr(model, parts["blocks"])
+    keys = list(blocks.keys())
+    n_stages = pp * stages_per_rank
+    ranges = balanced_blocks(len(keys), n_stages, split_points)
+    local = stage_indices(pp_rank, pp, stages_per_rank, placement)
+    stage_keys = {s: [keys[i] for i in ranges[s]] for s in local}
+    stages = [_stage_module(model, parts, stage_keys[s], s == 0, s == n_stages - 1) for s in local]
+    kept = {k for s in local for k in stage_keys[s]}
+    for key in keys:
+        if key not in kept:
+            del blocks[key]
+    if 0 not in local:
+        for name in parts["first"]:
+            setattr(model, name, None)
+    if n_stages - 1 not in local:
+        for name in parts["last"]:
+            setattr(model, name, None)
+    return PipelineSplit(model, stages, local, n_stages)
+
+
+def pipeline_split(model: nn.Module, device_mesh: DeviceMesh, pp_cfg: PPConfig) -> PipelineSplit:
+    """The first stage of forge's order: cut ``model`` (on meta) for this rank's place on the
+    mesh's ``pp`` axis as ``pp_cfg`` says, and record ``pp`` on the rank model and every stage
+    module (TP, EP, Float8, AC, compile and FSDP2 then apply to each stage module)."""
+    check_stage(model, "pp")
+    pp_mesh = device_mesh["pp"]
+    split = split_model(
+        model,
+        pp_rank=pp_mesh.get_local_rank(),
+        pp=pp_mesh.size(),
+        stages_per_rank=pp_cfg.local_stages(),
+        placement=pp_cfg.info.placement,
+        split_points=pp_cfg.split_points,
+    )
+    for module in (split.model, *split.stages):
+        record_stage(module, "pp")
+    return split
