@@ -27,6 +27,7 @@ _PRELOAD = [
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint",
     "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.pipelining",
     "forge.build",
     "forge.checkpoint",
     "forge.export",
