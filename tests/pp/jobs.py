@@ -80,3 +80,24 @@ def rank_model_facts(layout: dict[str, Any], pp: dict[str, Any]) -> dict[str, An
         "call": called,
         "meta": any(t.is_meta for t in (*rank_model.parameters(), *rank_model.buffers())),
     }
+
+
+def vlm_pipeline_parity(
+    layout: dict[str, Any], *, pp: dict[str, Any], steps: int = 6, **plan: Any
+) -> ParityResult:
+    """A vision-language model with its decoder pipelined (encoder and adapter on stage 0)."""
+    from forge.build import build_meta_model
+
+    from tests.vlm.jobs import build_pair, vlm_config, vlm_data
+
+    cfg = vlm_config()
+    mesh = build_device_mesh(layout, "cpu")
+    parallel = ParallelPlan(
+        mesh, param_dtype=torch.float32, vlm=cfg.vlm, pp=PPConfig(**pp), **plan
+    ).parallelize(build_meta_model(cfg.model, *cfg.vlm_sections()), device="cpu", seed=0)
+    _, _, reference = build_pair(None, cfg)
+    tokens, images = vlm_data(reference, steps, cfg)
+    common = {"images": images, "ignore_token": reference.image_token_id}
+    return compare_runs(
+        train_steps(reference, tokens, **common), train_steps(parallel, tokens, mesh=mesh, **common)
+    )

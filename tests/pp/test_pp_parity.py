@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.pp.jobs import pipeline_parity, rank_model_facts
+from tests.pp.jobs import pipeline_parity, rank_model_facts, vlm_pipeline_parity
 
 PP2 = {"pp": 2, "data": "none"}
 
@@ -87,3 +87,14 @@ def test_a_v_schedule_puts_the_first_and_last_stage_on_rank_0(run_on_ranks):
     first, last = run_on_ranks(2, rank_model_facts, PP2, {"schedule": "ZBVZeroBubble"})
     assert first["blocks"] == ["0", "3"] and last["blocks"] == ["1", "2"]
     assert "tok_embeddings.weight" in first["names"] and "output.weight" in first["names"]
+
+
+@pytest.mark.parametrize(
+    ("world", "layout", "plan"),
+    [(2, PP2, {}), (4, {"pp": 2, "dp_shard": 2}, {"ac_mode": "full"})],
+    ids=["pp2", "pp2xfsdp2-ac-full"],
+)
+def test_a_vision_language_model_pipelines_its_decoder(run_on_ranks, world, layout, plan):
+    """Encoder and adapter run on the first stage with the decoder's first blocks."""
+    for result in run_on_ranks(world, vlm_pipeline_parity, layout, pp={"schedule": "1F1B"}, **plan):
+        result.assert_ok()

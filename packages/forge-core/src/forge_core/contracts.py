@@ -133,9 +133,10 @@ COMPONENTS_ATTR = "forge_components"
 
 
 def model_components(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` for each component ``model``'s class declares (``[]`` if none)."""
+    """``(name, module)`` for each component ``model``'s class declares (``[]`` if none); a
+    component set to None (not on this pipeline stage) is left out."""
     names = getattr(type(model), COMPONENTS_ATTR, ())
-    return [(name, getattr(model, name)) for name in names]
+    return [(name, part) for name in names if (part := getattr(model, name)) is not None]
 
 
 def opts_out_of_compile(module: nn.Module) -> bool:
@@ -150,7 +151,8 @@ def pipeline_step(model: nn.Module) -> Callable[..., torch.Tensor] | None:
     """The pipeline schedule step of a model split over pipeline ranks, else None.
 
     ``step(inputs, targets, loss_fn) -> loss sum``: runs the forward and backward of every
-    micro-batch; ``loss_fn(output, targets) -> (loss to back-propagate, detached loss to report)``
+    micro-batch (``inputs``: the first stage's positional arguments, each split along the
+    batch); ``loss_fn(output, targets) -> (loss to back-propagate, detached loss to report)``
     runs on the last stage; the returned report sum is the same on every pipeline rank.
     """
     step = model.__dict__.get(PIPELINE_STEP_ATTR)

@@ -198,11 +198,10 @@ def forward_backward(
     data-parallel ranks, on the device): their ratio is the step's loss.
     """
     step = pipeline_step(model)
-    if step is not None and (grad_accum != 1 or images is not None):
+    if step is not None and grad_accum != 1:
         raise ForgeConfigError(
             "a model split into pipeline stages runs its micro-batches through the schedule: "
-            "use pp.microbatches instead of grad_accum (set grad_accum=1); images are not "
-            "supported with pipeline parallelism"
+            "use pp.microbatches instead of grad_accum (set grad_accum=1)"
         )
     if tokens_BS.shape[0] % grad_accum:
         raise ForgeConfigError(
@@ -230,7 +229,8 @@ def forward_backward(
             micro_sum = token_loss(logits, micro_targets)
             return micro_sum * scale, micro_sum.detach()
 
-        return reduce_over_dp(step(tokens_BS[:, :-1], targets, pipeline_loss), mesh), count
+        inputs = (tokens_BS[:, :-1],) if images is None else (tokens_BS[:, :-1], images)
+        return reduce_over_dp(step(inputs, targets, pipeline_loss), mesh), count
     micro_images = images.chunk(grad_accum) if images is not None else [None] * grad_accum
     micro_targets = targets.chunk(grad_accum)
     loss_sum = torch.zeros((), device=tokens_BS.device)

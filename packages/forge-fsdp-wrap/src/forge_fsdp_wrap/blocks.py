@@ -88,8 +88,9 @@ def component_blocks(
                 raise
             return [("", model, [])]
     known = [name for name, _ in components]
+    declared = getattr(type(model), "forge_components", ())  # incl. those a pipeline stage lacks
     for name in names or ():
-        if name not in known:
+        if name not in known and name not in declared:
             raise ForgeConfigError(
                 f"{type(model).__name__} has no component '{name}'{did_you_mean(name, known)}; "
                 f"components: {known}"

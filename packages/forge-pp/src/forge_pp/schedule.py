@@ -66,8 +66,10 @@ def share_buffers(split: PipelineSplit) -> None:
     """Give the rank model the (materialized) buffers of its stage modules, so that it holds no
     meta tensors once the stages are on their device."""
     for stage in split.stages:
-        for name, buffer in stage.named_buffers(recurse=False):
-            split.model.register_buffer(name, buffer, persistent=False)
+        for path in split.views:
+            own = split.model.get_submodule(path)
+            for name, buffer in stage.get_submodule(path).named_buffers(recurse=False):
+                own.register_buffer(name, buffer, persistent=False)
 
 
 def _refuse_call(*args: Any, **kwargs: Any) -> Any:
@@ -85,8 +87,8 @@ def attach_schedule(
 ) -> nn.Module:
     """Build the schedule over ``split``'s (parallelized) stage modules; return the rank model.
 
-    The rank model gets ``forge_pipeline_step(inputs, targets, loss_fn) -> loss sum``: inputs go
-    to stage 0, targets to the last stage, whose ``loss_fn(output, targets)`` returns the loss to
+    The rank model gets ``forge_pipeline_step(inputs, targets, loss_fn) -> loss sum``: the
+    ``inputs`` tuple (tokens; and images for a VLM) goes to stage 0, targets to the last stage, whose ``loss_fn(output, targets)`` returns the loss to
     back-propagate (already scaled: gradients are not divided by the micro-batch count) and a
     detached loss to report. The reports are summed over micro-batches and pipeline ranks, so
     every rank returns the same number.
@@ -120,18 +122,21 @@ def attach_schedule(
     )
     first, last = 0 in split.indices, split.num_stages - 1 in split.indices
 
-    def step(inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
-        if inputs.shape[0] % micro:
+    def step(
+        inputs: tuple[torch.Tensor, ...], targets: torch.Tensor, loss_fn: LossFn
+    ) -> torch.Tensor:
+        batch = targets.shape[0]
+        if batch % micro:
             raise ForgeConfigError(
-                f"a batch of {inputs.shape[0]} on this rank does not split into "
+                f"a batch of {batch} on this rank does not split into "
                 f"pp.microbatches={micro}; use a batch that divides by it"
             )
         current[:] = [loss_fn]
         reports.clear()
-        args = (inputs,) if first else ()
+        args = inputs if first else ()
         kwargs: dict[str, Any] = {"target": targets, "losses": []} if last else {}
         schedule.step(*args, **kwargs)
-        total = torch.zeros((), device=inputs.device)
+        total = torch.zeros((), device=targets.device)
         # NOTE: the last micro reports: torch's first step may run the loss once more while it
         # infers the shapes passed between stages.
         for report in reports[len(reports) - micro :] if last else ():

@@ -82,49 +82,86 @@ def stage_indices(rank: int, pp: int, stages_per_rank: int, placement: str) -> l
 
 @dataclass
 class PipelineSplit:
-    """A rank's share of a model: the pruned rank model and its stage modules (in stage order)."""
+    """A rank's share of a model: the pruned rank model and its stage modules (in stage order).
+
+    ``views``: the module paths (``""`` the root; ``"decoder"`` in a VLM) of which each stage
+    module holds its own object sharing the rank model's children."""
 
     model: nn.Module
     stages: list[nn.Module]
     indices: list[int]
     num_stages: int
+    views: list[str]
 
 
 def _parts(model: nn.Module) -> dict[str, Any]:
     parts = getattr(type(model), PARTS_ATTR, None)
-    if not isinstance(parts, dict) or not isinstance(
-        getattr(model, str(parts.get("blocks")), None), nn.ModuleDict
-    ):
+    blocks = None
+    if isinstance(parts, dict):
+        try:
+            blocks = model.get_submodule(str(parts.get("blocks")))
+        except AttributeError:
+            blocks = None
+    if not isinstance(blocks, nn.ModuleDict):
         raise ForgeConfigError(
             f"{type(model).__name__} cannot be cut into pipeline stages: pipeline parallelism "
-            "needs a model class that declares forge_pipeline_parts (forge's Transformer and MoE "
-            "transformer do; Hugging Face models and vision-language models are not supported "
+            "needs a model class that declares forge_pipeline_parts (forge's Transformer, its "
+            "MoE variant and forge_vlm's VLMWrapper do; Hugging Face models are not supported "
             "yet); set parallelism.pp=1"
         )
+    assert isinstance(parts, dict)
     return parts
+
+
+def _parent(path: str) -> tuple[str, str]:
+    parent, _, leaf = path.rpartition(".")
+    return parent, leaf
+
+
+def _new_like(module: nn.Module) -> nn.Module:
+    """A new object of ``module``'s class holding the same children, buffers and attributes."""
+    view = type(module).__new__(type(module))
+    nn.Module.__init__(view)  # fresh hooks and registries; the class's own __init__ is not run
+    for name, value in vars(module).items():  # plain attributes (config, ...)
+        if not name.startswith("_") and name != "training":
+            setattr(view, name, value)
+    view.train(module.training)
+    for name, child in module.named_children():
+        setattr(view, name, child)
+    for name, buffer in module.named_buffers(recurse=False):
+        view.register_buffer(name, buffer, persistent=False)
+    return view
+
+
+def _view_paths(parts: dict[str, Any]) -> list[str]:
+    """Every module path a stage needs its own object of: the parents of the parts it changes."""
+    paths = {""}
+    for path in (parts["blocks"], *parts["first"], *parts["last"]):
+        parent = _parent(path)[0]
+        while parent:
+            paths.add(parent)
+            parent = _parent(parent)[0]
+    return sorted(paths, key=lambda p: (p.count("."), p) if p else (-1, ""))
 
 
 def _stage_module(
     model: nn.Module, parts: dict[str, Any], blocks: list[str], first: bool, last: bool
 ) -> nn.Module:
-    """A new object of ``model``'s class sharing ``model``'s submodules, for one stage."""
-    stage = type(model).__new__(type(model))
-    nn.Module.__init__(stage)  # fresh hooks and registries; the class's own __init__ is not run
-    for name, value in vars(model).items():  # plain attributes (config, ...)
-        if not name.startswith("_") and name != "training":
-            setattr(stage, name, value)
-    stage.train(model.training)
-    for name, child in model.named_children():
-        setattr(stage, name, child)
-    for name, buffer in model.named_buffers(recurse=False):
-        stage.register_buffer(name, buffer, persistent=False)
-    own = getattr(model, parts["blocks"])
-    setattr(stage, parts["blocks"], nn.ModuleDict({k: own[k] for k in blocks}))
-    for name in () if first else parts["first"]:
-        setattr(stage, name, None)
-    for name in () if last else parts["last"]:
-        setattr(stage, name, None)
-    return stage
+    """A stage: new objects for the root and the parents of what it changes, sharing the rest."""
+    views: dict[str, nn.Module] = {}
+    for path in _view_paths(parts):
+        views[path] = _new_like(model.get_submodule(path))
+        if path:
+            parent, leaf = _parent(path)
+            setattr(views[parent], leaf, views[path])
+    parent, leaf = _parent(parts["blocks"])
+    own = model.get_submodule(parts["blocks"])
+    assert isinstance(own, nn.ModuleDict)
+    setattr(views[parent], leaf, nn.ModuleDict({k: own[k] for k in blocks}))
+    for path in (() if first else parts["first"]) + (() if last else parts["last"]):
+        parent, leaf = _parent(path)
+        setattr(views[parent], leaf, None)
+    return views[""]
 
 
 def split_model(
@@ -138,11 +175,12 @@ def split_model(
 ) -> PipelineSplit:
     """Prune ``model`` (on meta) in place to pipeline rank ``pp_rank``'s stages and build them.
 
-    Buffers are shared with the stage modules as registered; a model materialized later must
-    re-register them (:func:`forge_pp.share_buffers`).
+    Buffers are shared with the stage modules as registered; once the stages are materialized,
+    :func:`forge_pp.share_buffers` gives the rank model theirs.
     """
     parts = _parts(model)
-    blocks: nn.ModuleDict = getattr(model, parts["blocks"])
+    blocks = model.get_submodule(parts["blocks"])
+    assert isinstance(blocks, nn.ModuleDict)
     keys = list(blocks.keys())
     n_stages = pp * stages_per_rank
     ranges = balanced_blocks(len(keys), n_stages, split_points)
@@ -153,13 +191,13 @@ def split_model(
     for key in keys:
         if key not in kept:
             del blocks[key]
-    if 0 not in local:
-        for name in parts["first"]:
-            setattr(model, name, None)
-    if n_stages - 1 not in local:
-        for name in parts["last"]:
-            setattr(model, name, None)
-    return PipelineSplit(model, stages, local, n_stages)
+    dropped = (() if 0 in local else tuple(parts["first"])) + (
+        () if n_stages - 1 in local else tuple(parts["last"])
+    )
+    for path in dropped:
+        parent, leaf = _parent(path)
+        setattr(model.get_submodule(parent), leaf, None)
+    return PipelineSplit(model, stages, local, n_stages, _view_paths(parts))
 
 
 def pipeline_split(model: nn.Module, device_mesh: DeviceMesh, pp_cfg: PPConfig) -> PipelineSplit:

@@ -266,6 +266,13 @@ class VLMWrapper(nn.Module):
     """
 
     forge_components = ("encoder", "adapter", "decoder")
+    #: Pipeline stages (forge-pp): the encoder and adapter go with the first stage; a later
+    #: stage has neither and takes the decoder's hidden states.
+    forge_pipeline_parts = {
+        "first": ("encoder", "adapter", "decoder.tok_embeddings"),
+        "blocks": "decoder.layers",
+        "last": ("decoder.norm", "decoder.output"),
+    }
 
     def __init__(
         self,
@@ -282,7 +289,11 @@ class VLMWrapper(nn.Module):
         self.image_token_id = image_token_id
         self.image_tokens = image_tokens
 
-    def forward(self, tokens: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, images: torch.Tensor | None = None) -> torch.Tensor:
+        if self.encoder is None:  # a pipeline stage after the first: hidden states in
+            return self.decoder(tokens)
+        if images is None:
+            raise ForgeConfigError("a vision-language model takes images with its tokens")
         if tokens.shape[1] < self.image_tokens:
             raise ForgeConfigError(
                 f"a sequence of {tokens.shape[1]} tokens cannot hold the {self.image_tokens} "
@@ -301,6 +312,9 @@ class VLMWrapper(nn.Module):
 
     @property
     def encoder_frozen(self) -> bool:
+        """Whether the encoder gets no gradients (False on a pipeline stage without it)."""
+        if self.encoder is None:
+            return False
         return not any(p.requires_grad for p in self.encoder.parameters())
 
     @torch.no_grad()
@@ -309,8 +323,11 @@ class VLMWrapper(nn.Module):
         self.decoder.init_weights(seed)
         # cast: a VLM's encoder and adapter define init_weights(seed) (forge's own parts do);
         # nn.Module's __getattr__ is typed Tensor | Module, which hides the method from mypy.
-        cast(_InitWeights, self.encoder).init_weights(seed + 1)
-        cast(_InitWeights, self.adapter).init_weights(seed + 2)
+        # Both are None on a pipeline stage after the first.
+        if self.encoder is not None:
+            cast(_InitWeights, self.encoder).init_weights(seed + 1)
+        if self.adapter is not None:
+            cast(_InitWeights, self.adapter).init_weights(seed + 2)
 
 
 def build_vlm(

@@ -395,7 +395,8 @@ class ParallelPlan:
         parts = dict(model_components(model))
         decoder, encoder = parts.get("decoder", model), parts.get("encoder")
         encoder_tp = self.vlm is not None and self.vlm.encoder_tp
-        if encoder_tp and encoder is None:
+        declared = getattr(type(model), "forge_components", ())
+        if encoder_tp and encoder is None and "encoder" not in declared:  # None: a later stage
             raise ForgeConfigError(
                 f"encoder_tp=True but {type(model).__name__} has no encoder component"
             )
@@ -410,8 +411,8 @@ class ParallelPlan:
                 loss_parallel=self.loss_parallel,
                 allow_import=self.allow_plan_import,
             )
-            if encoder_tp:
-                assert self.vlm is not None and encoder is not None
+            if encoder_tp and encoder is not None:
+                assert self.vlm is not None
                 encoder_config = getattr(encoder, "config", None)
                 if isinstance(encoder_config, VisionEncoderConfig):
                     check_encoder_tp(encoder_config, axis_size(mesh, "tp"))
