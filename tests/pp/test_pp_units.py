@@ -84,6 +84,18 @@ def test_every_bad_pipeline_setting_is_named_with_its_fix():
         PPConfig(schedule="DualPipeV", stages_per_rank=3), n_layers=8, batch_per_rank=6
     )
     assert "exactly two stages per rank" in msg
+    (msg,) = _problems(PPConfig(schedule="DualPipeV", microbatches=2))
+    assert "at least one micro-batch per stage; set pp.microbatches >= 4" in msg
+    (msg,) = _problems(
+        PPConfig(schedule="Interleaved1F1B", microbatches=9), pp=4, n_layers=8, batch_per_rank=9
+    )
+    assert "not a multiple of 2" in msg and "use a multiple of 4, or fewer than 8" in msg
+    assert (
+        _problems(
+            PPConfig(schedule="Interleaved1F1B", microbatches=6), pp=4, n_layers=8, batch_per_rank=6
+        )
+        == []
+    )
     (msg,) = _problems(PPConfig(split_points=(3, 1)))
     assert "pp.split_points=[3, 1] must be 1 increasing block indices" in msg
     (msg,) = _problems(PPConfig(), grad_accum=2)

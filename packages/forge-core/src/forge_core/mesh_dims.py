@@ -35,6 +35,8 @@ AXES = ("pp", "dp_replicate", "dp_shard", "cp", "domain", "tp")
 DP_AXES = ("dp_replicate", "dp_shard")
 #: Attribute on a root mesh holding its flattened views ``{name: 1-D DeviceMesh}``.
 VIEWS_ATTR = "_forge_views"
+#: Attribute on a mesh holding the sub-meshes :func:`sub_mesh` sliced from it.
+SLICES_ATTR = "_forge_slices"
 
 
 def _names(mesh: DeviceMesh) -> tuple[str, ...]:
@@ -62,10 +64,14 @@ def sub_mesh(mesh: DeviceMesh | None, *names: str) -> DeviceMesh:
     missing = [n for n in names if not has_axis(mesh, n)]
     if missing:
         raise KeyError(f"mesh has no axis {missing}; its axes are {list(_names(mesh))}")
-    if len(names) == 1:
-        view = _views(mesh).get(names[0])
-        return view if view is not None else mesh[names[0]]
-    return mesh[names]
+    if len(names) == 1 and names[0] in _views(mesh):
+        return _views(mesh)[names[0]]
+    # NOTE: kept on the mesh: slicing a DeviceMesh searches its rank tensor (``nonzero``), which
+    # the training step would otherwise repeat on every call (and the host-sync counter see).
+    cache: dict[tuple[str, ...], DeviceMesh] = mesh.__dict__.setdefault(SLICES_ATTR, {})
+    if names not in cache:
+        cache[names] = mesh[names[0]] if len(names) == 1 else mesh[names]
+    return cache[names]
 
 
 def _dp_axes(mesh: DeviceMesh) -> list[str]:

@@ -116,7 +116,9 @@ def check_stage(model: nn.Module, name: str) -> None:
 def record_stage(model: nn.Module, name: str) -> None:
     """Record that stage ``name`` has been applied to ``model`` (and to each of its components)."""
     for target in _with_components(model):
-        target.__dict__.setdefault(_ATTR, []).append(name)
+        records = target.__dict__.setdefault(_ATTR, [])
+        if name not in records:  # NOTE: a component shared by a pipeline rank model and a stage
+            records.append(name)
 
 
 def _with_components(model: nn.Module) -> list[nn.Module]:

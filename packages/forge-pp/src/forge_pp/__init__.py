@@ -33,13 +33,14 @@ _EXPORTS = {
     "stage_indices": "split",
     "attach_schedule": "schedule",
     "share_buffers": "schedule",
+    "pipeline_stages": "schedule",
     "bubble_fraction": "theory",
 }
 
 if TYPE_CHECKING:
     from .checks import check_pp, pp_problems, schedule_problems, stage_count
     from .config import SCHEDULES, PPConfig, ScheduleInfo
-    from .schedule import attach_schedule, share_buffers
+    from .schedule import attach_schedule, pipeline_stages, share_buffers
     from .split import PipelineSplit, balanced_blocks, pipeline_split, split_model, stage_indices
     from .theory import bubble_fraction
 
@@ -57,6 +58,7 @@ __all__ = [
     "bubble_fraction",
     "check_pp",
     "pipeline_split",
+    "pipeline_stages",
     "pp_problems",
     "schedule_problems",
     "share_buffers",

@@ -77,6 +77,18 @@ def pp_problems(
             f"pp.microbatches={micro} with {pp_cfg.schedule}: a 1F1B-family schedule needs at "
             f"least one micro-batch per pipeline rank; set pp.microbatches >= {pp}"
         )
+    if pp_cfg.schedule == "DualPipeV" and micro < stages:
+        problems.append(
+            f"pp.microbatches={micro} with DualPipeV: it needs at least one micro-batch per "
+            f"stage; set pp.microbatches >= {stages}"
+        )
+    rounds = max(1, micro // pp)
+    if pp_cfg.schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and micro % rounds:
+        problems.append(
+            f"pp.microbatches={micro} with {pp_cfg.schedule} on pp={pp}: torch runs it in "
+            f"rounds of pp micro-batches and needs a whole number of rounds ({micro} is not a "
+            f"multiple of {rounds}); use a multiple of {pp}, or fewer than {2 * pp}"
+        )
     if batch_per_rank % micro:
         fits = [m for m in range(1, batch_per_rank + 1) if batch_per_rank % m == 0]
         problems.append(

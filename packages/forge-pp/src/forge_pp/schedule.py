@@ -27,7 +27,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from .config import PPConfig
 from .split import PipelineSplit
 
-__all__ = ["attach_schedule", "share_buffers"]
+__all__ = ["attach_schedule", "pipeline_stages", "share_buffers"]
+
+STAGES_ATTR = "forge_pipeline_stages"
+
+
+def pipeline_stages(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """``(stage index, stage module)`` of a pipeline rank model, in stage order; ``[]`` for a
+    model that is not split (reports read TP plans and Float8 reports per stage here)."""
+    return list(model.__dict__.get(STAGES_ATTR, ()))
+
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -135,7 +144,9 @@ def attach_schedule(
         reports.clear()
         args = inputs if first else ()
         kwargs: dict[str, Any] = {"target": targets, "losses": []} if last else {}
-        schedule.step(*args, **kwargs)
+        # NOTE: return_outputs=False: the last stage would otherwise keep every micro-batch's
+        # logits to the end of the step to return them merged (nobody reads them here).
+        schedule.step(*args, return_outputs=False, **kwargs)
         total = torch.zeros((), device=targets.device)
         # NOTE: the last micro reports: torch's first step may run the loss once more while it
         # infers the shapes passed between stages.
@@ -148,6 +159,7 @@ def attach_schedule(
     model.__dict__[PIPELINE_STEP_ATTR] = step
     model.__dict__["forward"] = _refuse_call
     model.__dict__["forge_pipeline"] = schedule
+    model.__dict__[STAGES_ATTR] = list(zip(split.indices, split.stages, strict=True))
     for name in applied_stages(split.stages[0]):  # the rank model reports its stages' order
         if name not in applied_stages(model):
             record_stage(model, name)

@@ -200,15 +200,18 @@ def split_model(
     return PipelineSplit(model, stages, local, n_stages, _view_paths(parts))
 
 
-def pipeline_split(model: nn.Module, device_mesh: DeviceMesh, pp_cfg: PPConfig) -> PipelineSplit:
+def pipeline_split(
+    model: nn.Module, device_mesh: DeviceMesh, pp_cfg: PPConfig, *, pp_rank: int | None = None
+) -> PipelineSplit:
     """The first stage of forge's order: cut ``model`` (on meta) for this rank's place on the
-    mesh's ``pp`` axis as ``pp_cfg`` says, and record ``pp`` on the rank model and every stage
+    mesh's ``pp`` axis (or for pipeline rank ``pp_rank``: a planner building every rank's share
+    in one process) as ``pp_cfg`` says, and record ``pp`` on the rank model and every stage
     module (TP, EP, Float8, AC, compile and FSDP2 then apply to each stage module)."""
     check_stage(model, "pp")
     pp_mesh = device_mesh["pp"]
     split = split_model(
         model,
-        pp_rank=pp_mesh.get_local_rank(),
+        pp_rank=pp_mesh.get_local_rank() if pp_rank is None else pp_rank,
         pp=pp_mesh.size(),
         stages_per_rank=pp_cfg.local_stages(),
         placement=pp_cfg.info.placement,

@@ -53,7 +53,7 @@ from forge_fsdp_wrap import (
     enable_autocast,
 )
 from forge_moe_ep import MoE, apply_expert_parallel, moe_transformer
-from forge_pp import attach_schedule, pipeline_split, share_buffers
+from forge_pp import PipelineSplit, attach_schedule, pipeline_split, share_buffers
 from forge_pp.config import PPConfig
 from forge_tp_plans import apply_tensor_parallel
 from forge_vlm import (
@@ -342,9 +342,8 @@ class ParallelPlan:
     def _parallelize_pipeline(
         self, model: nn.Module, *, device: torch.device | str | None, seed: int | None
     ) -> nn.Module:
-        """PP split first, then every stage module through :meth:`_parallelize_one` (TP without
-        sequence parallelism, FSDP2 keeping parameters gathered between micro-batches), then the
-        schedule over them. Returns the rank model (the unsplit names, this rank's blocks)."""
+        """:meth:`parallelize_stages` with a device, then the schedule over the stages. Returns
+        the rank model (the unsplit names, this rank's blocks)."""
         mesh = self.device_mesh
         assert mesh is not None  # a pp axis of size > 1 implies a mesh
         if device is None:
@@ -352,6 +351,30 @@ class ParallelPlan:
                 "pipeline parallelism builds its stages on the meta device: call "
                 "parallelize(model_on_meta, device=..., seed=...)"
             )
+        split = self.parallelize_stages(model, device=device, seed=seed)
+        share_buffers(split)
+        return attach_schedule(split, mesh, self.pp, device)
+
+    def parallelize_stages(
+        self,
+        model: nn.Module,
+        *,
+        device: torch.device | str | None = None,
+        seed: int | None = None,
+        pp_rank: int | None = None,
+    ) -> PipelineSplit:
+        """The PP split of a model on meta, then each stage module through the rest of the order
+        (materialized when ``device`` is given), without the schedule.
+
+        Stages get basic TP (no sequence parallelism: what passes between stages is a plain
+        tensor) and FSDP2 keeping their parameters gathered between micro-batches. ``pp_rank``
+        builds another pipeline rank's share (``forge plan`` plans every pipeline rank from one
+        process); default: this rank's place on the mesh's ``pp`` axis.
+        """
+        mesh = self.device_mesh
+        if axis_size(mesh, "pp") <= 1:
+            raise ForgeConfigError("parallelize_stages needs a mesh with a pp axis of size > 1")
+        assert mesh is not None
         if self.data == "ddp" or self.compile_scope == "model" and self.compile_model:
             raise ForgeConfigError(
                 "parallelism.pp > 1 supports data='fsdp2' or 'none' and per-block compile; "
@@ -366,18 +389,14 @@ class ParallelPlan:
         # micro-batches before their backwards; resharding after each forward would all-gather
         # the stage's parameters again for every micro-batch (twice, forward and backward).
         # Keeping them gathered until the last backward costs one stage's unsharded parameters.
+        keep = self.reshard_after_forward
         stage_plan = replace(
-            self,
-            sequence_parallel=False,
-            reshard_after_forward=False
-            if self.reshard_after_forward is True
-            else self.reshard_after_forward,
+            self, sequence_parallel=False, reshard_after_forward=False if keep is True else keep
         )
-        split = pipeline_split(model, mesh, self.pp)
+        split = pipeline_split(model, mesh, self.pp, pp_rank=pp_rank)
         for stage in split.stages:
             stage_plan._parallelize_one(stage, device=device, seed=seed)
-        share_buffers(split)
-        return attach_schedule(split, mesh, self.pp, device)
+        return split
 
     def _parallelize_one(
         self, model: nn.Module, *, device: torch.device | str | None, seed: int | None

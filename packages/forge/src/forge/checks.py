@@ -7,8 +7,9 @@ rank; ``forge plan`` lists the same lines.
 - :func:`config_problems` is pure Python on the config's values and imports no torch (it runs
   in a fraction of a second, before the launcher pays for torch's import);
 - :func:`import_problems` then imports what the config names: a ``tp.plan`` module, checked
-  against a meta-device copy of the model, and torchao when Float8 is on. Run it once the
-  values are clean (the plan check builds the model the values describe).
+  against a meta-device copy of the model, torchao when Float8 is on, and torch's pipeline
+  schedule class when ``parallelism.pp > 1``. Run it once the values are clean (the plan check
+  builds the model the values describe).
 
 Both return one-line messages, each naming the field and the fix (empty: fine). The raising
 forms :func:`check_config_values`, :func:`check_config_imports` and :func:`check_config` raise
@@ -25,10 +26,11 @@ from forge_core.errors import ForgeConfigError, refuse
 from forge_float8.checks import check_float8, float8_problems, torchao_problems
 from forge_fsdp_wrap.checks import ac_mode_problems
 from forge_moe_ep.checks import expert_parallel_problems
+from forge_pp.checks import pp_problems, schedule_problems
 from forge_tp_plans.checks import plan_import_problems, transformer_tp_problems
 from forge_vlm.checks import ac_scope_problems, vlm_problems
 
-from .layout import resolve_layout
+from .layout import Layout, resolve_layout
 
 if TYPE_CHECKING:
     from forge_core.config import ParallelismConfig
@@ -133,19 +135,24 @@ def config_problems(cfg: ForgeConfig, world_size: int) -> list[str]:
         )
     if t.seq_len > m.max_seq_len:
         problems.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if par.pp > 1 and cfg.field is None:  # a field model: one line from _field_problems
+        problems += _pipeline_problems(cfg, layout)
     return list(dict.fromkeys(problems))  # the same words twice are one problem
 
 
 def import_problems(cfg: ForgeConfig, world_size: int) -> list[str]:
     """The problems found by importing what the config names (torchao, a tp.plan module
-    checked on a meta-device model); run once :func:`config_problems` is empty."""
+    checked on a meta-device model, the pipeline schedule in this torch); run once
+    :func:`config_problems` is empty."""
     try:
         par = resolve_layout(cfg, world_size).parallelism
     except ForgeConfigError as err:
         return [str(err)]
     problems = torchao_problems() if cfg.float8.enabled else []
+    if par.pp > 1:
+        problems += schedule_problems(cfg.pp)
     if cfg.tp.plan is not None and par.tp > 1:
-        problems += _explicit_plan_problems(cfg, par.tp)
+        problems += _explicit_plan_problems(cfg, par.tp, pipelined=par.pp > 1)
     return problems
 
 
@@ -173,6 +180,7 @@ def _field_problems(cfg: ForgeConfig, par: ParallelismConfig) -> list[str]:
     unsupported = {
         "parallelism.tp": par.tp > 1,
         "parallelism.ep": par.ep > 1,
+        "parallelism.pp": par.pp > 1,
         "float8.enabled": cfg.float8.enabled,
         "data.path": cfg.data.path is not None,
     }
@@ -190,9 +198,45 @@ def _field_problems(cfg: ForgeConfig, par: ParallelismConfig) -> list[str]:
     return problems
 
 
-def _explicit_plan_problems(cfg: ForgeConfig, tp: int) -> list[str]:
+def _pipeline_problems(cfg: ForgeConfig, layout: Layout) -> list[str]:
+    """What cannot run with ``parallelism.pp > 1`` on a token model (pure): the ``[pp]``
+    section against the layout (forge_pp's own checks), and what forge composes around the
+    stages: plain tensors between them (no sequence or loss parallelism), a rank model that is
+    never called as a whole (no whole-model compile). ``data='ddp'`` is :func:`plan_problems`'."""
+    par, t, m = layout.parallelism, cfg.training, cfg.model
+    pp = par.pp
+    problems = pp_problems(
+        cfg.pp,
+        pp=pp,
+        n_layers=m.n_layers,
+        batch_per_rank=layout.batch_per_rank,
+        grad_accum=t.grad_accum,
+        tie_embeddings=m.tie_embeddings,
+    )
+    if cfg.tp.sequence_parallel_flag:  # an explicit true; "auto" is off on pipeline stages
+        problems.append(
+            f"tp.sequence_parallel=true with parallelism.pp={pp}: what passes between pipeline "
+            "stages must be a plain tensor, not a sequence-sharded one; set "
+            'tp.sequence_parallel=false (or "auto", which is off under pp)'
+        )
+    if cfg.tp.loss_parallel:
+        problems.append(
+            f"tp.loss_parallel=true with parallelism.pp={pp}: the last pipeline stage hands "
+            "plain logits to the schedule's loss; set tp.loss_parallel=false"
+        )
+    if t.compile and t.compile_scope == "model":
+        problems.append(
+            f"training.compile_scope='model' with parallelism.pp={pp}: a pipeline rank's model "
+            "is never called as a whole (the schedule calls its stages); set "
+            "training.compile_scope='blocks', which compiles each block of every stage"
+        )
+    return problems
+
+
+def _explicit_plan_problems(cfg: ForgeConfig, tp: int, *, pipelined: bool = False) -> list[str]:
     """Import ``tp.plan`` here and check it against a meta-device copy of the model, so that a
-    wrong plan is one line before launch instead of a traceback from every rank."""
+    wrong plan is one line before launch instead of a traceback from every rank. Under pp the
+    plan is checked as a stage gets it: without sequence or loss parallelism."""
     from forge_core.contracts import model_components
     from forge_tp_plans import check_tensor_parallel
 
@@ -208,8 +252,8 @@ def _explicit_plan_problems(cfg: ForgeConfig, tp: int) -> list[str]:
             decoder,
             tp,
             plan=cfg.tp.plan,
-            sequence_parallel=cfg.tp.sequence_parallel_flag,
-            loss_parallel=cfg.tp.loss_parallel,
+            sequence_parallel=False if pipelined else cfg.tp.sequence_parallel_flag,
+            loss_parallel=cfg.tp.loss_parallel and not pipelined,
             allow_import=cfg.tp.allow_import,
         )
     except ForgeConfigError as err:

@@ -24,13 +24,16 @@ from forge_core import (
     applied_stages,
     count_host_syncs,
 )
+from forge_core.contracts import pipeline_step
+from forge_core.mesh_dims import sub_mesh
 from forge_core.stages import unwrap
 from forge_core.testing import compare_runs, train_steps
 from forge_core.torch_compat import inductor_cache_dir
-from forge_core.training import local_batch, synthetic_tokens
+from forge_core.training import forward_backward, local_batch, synthetic_tokens
 from forge_float8 import float8_report
 from forge_mesh import build_device_mesh, init_distributed, mesh_layout
 from forge_moe_ep import moe_metrics
+from forge_pp import pipeline_stages
 from forge_tp_plans import (
     describe_tp_plan,
 )
@@ -46,7 +49,7 @@ from .checks import check_config
 from .config import ForgeConfig, load_config
 from .layout import resolve_layout
 
-__all__ = ["BuildReport", "check_config", "run_build"]
+__all__ = ["BuildReport", "check_config", "run_build", "tp_description"]
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ def _vlm_report(cfg: ForgeConfig, par: ParallelismConfig, model: nn.Module) -> l
         ),
     ]
     if par.tp > 1:
-        lines.append("tp:     decoder " + describe_tp_plan(wrapper.decoder))
+        lines.append("tp:     decoder " + tp_description(wrapper.decoder, par))
         if vlm.encoder_tp:
             lines.append("tp:     encoder " + describe_tp_plan(encoder))
     return lines
@@ -105,6 +108,26 @@ def _decoder(model: nn.Module) -> nn.Module:
     return getattr(unwrap(model), "decoder", model)
 
 
+def tp_description(model: nn.Module, par: ParallelismConfig) -> str:
+    """The ``tp:`` line of forge build's and forge train's reports: the decoder's applied plan;
+    under pp, each of this rank's stages' (basic TP: no sequence or loss parallelism)."""
+    stages = pipeline_stages(unwrap(model))
+    if not stages:
+        return describe_tp_plan(_decoder(model))
+    return "\n".join(
+        f"stage {index}: {describe_tp_plan(_decoder(stage))}" for index, stage in stages
+    )
+
+
+def _float8_text(model: nn.Module) -> str:
+    """The float8 line of the report: what ``apply_float8`` converted and skipped (per stage
+    under pp, where each stage module was converted on its own)."""
+    stages = pipeline_stages(unwrap(model))
+    if not stages:
+        return str(float8_report(_decoder(model)))
+    return "\n".join(f"stage {index}: {float8_report(_decoder(stage))}" for index, stage in stages)
+
+
 def _param_bytes(model: torch.nn.Module) -> int:
     total = 0
     for p in model.parameters():
@@ -113,13 +136,21 @@ def _param_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def _count_step_syncs(model: nn.Module, batch: torch.Tensor, device: torch.device) -> str:
-    """Host syncs of one forward + backward (what a GPU would wait for), as a short text."""
+def _count_step_syncs(
+    model: nn.Module, batch: torch.Tensor, device: torch.device, mesh: DeviceMesh
+) -> str:
+    """Host syncs of one forward + backward (what a GPU would wait for), as a short text.
+
+    A pipelined rank model is not called itself: its step runs the schedule over every
+    micro-batch (``forward_backward``), and the count is of this rank's stages."""
     with count_host_syncs(device) as counter:
-        logits = model(batch[:, :-1])
-        context = loss_parallel() if isinstance(logits, DTensor) else nullcontext()
-        with context:
-            F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).backward()
+        if pipeline_step(model) is not None:
+            forward_backward(model, batch, mesh=mesh)
+        else:
+            logits = model(batch[:, :-1])
+            context = loss_parallel() if isinstance(logits, DTensor) else nullcontext()
+            with context:
+                F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).backward()
     model.zero_grad(set_to_none=True)
     ops = ", ".join(f"{op} x{n}" for op, n in sorted(counter.ops.items()))
     return f"{counter.count}" + (f" ({ops})" if ops else "")
@@ -131,12 +162,22 @@ def _moe_report(
     model: nn.Module,
     batch: torch.Tensor,
     device: torch.device,
+    mesh: DeviceMesh,
 ) -> str | None:
     """The MoE line of the report (every rank takes part: the counted step runs collectives)."""
     if not cfg.model.moe_layers:
         return None
     metrics = moe_metrics(model)  # read before the counted step adds to them
-    syncs = _count_step_syncs(model, batch, device)
+    if par.pp > 1:  # each pipeline rank holds its stages' MoE layers: the pipeline's sum
+        counts = torch.tensor(
+            [metrics["moe_layers"], metrics["tokens_routed"], metrics["tokens_dropped"]],
+            dtype=torch.int64,
+            device=device,
+        )
+        dist.all_reduce(counts, group=sub_mesh(mesh, "pp").get_group())
+        keys = ("moe_layers", "tokens_routed", "tokens_dropped")
+        metrics = {**metrics, **dict(zip(keys, counts.tolist(), strict=True))}
+    syncs = _count_step_syncs(model, batch, device, mesh)
     m = cfg.model
     return (
         f"moe:    {metrics['moe_layers']} MoE layers x {m.num_experts} experts (top-{m.top_k}), "
@@ -236,7 +277,7 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         moe = (
             None
             if cfg.is_vlm
-            else _moe_report(cfg, par, model, local_batch(tokens[0], mesh).to(device), device)
+            else _moe_report(cfg, par, model, local_batch(tokens[0], mesh).to(device), device, mesh)
         )
     # Float8 rounds every GEMM input to 3 mantissa bits: low-precision tolerances.
     result = compare_runs(ref_steps, par_steps, torch.bfloat16 if cfg.float8.enabled else dtype)
@@ -264,9 +305,9 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         *_vlm_report(cfg, par, model),
         f"params: unsharded {full_bytes:,} B; per rank "
         + ", ".join(f"r{r} {b:,} B ({b / full_bytes:.0%})" for r, b in enumerate(all_bytes)),
-        *(["tp:     " + describe_tp_plan(model)] if par.tp > 1 and not cfg.is_vlm else []),
+        *(["tp:     " + tp_description(model, par)] if par.tp > 1 and not cfg.is_vlm else []),
         *([moe] if moe else []),
-        *([str(float8_report(_decoder(model)))] if cfg.float8.enabled else []),
+        *([_float8_text(model)] if cfg.float8.enabled else []),
         f"train:  {t.steps} steps, global batch {t.global_batch_size} x seq {t.seq_len}, grad_accum {t.grad_accum}, AdamW lr {t.lr}",
         result.table(),
         f"{'PASS' if result.passed else 'FAIL'}: parallel run {'matches' if result.passed else 'does NOT match'} the single-device model "

@@ -28,10 +28,11 @@ class Layout:
     """Every decision derived from a config and a world size (see the module docstring).
 
     ``data``: the data-parallel mode used: ``parallelism.data``, or ``"none"`` when every rank
-    is taken by tp/cp/domain. ``sequence_parallel``: of forge's decoder (``tp.sequence_parallel``,
-    or for ``"auto"`` the TP layer's own rule,
+    is taken by pp/tp/cp/domain. ``sequence_parallel``: of forge's decoder
+    (``tp.sequence_parallel``, or for ``"auto"`` the TP layer's own rule,
     :func:`forge_tp_plans.checks.default_sequence_parallel`, for forge's models: they all have a
-    registered plan); false without tp.
+    registered plan); false without tp, and false on pipeline stages (``parallelism.pp > 1``),
+    as is ``loss_parallel``.
     ``batch_per_rank``: samples of the global batch on each data-parallel rank;
     ``micro_batch``: of those, per gradient-accumulation micro-step (the last one of a
     non-divisible split is refused by the checks).
@@ -59,13 +60,18 @@ def resolve_layout(cfg: ForgeConfig, world_size: int) -> Layout:
     degrees do not fit ``world_size`` (the message names the fields and the fix)."""
     experts = cfg.model.num_experts if cfg.model.moe_layers else 0
     par = cfg.parallelism.resolve(world_size, num_experts=experts)
-    # NOTE: with every rank used by tp/cp/domain there is no data-parallel axis to shard over.
+    # NOTE: with every rank used by pp/tp/cp/domain there is no data-parallel axis to shard over.
     data = par.data if par.dp_degree > 1 or world_size == 1 else "none"
+    pipelined = par.pp > 1
     sp = cfg.tp.sequence_parallel_flag
-    if sp is None:
-        # NOTE: the TP layer's rule, looked up at call time: it is the one place it is decided
+    if sp is None or pipelined:
+        # NOTE: the TP layer's rule, looked up at call time: it is the one place it is decided.
+        # On a pipeline stage it is off whatever was asked (what passes between stages is a
+        # plain tensor); an explicit true is refused by the checks, never silently dropped.
         sp = tp_checks.default_sequence_parallel(
-            registered_plan=True, tied_embeddings=cfg.model.tie_embeddings
+            registered_plan=True,
+            tied_embeddings=cfg.model.tie_embeddings,
+            pipeline_stage=pipelined,
         )
     t = cfg.training
     per_rank = max(1, math.ceil(t.global_batch_size / par.dp_degree))
@@ -75,7 +81,8 @@ def resolve_layout(cfg: ForgeConfig, world_size: int) -> Layout:
         parallelism=par,
         data=data,
         sequence_parallel=par.tp > 1 and sp,
-        loss_parallel=par.tp > 1 and cfg.tp.loss_parallel,
+        # NOTE: the last pipeline stage returns plain logits, so no loss parallel under pp
+        loss_parallel=par.tp > 1 and not pipelined and cfg.tp.loss_parallel,
         batch_per_rank=per_rank,
         micro_batch=micro,
     )

@@ -1,7 +1,9 @@
 """``forge plan``: what a layout costs on every rank, computed in one process without a GPU.
 
 Provides :func:`plan_layout` (-> :class:`LayoutPlan`, :meth:`LayoutPlan.text`),
-:func:`estimate_activations`, :func:`build_on_meta` and :func:`run_plan` (the CLI's entry).
+:func:`estimate_activations`, :func:`build_on_meta` and :func:`run_plan` (the CLI's entry); for
+pipelines :class:`PipelinePlan`, :func:`estimate_pipeline_activations`,
+:func:`pipeline_actions` and :func:`build_stages_on_meta`.
 
 The model is built ONCE, as rank 0 of a ``fake`` process group of ``world_size`` ranks, on the
 meta device by ``forge build``'s own ``build_parallel_model`` with no device, so nothing is
@@ -25,6 +27,21 @@ materialized (asserted). Every other rank's numbers are arithmetic:
   TP/SP, EP, DDP and the per-step reductions from the config, for AC none or full (selective
   and op count as none). Float8's fp8 all-gather and amax reductions are not modelled.
 
+Pipeline parallelism (``parallelism.pp > 1``): pipeline ranks hold different blocks, so the
+model is built once per pipeline rank (:func:`build_stages_on_meta`: that rank's stage modules,
+cut and parallelized as ``forge build`` does, on meta), still in the one process as rank 0.
+Each rank's parameters, gradients and AdamW states are its own pipeline rank's stages' (the
+same arithmetic, on the ranks of that pp coordinate); its activations the peak its schedule
+holds at micro-batches of ``batch_per_rank / pp.microbatches``
+(:func:`estimate_pipeline_activations`, the rule per schedule in its docstring); collectives
+one table per pipeline rank: its stages' FSDP2 units (parameters gathered once per step: a
+stage keeps them across micro-batches), TP and EP per micro-batch over its blocks, the
+point-to-point sends and receives of activations and their gradients to the neighbouring
+stages' ranks, and the pp reductions of the loss report and the gradient norm. The section
+also gives each pipeline rank's stages and the schedule's theoretical bubble
+(:func:`forge_pp.bubble_fraction`). Not modelled: torch's first-step shape inference (one more
+forward and backward, and metadata sends).
+
 Broken rules (every problem ``forge.checks.config_problems`` finds, then, when those are clean,
 ``forge.checks.import_problems``'s, and a ``ForgeConfigError`` from the build) are collected and
 reported, not raised. ``plan_layout`` refuses to run where a process group exists, and destroys
@@ -37,14 +54,16 @@ import math
 import re
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from forge_core import ForgeConfigError, ParallelismConfig, applied_stages
+from forge_core.mesh_dims import axis_size, sub_mesh
 from forge_core.stages import unwrap
 from forge_core.torch_compat import (
     fsdp_param_groups,
@@ -53,6 +72,9 @@ from forge_core.torch_compat import (
     strided_shard_type,
 )
 from forge_mesh import build_device_mesh, mesh_layout
+from forge_pp import PipelineSplit, bubble_fraction
+from forge_pp.config import SCHEDULES
+from forge_pp.split import balanced_blocks, stage_indices
 from forge_tp_plans import applied_tp_plan
 from forge_vlm import ac_components, num_image_tokens
 from torch.distributed.device_mesh import DeviceMesh
@@ -68,13 +90,18 @@ __all__ = [
     "ActivationEstimate",
     "Collective",
     "LayoutPlan",
+    "PipelinePlan",
     "build_on_meta",
+    "build_stages_on_meta",
     "estimate_activations",
+    "estimate_pipeline_activations",
+    "pipeline_actions",
     "plan_layout",
     "run_plan",
 ]
 
 _DDP_BUCKET = 25 * 2**20  # DDP's default bucket_cap_mb
+_BYTE_KINDS = ("params", "padded", "grads", "optim")
 _STRIDED_SHARD = strided_shard_type()
 _SHARDS = (Shard, _STRIDED_SHARD)  # NOTE: torch 2.15's _StridedShard is not a Shard subclass
 #: How a parameter groups for the per-rank arithmetic: shape, mesh, placements, FSDP2's mesh dim.
@@ -118,7 +145,12 @@ class Collective:
 
 @dataclass
 class LayoutPlan:
-    """The plan: per-rank lists (index = global rank), collectives, broken rules, timings."""
+    """The plan: per-rank lists (index = global rank), collectives, broken rules, timings.
+
+    With ``parallelism.pp > 1``: ``pipeline`` (:class:`PipelinePlan`), ``pipeline_rank`` (each
+    rank's place on the pp axis), ``pipeline_collectives`` (each pipeline rank's view;
+    ``collectives`` is pipeline rank 0's), ``micro_batch`` the pipeline's, the activation lists
+    each rank's peak under the schedule and ``activation`` pipeline rank 0's."""
 
     config: ForgeConfig
     world_size: int
@@ -136,6 +168,9 @@ class LayoutPlan:
     activation_full: list[int] = field(default_factory=list)
     activation: ActivationEstimate | None = None
     collectives: list[Collective] = field(default_factory=list)
+    pipeline: PipelinePlan | None = None
+    pipeline_collectives: list[list[Collective]] = field(default_factory=list)
+    pipeline_rank: list[int] = field(default_factory=list)
     broken_rules: list[str] = field(default_factory=list)
     all_meta: bool | None = None
     timings: dict[str, float] = field(default_factory=dict)
@@ -163,12 +198,20 @@ class LayoutPlan:
             for r, row in enumerate(zip(*cols, *acts, strict=True)):
                 rows.setdefault(row, []).append(r)
             heads = ("params", "padded", "grads", "AdamW", "static", "act", "act AC full")
+            pipe = self.pipeline
+            split = (
+                f"grad_accum {t.grad_accum}"
+                if pipe is None
+                else f"pp.microbatches {pipe.microbatches}"
+            )
+            act = "per micro-batch" if pipe is None else "the schedule's peak in flight"
             out += [
                 "stages: " + (" -> ".join(self.stages) or "(none)"),
                 f"batch:  {self.micro_batch} x {t.seq_len} tokens per micro-batch per rank "
-                f"(global {t.global_batch_size} / dp {p.dp_degree} / grad_accum {t.grad_accum})",
+                f"(global {t.global_batch_size} / dp {p.dp_degree} / {split})",
+                *(self._pipeline_lines() if pipe is not None else []),
                 f"memory per rank (unsharded params {_fmt(self.unsharded_param_bytes)}; padded: "
-                "FSDP2's allocation; static: params + grads + AdamW; act: per micro-batch, CUDA)"
+                f"FSDP2's allocation; static: params + grads + AdamW; act: {act}, CUDA)"
                 + ("; cpu_offload: static bytes live on the CPU" if t.cpu_offload else ""),
             ]
             named = sorted((ranks[0], _ranks_text(ranks), row) for row, ranks in rows.items())
@@ -177,16 +220,58 @@ class LayoutPlan:
             for _, name, (w, pad, g, o, a0, a1) in named:
                 cells = "".join(f"{_fmt(v):>12}" for v in (w, pad, g, o, w + g + o, a0, a1))
                 out.append(f"  {name:<{width}}{cells}")
-            out.append(f"collectives per training step, rank 0's view ({len(self.collectives)}):")
-            out.append(f"  {'phase':<9}{'op':<15}{'group (ranks)':<24}{'bytes/call':>11}  calls")
-            for c in self.collectives:
-                group, size = f"{c.group} ({c.group_size})", _fmt(c.bytes)
-                out.append(f"  {c.phase:<9}{c.kind:<15}{group:<24}{size:>11}{c.count:>7}  {c.what}")
+            views: list[tuple[str, Sequence[Collective]]] = []
+            if pipe is None:
+                views = [("rank 0's view", self.collectives)]
+            else:  # pipeline ranks with the same table share it
+                same: dict[tuple[Collective, ...], list[int]] = {}
+                for r, of_rank in enumerate(self.pipeline_collectives):
+                    same.setdefault(tuple(of_rank), []).append(r)
+                for shared, rs in same.items():  # "pipeline ranks 1-5's view"
+                    names = _ranks_text(rs).rsplit(" (", 1)[0]
+                    views.append((f"pipeline rank{'s' * (len(rs) > 1)} {names}'s view", shared))
+            for view, shown in views:
+                out.append(f"collectives per training step, {view} ({len(shown)}):")
+                out.append(
+                    f"  {'phase':<9}{'op':<15}{'group (ranks)':<24}{'bytes/call':>11}  calls"
+                )
+                for c in shown:
+                    group, size = f"{c.group} ({c.group_size})", _fmt(c.bytes)
+                    out.append(
+                        f"  {c.phase:<9}{c.kind:<15}{group:<24}{size:>11}{c.count:>7}  {c.what}"
+                    )
         out += [f"BROKEN: {r}" for r in self.broken_rules] or ["rules:  OK"]
         steps = ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items()) or "no model built"
         meta = "" if self.all_meta is None else f"; every parameter on meta: {self.all_meta}"
         out.append(f"plan time {self.elapsed_s:.2f} s ({steps}){meta}")
         return "\n".join(out)
+
+    def _pipeline_lines(self) -> list[str]:
+        """The pipeline section: schedule, bubble, each pipeline rank's stages and peak."""
+        pipe = self.pipeline
+        assert pipe is not None
+        last = pipe.num_stages - 1
+        inputs = "encoder + adapter + embedding" if self.config.is_vlm else "embedding"
+        lines = [
+            f"pipeline: {pipe.schedule}, {pipe.num_stages} stages ({pipe.stages_per_rank} per "
+            f"rank), {pipe.microbatches} micro-batches of {pipe.micro_batch}; bubble "
+            f"{pipe.bubble:.1%} in theory (forward 1, backward 2, no communication)",
+            f"  micro-batches in flight at each pipeline rank's activation peak ({pipe.order}):",
+        ]
+        for r, stages in enumerate(pipe.rank_stages):
+            held = []
+            for s in stages:
+                blocks = pipe.stage_blocks[s]
+                name = (
+                    f"blocks {blocks.start}-{blocks.stop - 1}"
+                    if len(blocks) > 1
+                    else f"block {blocks.start}"
+                )
+                name = (f"{inputs} + " if s == 0 else "") + name + (" + head" if s == last else "")
+                held.append(f"stage {s} ({name}) x{pipe.in_flight[r].get(s, 0)}")
+            ranks = _ranks_text([g for g, q in enumerate(self.pipeline_rank) if q == r])
+            lines.append(f"  pp rank {r}, ranks {ranks}: " + ", ".join(held))
+        return lines
 
 
 def _fmt(n: int) -> str:
@@ -227,6 +312,24 @@ def _checkpointed(cfg: ForgeConfig) -> tuple[str, ...]:
     return ac_components(vlm.ac_scope, vlm.freeze_encoder) if vlm else ("decoder",)
 
 
+@dataclass(frozen=True)
+class _ActivationParts:
+    """:func:`estimate_activations`' bytes per micro-batch, by where they are made: ``first``
+    before the decoder blocks (token ids; a VLM's encoder, adapter and image embeddings; what a
+    first pipeline stage adds), one entry per decoder block, ``last`` after the blocks (final
+    norm, targets, the loss: what a last stage adds). ``*_full``: under AC full (a block keeps its
+    checkpointed input); ``recompute``: what AC full recomputes in backward, per block (0 when
+    the decoder is not checkpointed) and for the first part (a checkpointed ViT block)."""
+
+    first: int
+    first_full: int
+    blocks: tuple[int, ...]
+    blocks_full: tuple[int, ...]
+    block_recompute: tuple[int, ...]
+    first_recompute: int
+    last: int
+
+
 def estimate_activations(
     cfg: ForgeConfig, world_size: int, *, device: str = "cuda"
 ) -> ActivationEstimate:
@@ -260,11 +363,20 @@ def estimate_activations(
     bfloat16, with TP and SP); the CUDA norm term follows the fused kernel's backward signature.
     """
     layout = resolve_layout(cfg, world_size)
+    parts = _activation_parts(cfg, layout, layout.micro_batch, device)
+    none = parts.first + sum(parts.blocks) + parts.last
+    full = parts.first_full + sum(parts.blocks_full) + parts.last
+    top = max((*parts.block_recompute, parts.first_recompute))
+    return ActivationEstimate(none=none, full_saved=full, full_block=top)
+
+
+def _activation_parts(cfg: ForgeConfig, layout: Layout, b: int, device: str) -> _ActivationParts:
+    """The terms of :func:`estimate_activations` for micro-batches of ``b`` sequences."""
     m, t = cfg.model, layout.tp
     kv_heads, ffn, hidden = m.n_kv_heads, m.ffn_dim, m.moe_ffn_dim
     assert kv_heads and ffn and hidden  # filled in by (MoE)ModelConfig.__post_init__
     sp, lp = layout.sequence_parallel, layout.loss_parallel
-    e, s, b, d = _itemsize(cfg), cfg.training.seq_len, layout.micro_batch, m.dim
+    e, s, d = _itemsize(cfg), cfg.training.seq_len, m.dim
     r = s // t if sp else s
     low = e != 4  # below fp32: casts that fp32 does not make
     norm_in = 8 * b * r * d if device == "cpu" else b * r * d * e
@@ -278,30 +390,284 @@ def estimate_activations(
         moe += _routed_rows(cfg, b) * (8 + 2 * d * e + 4 * hidden * e)
         moe += 4 * d * (tok + n_exp) if low else 0
         moe += 4 * tok * m.num_shared_experts * hidden * e
-    blocks = [moe if m.is_moe_layer(i) else dense for i in range(m.n_layers)]
+    blocks = tuple(moe if m.is_moe_layer(i) else dense for i in range(m.n_layers))
     vocab = m.vocab_size // t if lp else m.vocab_size
-    outside = 8 * b * (s + 1) + 8 * b * s + 4 + norm + 4 * b * s * vocab
-    kept = len(blocks) * b * r * d * e + b * (s - r) * d * e  # AC full: block inputs
+    first = 8 * b * (s + 1)  # token ids
+    last = 8 * b * s + 4 + norm + 4 * b * s * vocab  # targets, loss scalar, final norm, log-probs
     in_ac = "decoder" in _checkpointed(cfg)
-    none, full = sum(blocks) + outside, (kept if in_ac else sum(blocks)) + outside
-    top = max(blocks) if in_ac else 0
+    kept = blocks
+    if in_ac:  # AC full: each block keeps its input (the first block's unsplit under SP)
+        kept = tuple(
+            b * r * d * e + (b * (s - r) * d * e if i == 0 else 0) for i in range(len(blocks))
+        )
+    recompute = blocks if in_ac else tuple(0 for _ in blocks)
+    first_full, first_top = first, 0
     v, a, vlm = cfg.vision, cfg.adapter, cfg.vlm
     if v is not None and a is not None and vlm is not None:  # a VLM (ForgeConfig: all or none)
         n, n_img, tv = v.num_patches, num_image_tokens(v, a), t if vlm.encoder_tp else 1
         extra = b * n * v.dim * e + 2 * b * n_img * (a.hidden_dim or d) * e + b * n_img * d * e
         extra += 9 * b * s + (b * n_img * v.dim * e if a.pool > 1 else 0)
-        none, full = none + extra, full + extra
+        first, first_full = first + extra, first_full + extra
         if not vlm.freeze_encoder:
             mlp = v.mlp_dim
             assert mlp  # filled in by VisionEncoderConfig.__post_init__
             vit = 4 * b * n * v.dim * e + 16 * b * n + 4 * b * n * (v.dim // tv) * e
             vit += 4 * b * n * (v.n_heads // tv) + 2 * b * n * (mlp // tv) * e
             stem = b * v.in_channels * v.image_size**2 * e + b * n * v.dim * e + 8 * b * n
-            in_ac = "encoder" in _checkpointed(cfg)
-            none += v.n_layers * vit + stem
-            full += v.n_layers * (b * n * v.dim * e if in_ac else vit) + stem
-            top = max(top, vit if in_ac else 0)
-    return ActivationEstimate(none=none, full_saved=full, full_block=top)
+            enc_ac = "encoder" in _checkpointed(cfg)
+            first += v.n_layers * vit + stem
+            first_full += v.n_layers * (b * n * v.dim * e if enc_ac else vit) + stem
+            first_top = vit if enc_ac else 0
+    return _ActivationParts(first, first_full, blocks, kept, recompute, first_top, last)
+
+
+# ------------------------------------------------------------------------ pipeline parallelism
+#: A pipeline rank's compute action: ``("F" | "I" | "B" | "W", stage, micro-batch)``: forward,
+#: input-gradient backward (zero-bubble), full backward, weight-gradient backward (zero-bubble).
+_Action = tuple[str, int, int]
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """What ``parallelism.pp > 1`` adds to a plan.
+
+    ``microbatches`` of ``micro_batch`` sequences per step (each data-parallel rank's batch
+    split); ``stage_blocks``: the decoder blocks of each stage (stage 0 also holds the embedding,
+    the last stage the final norm and head); ``rank_stages``: the stages of each pipeline rank;
+    ``in_flight``: per pipeline rank, the micro-batches of each of its stages whose activations
+    are held at that rank's peak (AC none); ``bubble``: the idle fraction in theory
+    (:func:`forge_pp.bubble_fraction`); ``order``: where the action order came from (see
+    :func:`pipeline_actions`)."""
+
+    schedule: str
+    pp: int
+    microbatches: int
+    micro_batch: int
+    stages_per_rank: int
+    stage_blocks: tuple[range, ...]
+    rank_stages: tuple[tuple[int, ...], ...]
+    in_flight: tuple[dict[int, int], ...]
+    bubble: float
+    order: str
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_blocks)
+
+
+def pipeline_actions(
+    schedule: str, pp: int, microbatches: int, stages_per_rank: int
+) -> tuple[list[list[_Action]], str]:
+    """Every pipeline rank's compute actions in the order the schedule runs them, and where the
+    order came from.
+
+    - GPipe: the ``m`` forwards, then the ``m`` backwards (torch's ScheduleGPipe loop);
+    - 1F1B: ``min(m, pp - r)`` forwards on pipeline rank ``r``, then a backward before each
+      remaining forward, then the remaining backwards (torch's Schedule1F1B loop);
+    - every multi-stage schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
+      ZBVZeroBubble, DualPipeV): torch's own per-rank action list (``pipeline_order``), which the
+      schedule computes arithmetically for every rank when it is built; here it is built over
+      stand-in stages (no process group, no module).
+
+    Should the installed torch refuse the stand-ins, the order falls back to a bound: every local
+    stage runs all its forwards before any backward (GPipe-like: the most a schedule can hold).
+    ``ValueError`` (torch refusing the settings themselves, e.g. DualPipeV with fewer
+    micro-batches than stages) is raised.
+    """
+    m, v = microbatches, stages_per_rank
+    if schedule == "GPipe":
+        return [[*_runs("F", r, m), *_runs("B", r, m)] for r in range(pp)], "forge's rule"
+    if schedule == "1F1B":
+        ranks = []
+        for r in range(pp):
+            warm = min(m, pp - r)
+            steady = [a for i in range(m) for a in (("B", r, i), ("F", r, warm + i)) if a[2] < m]
+            ranks.append([*_runs("F", r, warm), *steady])
+        return ranks, "forge's rule"
+    info = SCHEDULES[schedule]
+    try:
+        return _torch_order(schedule, pp, m, v), "torch's pipeline_order"
+    except ValueError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any torch that builds its schedules differently
+        bound = []
+        for r in range(pp):
+            local = stage_indices(r, pp, v, info.placement)
+            bound.append([(k, s, i) for k in "FB" for s in local for i in range(m)])
+        return bound, f"bound (torch's order unavailable: {type(err).__name__})"
+
+
+def _runs(kind: str, stage: int, m: int) -> list[_Action]:
+    return [(kind, stage, i) for i in range(m)]
+
+
+def _torch_order(schedule: str, pp: int, m: int, v: int) -> list[list[_Action]]:
+    """torch's ``pipeline_order`` of a multi-stage schedule, built over stand-in stages."""
+    from torch.distributed.pipelining import schedules
+
+    info, n = SCHEDULES[schedule], pp * v
+    stand_ins = [
+        SimpleNamespace(
+            stage_index=i,
+            num_stages=n,
+            group_size=pp,
+            group_rank=0,
+            is_first=i == 0,
+            is_last=i == n - 1,
+            submod=nn.Module(),
+        )
+        for i in stage_indices(0, pp, v, info.placement)
+    ]
+    built = getattr(schedules, info.torch_class)(stand_ins, n_microbatches=m)
+    order = built.pipeline_order
+    out: list[list[_Action]] = []
+    for r in range(pp):
+        actions = [a for step in order[r] if step is not None for a in step.sub_actions or (step,)]
+        kinds = [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in actions]
+        out.append([(k, s, i) for k, s, i in kinds if k in ("F", "I", "B", "W")])
+    return out
+
+
+def _replay(
+    actions: list[_Action],
+    per_mb: dict[int, int],
+    out_mb: dict[int, int],
+    recompute: dict[int, int] | None = None,
+) -> tuple[int, dict[int, int]]:
+    """The peak bytes over ``actions`` and the micro-batches of each stage in flight then: a
+    forward adds its stage's ``per_mb`` (saved for the backward) and ``out_mb`` (its output,
+    kept by torch's stage for the backward) bytes; a full backward (B) frees both; a zero-bubble
+    input gradient (I) frees the output, the weight gradient (W, which still needs the saved
+    inputs) the rest. ``recompute``: what a stage's backward (B or I) recomputes on top while it
+    runs (AC full: its largest block)."""
+    live: set[tuple[int, int]] = set()
+    outputs: set[tuple[int, int]] = set()
+    total = peak = 0
+    at_peak: dict[int, int] = {}
+    for kind, s, i in actions:
+        during = 0
+        if kind == "F" and (s, i) not in live:
+            live.add((s, i))
+            outputs.add((s, i))
+            total += per_mb[s] + out_mb[s]
+        elif kind in ("B", "I") and recompute:
+            during = recompute[s]
+        if total + during > peak:
+            peak, at_peak = total + during, {}
+            for st, _ in live:
+                at_peak[st] = at_peak.get(st, 0) + 1
+        if kind in ("B", "I") and (s, i) in outputs:
+            outputs.remove((s, i))
+            total -= out_mb[s]
+        if kind in ("B", "W") and (s, i) in live:
+            live.remove((s, i))
+            total -= per_mb[s]
+    return peak, dict(sorted(at_peak.items()))
+
+
+def _pipeline(
+    cfg: ForgeConfig, layout: Layout, device: str
+) -> tuple[PipelinePlan, list[ActivationEstimate], list[str]]:
+    """The pipeline section, each pipeline rank's activations (peak in flight) and the settings
+    torch refuses when it builds the schedule."""
+    pp_cfg, pp = cfg.pp, layout.parallelism.pp
+    v, m = pp_cfg.local_stages(), pp_cfg.num_microbatches(pp)
+    b = max(1, layout.batch_per_rank // m)
+    n_stages = pp * v
+    problems: list[str] = []
+    ranges = balanced_blocks(cfg.model.n_layers, n_stages, pp_cfg.split_points)
+    try:
+        ranks, order = pipeline_actions(pp_cfg.schedule, pp, m, v)
+    except ValueError as err:
+        problems.append(
+            f"pp.schedule={pp_cfg.schedule!r} with parallelism.pp={pp}, {m} micro-batches, "
+            f"{v} stages per rank: torch refuses it: {err}"
+        )
+        ranks, order = pipeline_actions("GPipe", pp, m, 1)
+    parts = _activation_parts(cfg, layout, b, device)
+    e, s, d = _itemsize(cfg), cfg.training.seq_len, cfg.model.dim
+    # NOTE: a stage keeps its output until that micro-batch's backward (hidden states; the
+    # last stage its logits), and nothing longer: forge_pp runs the schedule with
+    # return_outputs=False (the merged logits are never kept).
+    hidden, logits = b * s * d * e, b * s * cfg.model.vocab_size * e
+    last = n_stages - 1
+    out_mb = {st: logits if st == last else hidden for st in range(n_stages)}
+
+    def stage_bytes(stage: int, full: bool) -> int:
+        blocks = parts.blocks_full if full else parts.blocks
+        out = sum(blocks[i] for i in ranges[stage])
+        if stage == 0:
+            out += parts.first_full if full else parts.first
+        return out + (parts.last if stage == last else 0)
+
+    none_mb = {st: stage_bytes(st, False) for st in range(n_stages)}
+    full_mb = {st: stage_bytes(st, True) for st in range(n_stages)}
+    recompute = {  # AC full: a stage's backward recomputes one of its blocks at a time
+        st: max(
+            [parts.block_recompute[i] for i in ranges[st]] + [parts.first_recompute] * (st == 0)
+        )
+        for st in range(n_stages)
+    }
+    placement = pp_cfg.info.placement
+    rank_stages = tuple(tuple(stage_indices(r, pp, v, placement)) for r in range(pp))
+    estimates, in_flight = [], []
+    for actions in ranks:
+        none, held = _replay(actions, none_mb, out_mb)
+        saved = _replay(actions, full_mb, out_mb)[0]
+        full = _replay(actions, full_mb, out_mb, recompute)[0]
+        estimates.append(ActivationEstimate(none=none, full_saved=saved, full_block=full - saved))
+        in_flight.append(held)
+    pipe = PipelinePlan(
+        schedule=pp_cfg.schedule,
+        pp=pp,
+        microbatches=m,
+        micro_batch=b,
+        stages_per_rank=v,
+        stage_blocks=tuple(ranges),
+        rank_stages=rank_stages,
+        in_flight=tuple(in_flight),
+        bubble=bubble_fraction(pp_cfg.schedule, pp, m, v),
+        order=order,
+    )
+    return pipe, estimates, problems
+
+
+def estimate_pipeline_activations(
+    cfg: ForgeConfig, world_size: int, *, device: str = "cuda"
+) -> list[ActivationEstimate]:
+    """Each pipeline rank's activation peak under ``cfg``'s schedule (``parallelism.pp > 1``).
+
+    What a (stage, micro-batch) holds, for micro-batches of ``b = batch_per_rank / microbatches``
+    sequences: the :func:`estimate_activations` terms of the stage's blocks (stage 0 also the
+    token ids and a VLM's encoder, adapter and image embeddings; the last stage the final norm,
+    targets and loss) and its output (``b s d e``, the last stage's logits ``b s V e``: torch's
+    stage keeps it for the backward). Nothing outlives its micro-batch's backward: forge_pp runs
+    the schedule without merging the last stage's outputs (``return_outputs=False``).
+
+    When: the rank's actions in order (:func:`pipeline_actions`) are replayed; a forward adds
+    its (stage, micro-batch), the full backward frees it, or for the zero-bubble schedules
+    (backward split into input and weight gradients) the weight gradient, which still needs the
+    saved inputs (an upper bound: the input step frees a little). ``none`` and ``full_saved`` (AC
+    full: each block keeps its input) are the peaks of that sum; ``full_block`` what AC full adds
+    at its own peak, where a backward recomputes one block of its stage on top.
+
+    Micro-batches in flight at most on pipeline rank ``r`` of ``p`` (``m`` micro-batches, ``v``
+    stages per rank, ``q = m / max(1, m // p)`` per round): GPipe ``m`` (all forwards, then all
+    backwards); 1F1B ``min(m, p - r)`` (that many warm-up forwards, then a backward before each
+    forward); LoopedBFS ``v m``; Interleaved1F1B ``w + 1`` with ``w = min((v-1) q + 2 (p-1-r),
+    v m)`` (``w`` when that is ``v m``); InterleavedZeroBubble ``(v-1) q + p``; ZBVZeroBubble
+    ``min(m, 2p-1-r)`` of stage ``r`` and ``r + 1`` of stage ``2p-1-r``; DualPipeV
+    ``min(m, 2p-r)`` and ``r + 1``. Where a rank's stages differ in size (interleaved: the
+    balanced split's stages hold different block counts, the first and last stage more) the
+    byte peak can fall at another moment than the count's: the replay finds it.
+    """
+    layout = resolve_layout(cfg, world_size)
+    if layout.parallelism.pp <= 1:
+        raise ForgeConfigError("estimate_pipeline_activations needs parallelism.pp > 1")
+    _, estimates, problems = _pipeline(cfg, layout, device)
+    if problems:
+        raise ForgeConfigError(problems[0])
+    return estimates
 
 
 def _broken_rules(cfg: ForgeConfig, world_size: int) -> list[str]:
@@ -346,21 +712,25 @@ def _local_sizes(
     return sizes
 
 
-def _per_rank_bytes(model: nn.Module, world_size: int) -> dict[str, torch.Tensor]:
-    """params / padded / grads / optim bytes of every rank; rank 0 checked against ``to_local``."""
+def _per_rank_bytes(
+    modules: Sequence[nn.Module],
+    world_size: int,
+    coords: dict[DeviceMesh, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """params / padded / grads / optim bytes of every rank holding ``modules``' parameters (a
+    model, or a pipeline rank's stage modules: each parameter counted once); rank 0's arithmetic
+    checked against ``to_local``. ``coords``: a cache of mesh coordinates."""
+    units = [u for module in modules for u in module.modules() if isinstance(u, FSDPModule)]
     fsdp_dim = {
         id(fp.sharded_param): fp.mesh_info.shard_mesh_dim
-        for unit in model.modules()
-        if isinstance(unit, FSDPModule)
+        for unit in units
         for group in fsdp_param_groups(unit)
         for fp in group.fsdp_params
     }
-    out = {
-        k: torch.zeros(world_size, dtype=torch.long) for k in ("params", "padded", "grads", "optim")
-    }
-    coords: dict[DeviceMesh, torch.Tensor] = {}
+    out = {k: torch.zeros(world_size, dtype=torch.long) for k in _BYTE_KINDS}
+    coords = {} if coords is None else coords
     groups: dict[_ParamKey, list[nn.Parameter]] = {}  # params that shard alike: one arithmetic
-    for p in model.parameters():
+    for p in _unique_params(modules):
         key: _ParamKey = (tuple(p.shape), None, (), None)
         if isinstance(p, DTensor):
             key = (tuple(p.shape), p.device_mesh, tuple(p.placements), fsdp_dim.get(id(p)))
@@ -387,6 +757,11 @@ def _per_rank_bytes(model: nn.Module, world_size: int) -> dict[str, torch.Tensor
     return out
 
 
+def _unique_params(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """The parameters of ``modules``, each once (pipeline stage modules share submodules)."""
+    return list({id(p): p for module in modules for p in module.parameters()}.values())
+
+
 def _product(sizes: list[torch.Tensor]) -> int | torch.Tensor:
     """Elementwise product of per-rank sizes (1 for none), as ``math.prod`` would give."""
     total: int | torch.Tensor = 1
@@ -401,12 +776,51 @@ def _fold(name: str) -> str:
     return re.sub(r"\.\d+(\.|$)", r".*\1", name) or "(root)"
 
 
-def _collectives(cfg: ForgeConfig, layout: Layout, model: nn.Module) -> list[Collective]:
-    """Every collective of one training step (``grad_accum`` micro-batches), rank 0's view."""
+@dataclass(frozen=True)
+class _Share:
+    """What one pipeline rank runs per step (the whole model without pp): its decoder blocks,
+    its forward passes (``grad_accum``, or the pipeline's micro-batches of ``micro_batch``), the
+    head (last stage) or not, and its stages' neighbours on other pipeline ranks."""
+
+    blocks: tuple[int, ...]
+    passes: int
+    micro_batch: int
+    head: bool
+    pipelined: bool = False
+    sends_to: tuple[int, ...] = ()  # stages whose next stage lives on another pipeline rank
+    recvs_from: tuple[int, ...] = ()  # stages whose previous stage lives on another rank
+
+
+def _whole_model(cfg: ForgeConfig, layout: Layout) -> _Share:
+    passes = cfg.training.grad_accum
+    return _Share(tuple(range(cfg.model.n_layers)), passes, layout.micro_batch, head=True)
+
+
+def _pipeline_share(pipe: PipelinePlan, r: int) -> _Share:
+    """Pipeline rank ``r``'s share: its stages' blocks, one pass per micro-batch."""
+    local, last = pipe.rank_stages[r], pipe.num_stages - 1
+    owner = {s: q for q, stages in enumerate(pipe.rank_stages) for s in stages}
+    return _Share(
+        blocks=tuple(i for s in local for i in pipe.stage_blocks[s]),
+        passes=pipe.microbatches,
+        micro_batch=pipe.micro_batch,
+        head=last in local,
+        pipelined=True,
+        sends_to=tuple(s for s in local if s < last and owner[s + 1] != r),
+        recvs_from=tuple(s for s in local if s > 0 and owner[s - 1] != r),
+    )
+
+
+def _collectives(
+    cfg: ForgeConfig, layout: Layout, modules: Sequence[nn.Module], share: _Share
+) -> list[Collective]:
+    """Every collective of one training step on a rank holding ``modules`` (a model, or a
+    pipeline rank's stage modules) and running ``share``; the rank's view where its group's
+    ranks differ (rank 0's without pp, each pipeline rank's with it)."""
     m, tr, par, data = cfg.model, cfg.training, layout.parallelism, layout.data
-    e, b, s, acc = _itemsize(cfg), layout.micro_batch, tr.seq_len, tr.grad_accum
+    e, b, s, acc = _itemsize(cfg), share.micro_batch, tr.seq_len, share.passes
     sizes = {"tp": par.tp, "ep": par.ep, "dp": par.dp_degree, "dp_replicate": par.dp_replicate}
-    sizes["dp_shard"] = par.dp_shard
+    sizes["dp_shard"], sizes["pp"] = par.dp_shard, par.pp
     counts: dict[tuple[str, str, str, int, int, str], int] = {}
 
     def add(op: str, group: str, nbytes: int, n: int, what: str, size: int = 0) -> None:
@@ -417,7 +831,7 @@ def _collectives(cfg: ForgeConfig, layout: Layout, model: nn.Module) -> list[Col
             counts[key] = counts.get(key, 0) + n
 
     # NOTE: torch leaves named_modules' return type unannotated (Any); typed here for the checker
-    named: Iterator[tuple[str, nn.Module]] = model.named_modules()
+    named: list[tuple[str, nn.Module]] = [nu for module in modules for nu in module.named_modules()]
     for name, unit in named:
         if not isinstance(unit, FSDPModule):
             continue
@@ -427,10 +841,14 @@ def _collectives(cfg: ForgeConfig, layout: Layout, model: nn.Module) -> list[Col
             numel = sum(fp.padded_sharded_param_size.numel() for fp in fps)
             trained = [fp for fp in fps if fp.sharded_param.requires_grad]
             grads = sum(fp.padded_sharded_param_size.numel() for fp in trained)
-            add("forward all_gather", axis, numel * n * e, acc, what + " params", n)
+            post = group.post_forward_mesh_info
+            # NOTE: a pipeline stage keeps its gathered parameters from its first forward to its
+            # last backward (reshard_after_forward=False; torch's stage turns reshard after
+            # backward off until the step's gradient reduction): one all-gather per step.
+            gathers = 1 if share.pipelined and post is None else acc
+            add("forward all_gather", axis, numel * n * e, gathers, what + " params", n)
             # FSDP2 keeps the root's parameters after forward only when its reshard_after_forward
             # was left unset (forge sets it); every other resharded unit is gathered again.
-            post = group.post_forward_mesh_info
             if post is not None and (name or not fsdp_reshards_root_after_forward(unit)):
                 regather = what + " params again"
                 add("backward all_gather", axis, numel * n * e, acc, regather, post.shard_mesh_size)
@@ -438,42 +856,54 @@ def _collectives(cfg: ForgeConfig, layout: Layout, model: nn.Module) -> list[Col
             if hasattr(info, "replicate_mesh_size"):
                 rep, size = info.mesh.mesh_dim_names[0], info.replicate_mesh_size
                 add("backward all_reduce", rep, grads * 4, int(grads > 0), what + " (HSDP)", size)
+    params = _unique_params(modules)
     if data == "ddp":
-        total = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() * 4 for p in params if p.requires_grad)
         for i in range(math.ceil(total / _DDP_BUCKET)):
             nbytes = min(_DDP_BUCKET, total - i * _DDP_BUCKET)
             add("backward all_reduce", "dp_replicate", nbytes, 1, "DDP gradient bucket")
-    applied = applied_tp_plan(getattr(unwrap(model), "decoder", unwrap(model)))
+    top = unwrap(modules[0])
+    applied = applied_tp_plan(getattr(top, "decoder", top))
     # AC full recomputes each block's forward up to its last saved tensor (w2's input / the MoE
     # combine): the attention's collectives again, the FFN's output reduction not. (Selective
     # and op AC are counted as none.)
     ac = tr.ac_mode == "full" and "decoder" in _checkpointed(cfg)
+    moe_blocks = sum(m.is_moe_layer(i) for i in share.blocks)
+    head = acc if share.head else 0  # the final norm + head's passes (the last stage's)
     if par.tp > 1 and applied is not None:
-        act, blocks = b * s * m.dim * e, m.n_layers * acc
-        dense = blocks - len(m.moe_layers) * acc  # an MoE slot runs replicated: no TP inside
+        act, blocks = b * s * m.dim * e, len(share.blocks) * acc
+        dense = blocks - moe_blocks * acc  # an MoE slot runs replicated: no TP inside
         if applied.sequence_parallel:  # per block: gather in, reduce-scatter out (MoE: slice)
             rows = [
-                ("forward all_gather", 2 * blocks * (1 + ac) + acc, "SP: attention/FFN/head input"),
+                (
+                    "forward all_gather",
+                    2 * blocks * (1 + ac) + head,
+                    "SP: attention/FFN/head input",
+                ),
                 ("forward reduce_scatter", blocks * (1 + ac) + dense, "SP: wo/w2 output"),
-                ("backward reduce_scatter", blocks + dense + acc, "SP: grads of gathered inputs"),
-                ("backward all_gather", 2 * blocks + acc, "SP: grads of split outputs/block 0"),
+                ("backward reduce_scatter", blocks + dense + head, "SP: grads of gathered inputs"),
+                ("backward all_gather", 2 * blocks + head, "SP: grads of split outputs/block 0"),
             ]
-            add("backward all_reduce", "tp", m.dim * e, 2 * blocks + acc, "SP: norm weight grads")
+            add("backward all_reduce", "tp", m.dim * e, 2 * blocks + head, "SP: norm weight grads")
         else:  # each column-parallel Linear's input gradient is reduced on its own
-            fwd = blocks * (1 + ac) + dense + acc * m.tie_embeddings  # + the tied embedding
+            fwd = blocks * (1 + ac) + dense + head * m.tie_embeddings  # + the tied embedding
             rows = [
                 ("forward all_reduce", fwd, "TP: row-parallel outputs"),
-                ("backward all_reduce", 3 * blocks + 2 * dense + acc, "TP: column-parallel inputs"),
+                (
+                    "backward all_reduce",
+                    3 * blocks + 2 * dense + head,
+                    "TP: column-parallel inputs",
+                ),
             ]
         for op, n, what in rows:
             add(op, "tp", act, n, what)
         if applied.loss_parallel:
-            add("forward all_reduce", "tp", 4 * b * s, 3 * acc, "loss parallel: max/sum/target")
+            add("forward all_reduce", "tp", 4 * b * s, 3 * head, "loss parallel: max/sum/target")
         else:
-            add("forward all_gather", "tp", b * s * m.vocab_size * e, acc, "TP: logits")
+            add("forward all_gather", "tp", b * s * m.vocab_size * e, head, "TP: logits")
     again = 1 + ac
-    if par.ep > 1 and m.moe_layers:
-        layers, rows_ep = len(m.moe_layers) * acc, _routed_rows(cfg, b)
+    if par.ep > 1 and moe_blocks:
+        layers, rows_ep = moe_blocks * acc, _routed_rows(cfg, b)
         nbytes, how = rows_ep * m.dim * e, "(balanced routing)"
         if m.moe_dispatch == "capacity":
             how = "(capacity buffer)"
@@ -483,23 +913,39 @@ def _collectives(cfg: ForgeConfig, layout: Layout, model: nn.Module) -> list[Col
         add("backward all_to_all", "ep", nbytes, 2 * layers, "EP: their gradients")
     for axis in ("dp_replicate", "dp_shard"):
         add("step all_reduce", axis, 4, 1, "loss average (fp32 scalar)")
-    if m.moe_layers and m.moe_bias_update_rate > 0:
-        add("step all_reduce", "dp", 4 * m.num_experts, len(m.moe_layers), "MoE expert loads")
+    if moe_blocks and m.moe_bias_update_rate > 0:
+        add("step all_reduce", "dp", 4 * m.num_experts, moe_blocks, "MoE expert loads")
     sharded = {  # a gradient norm sums over every mesh dim some gradient is sharded on
         (_dim_name(p.device_mesh, j), p.device_mesh.shape[j]): None
-        for p in model.parameters()
+        for p in params
         if isinstance(p, DTensor) and p.requires_grad
         for j, pl in enumerate(p.placements)
         if isinstance(pl, _SHARDS)
     }
     for axis, size in sharded:
         add("step all_reduce", axis, 4, 1, "grad norm partial sum (fp32 scalar)", size)
+    if share.pipelined:  # point to point with the neighbouring stages' ranks, per micro-batch
+        hidden = b * s * m.dim * e
+        for _ in share.sends_to:  # a stage whose next stage is on another pipeline rank
+            add("forward send", "pp", hidden, acc, "PP: activations to the next stage")
+            add("backward recv", "pp", hidden, acc, "PP: their gradients back")
+        for _ in share.recvs_from:  # a stage whose previous stage is on another pipeline rank
+            add("forward recv", "pp", hidden, acc, "PP: activations from the previous stage")
+            add("backward send", "pp", hidden, acc, "PP: their gradients back")
+        add("step all_reduce", "pp", 4, 1, "PP: loss report summed over stages (fp32 scalar)")
+        add("step all_reduce", "pp", 8, 1, "PP: grad norm of the other stages (fp64 scalar)")
     order = {"forward": 0, "backward": 1, "step": 2}
     ranked = sorted(counts.items(), key=lambda kv: (order[kv[0][0]], kv[0][2], kv[0][5]))
     return [
         Collective(phase, kind, group, size, nbytes, count=n, what=what)
         for (phase, kind, group, size, nbytes, what), n in ranked
     ]
+
+
+def _dim_index(mesh: DeviceMesh, name: str) -> int:
+    names = mesh.mesh_dim_names
+    assert names is not None, "forge's meshes name their dims"
+    return names.index(name)
 
 
 def _dim_name(mesh: DeviceMesh, j: int) -> str:
@@ -511,9 +957,27 @@ def _dim_name(mesh: DeviceMesh, j: int) -> str:
 
 def build_on_meta(cfg: ForgeConfig, mesh: DeviceMesh, data: str) -> nn.Module:
     """``forge build``'s model for this rank of ``mesh``, parallelized on meta, not materialized.
-    DDP wraps only materialized weights: a DDP layout is planned as the replicated model."""
+    DDP wraps only materialized weights: a DDP layout is planned as the replicated model. With a
+    ``pp`` axis: the rank model of this rank's pipeline rank (:func:`build_stages_on_meta`)."""
+    if axis_size(mesh, "pp") > 1:
+        return build_stages_on_meta(cfg, mesh, data, sub_mesh(mesh, "pp").get_local_rank()).model
     plan = ParallelPlan.from_config(cfg, mesh, data="none" if data == "ddp" else data)
     return plan.parallelize(model_from_config(cfg))  # no device: nothing is materialized
+
+
+def build_stages_on_meta(
+    cfg: ForgeConfig, mesh: DeviceMesh, data: str, pp_rank: int
+) -> PipelineSplit:
+    """Pipeline rank ``pp_rank``'s share of ``forge build``'s model on meta, not materialized:
+    the model cut as :func:`forge_pp.pipeline_split` cuts it for that rank, and each stage module
+    parallelized as ``ParallelPlan`` parallelizes a stage (basic TP, FSDP2 keeping parameters
+    gathered between micro-batches) without the device, the schedule or the materialization.
+
+    Any rank of the process group can build any pipeline rank's share: the shapes and placements
+    depend on the mesh's other axes, which every pipeline rank has alike.
+    """
+    plan = ParallelPlan.from_config(cfg, mesh, data="none" if data == "ddp" else data)
+    return plan.parallelize_stages(model_from_config(cfg), pp_rank=pp_rank)
 
 
 def plan_layout(cfg: ForgeConfig, world_size: int) -> LayoutPlan:
@@ -546,23 +1010,50 @@ def plan_layout(cfg: ForgeConfig, world_size: int) -> LayoutPlan:
         mesh = build_device_mesh(par, "cpu", num_experts=experts)
         plan.timings["mesh"], tick = time.perf_counter() - tick, time.perf_counter()
         try:
-            model = build_on_meta(cfg, mesh, plan.data)
+            if par.pp > 1:
+                pipe, estimates, problems = _pipeline(cfg, layout, "cuda")
+                plan.broken_rules += [p for p in problems if p not in plan.broken_rules]
+                splits = [build_stages_on_meta(cfg, mesh, plan.data, r) for r in range(par.pp)]
+                shares = [_pipeline_share(pipe, r) for r in range(par.pp)]
+                holdings = [split.stages for split in splits]
+            else:
+                holdings = [[build_on_meta(cfg, mesh, plan.data)]]
+                shares = [_whole_model(cfg, layout)]
+                estimates = [estimate_activations(cfg, world_size)]
         except ForgeConfigError as err:
             plan.broken_rules += [str(err)] if str(err) not in plan.broken_rules else []
             return plan
         plan.timings["model"], tick = time.perf_counter() - tick, time.perf_counter()
-        plan.all_meta = all(x.is_meta for x in (*model.parameters(), *model.buffers()))
+        plan.all_meta = all(
+            x.is_meta for held in holdings for m in held for x in (*m.parameters(), *m.buffers())
+        )
         if not plan.all_meta:
             raise AssertionError("forge plan materialized a tensor; everything must stay on meta")
-        plan.stages = applied_stages(model)
-        per_rank = {k: v.tolist() for k, v in _per_rank_bytes(model, world_size).items()}
-        plan.param_bytes, plan.padded_param_bytes = per_rank["params"], per_rank["padded"]
-        plan.grad_bytes, plan.optim_bytes = per_rank["grads"], per_rank["optim"]
-        plan.unsharded_param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        plan.activation = act = estimate_activations(cfg, world_size)
-        plan.activation_none = [act.none] * world_size  # the same micro-batch on every rank
-        plan.activation_full = [act.full] * world_size
-        plan.collectives = _collectives(cfg, layout, model)
+        plan.stages = applied_stages(holdings[0][0])
+        # Every rank's numbers are its pipeline rank's (the only one without pp).
+        pp_rank = torch.zeros(world_size, dtype=torch.long)
+        if par.pp > 1:
+            plan.pipeline, plan.micro_batch = pipe, pipe.micro_batch
+            pp_rank = _coordinates(mesh, world_size)[:, _dim_index(mesh, "pp")]
+            plan.pipeline_rank = pp_rank.tolist()
+        per_rank = {k: torch.zeros(world_size, dtype=torch.long) for k in _BYTE_KINDS}
+        coords: dict[DeviceMesh, torch.Tensor] = {}
+        for r, held in enumerate(holdings):
+            mine = pp_rank == r
+            for k, v in _per_rank_bytes(held, world_size, coords).items():
+                per_rank[k][mine] = v[mine]
+        plan.param_bytes = per_rank["params"].tolist()
+        plan.padded_param_bytes = per_rank["padded"].tolist()
+        plan.grad_bytes, plan.optim_bytes = per_rank["grads"].tolist(), per_rank["optim"].tolist()
+        plan.unsharded_param_bytes = sum(
+            p.numel() * p.element_size() for held in holdings for p in _unique_params(held)
+        )
+        plan.activation = estimates[0]
+        ranks = pp_rank.tolist()
+        plan.activation_none = [estimates[r].none for r in ranks]
+        plan.activation_full = [estimates[r].full for r in ranks]
+        tables = [_collectives(cfg, layout, h, s) for h, s in zip(holdings, shares, strict=True)]
+        plan.collectives, plan.pipeline_collectives = tables[0], tables if par.pp > 1 else []
         plan.timings["per-rank arithmetic"] = time.perf_counter() - tick
     finally:
         dist.destroy_process_group()

@@ -3,14 +3,17 @@
 Runs on every rank (forge's own launcher, torchrun or SLURM). One optimizer step:
 
 - this rank's data-parallel slice of the step's global batch (``forge.data``), split into
-  ``grad_accum`` micro-batches; gradients are synchronized on the last one only;
+  ``grad_accum`` micro-batches; gradients are synchronized on the last one only. Under pipeline
+  parallelism (``parallelism.pp > 1``) the model is this rank's share of the stages and the
+  schedule splits the slice into ``pp.microbatches`` instead (``grad_accum`` is 1): the same
+  ``forward_backward`` runs it, and the checkpoints keep the unsplit parameter names;
 - the loss is token-weighted over the whole global batch: each rank backpropagates
   ``sum of its token losses x dp_degree / tokens in the global batch``, so after FSDP2/DDP
   average the gradients over the data-parallel ranks the result is the gradient of the mean
   over every target token of the step, however unevenly ignored targets (image placeholders)
   fall on the ranks. The token count is all-reduced on the device (no host wait);
-- the global gradient norm over every mesh (TP, FSDP2, EP experts), clipped to
-  ``training.max_grad_norm``; AdamW; warmup + cosine LR;
+- the global gradient norm over every mesh (TP, FSDP2, EP experts, every pipeline stage),
+  clipped to ``training.max_grad_norm``; AdamW; warmup + cosine LR;
 - rank 0 logs step, loss, grad norm, LR, tokens/s, each rank's peak memory (and MFU on a GPU)
   to a progress bar (a TTY) or plain lines, and appends the same to ``<out_dir>/metrics.jsonl``;
 - checkpoints every ``checkpoint.every`` steps and at the end (``forge.checkpoint``).
@@ -53,7 +56,6 @@ from forge_core.training import (
 )
 from forge_domain import domain_group, shard_spatial, sync_domain_gradients
 from forge_mesh import mesh_layout
-from forge_tp_plans import describe_tp_plan
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -62,7 +64,7 @@ from .checkpoint import Checkpointer, optimizer_hyperparameters
 from .checkpoint_files import CheckpointDamaged, resume_point
 from .config import ForgeConfig, load_config
 from .data import FieldBatch, make_data
-from .job import setup_rank
+from .job import setup_rank, tp_description
 from .optim import clip_grad_norm_, warmup_cosine
 
 __all__ = ["StepLog", "TrainSummary", "peak_flops", "run_train", "train_flops_per_token"]
@@ -466,7 +468,7 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
             + "\n"
         )
         metrics.close()
-        tp_text = describe_tp_plan(getattr(wrapper, "decoder", wrapper)) if par.tp > 1 else None
+        tp_text = tp_description(model, par) if par.tp > 1 else None
         summary.text = _report(cfg, par, world_size, device_type, summary, finished, tp_text)
     return summary
 
