@@ -16,7 +16,6 @@ Transformer and its MoE variant do) is cut by blocks. Each rank keeps only what 
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,8 +37,8 @@ def balanced_blocks(
     """The blocks of each stage: at ``split_points`` if given, else balanced.
 
     Balanced: the embedding (stage 0) and the final norm + head (last stage) weigh one block
-    each; every stage gets at least one block; the heaviest stage is as light as it can be,
-    earlier stages filled first.
+    each; every stage gets at least one block; the stages' weights differ by at most one where
+    that leaves every stage a block (the heavier ones first).
     """
     if not 1 <= n_stages <= n_blocks:
         raise ForgeConfigError(
@@ -54,17 +53,14 @@ def balanced_blocks(
                 f"indices in 1..{n_blocks - 1}"
             )
         return [range(a, b) for a, b in itertools.pairwise(edges)]
-    cap = math.ceil((n_blocks + 2) / n_stages)  # the lightest possible heaviest stage
-    while True:
-        sizes, left = [], n_blocks
-        for s in range(n_stages):
-            room = cap - (s == 0) - (s == n_stages - 1)
-            take = left if s == n_stages - 1 else min(room, left - (n_stages - 1 - s))
-            sizes.append(take)
-            left -= take
-        if sizes[-1] <= cap - 1 - (n_stages == 1) and min(sizes) >= 1:
-            break
-        cap += 1
+    # Weights as even as they go (differing by at most one, the heavier stages first), then
+    # the embedding and the head taken out of the first and last stage's share.
+    base, extra = divmod(n_blocks + 2, n_stages)
+    ends = [(s == 0) + (s == n_stages - 1) for s in range(n_stages)]
+    sizes = [max(1, base + (s < extra) - ends[s]) for s in range(n_stages)]
+    while sum(sizes) > n_blocks:  # a stage raised to its one block: take it back elsewhere
+        heaviest = max(range(n_stages), key=lambda s: (sizes[s] + ends[s], sizes[s] > 1, -s))
+        sizes[heaviest] -= 1
     starts = [sum(sizes[:i]) for i in range(n_stages)]
     return [range(a, a + n) for a, n in zip(starts, sizes, strict=True)]
 
