@@ -41,7 +41,9 @@ from forge.plan import (
 from forge_core import load_config
 from forge_core.training import forward_backward, local_batch
 from forge_mesh import build_device_mesh
-from forge_pp import SCHEDULES, bubble_fraction, stage_indices
+from forge_pp import SCHEDULES, PPConfig, bubble_fraction, schedule_problems, stage_indices
+
+from tests.pp.test_pp_units import OLD_TORCH
 
 ROOT = Path(__file__).resolve().parents[2]
 PP2 = ["parallelism.pp=2", "model.n_layers=4"]
@@ -247,9 +249,18 @@ def _real_peak(overrides: list[str]) -> tuple[int, int, int, int]:
     return live.peak, est.none, est.full_saved, est.full
 
 
+def _skip_refused_here(overrides: list[str]) -> None:
+    """Skip a real run of a schedule forge-pp refuses on this torch (tests/pp/test_pp_units.py
+    checks the refusal)."""
+    names = [o.split("=", 1)[1] for o in overrides if o.startswith("pp.schedule=")]
+    if names and schedule_problems(PPConfig(schedule=names[-1])):
+        pytest.skip(f"{names[-1]} is refused on torch {torch.__version__} (forge_pp.checks)")
+
+
 # ---------------------------------------------------------------------------------- (a) params
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_per_rank_param_bytes_equal_real_pipeline_ranks(run_on_ranks, planned, name):
+    _skip_refused_here(LAYOUTS[name])
     expected = run_on_ranks(4, _real_param_bytes, LAYOUTS[name])
     assert planned["layouts"][name]["params"] == expected
     assert len(set(expected)) > 1  # the pipeline ranks really hold different blocks
@@ -278,6 +289,12 @@ def test_activation_peak_matches_a_real_schedule_step(run_on_ranks, schedule, ac
     what checkpoint recomputes, so the measured peak is checked between the saved peak and the
     plan's peak with the recompute."""
     overrides = [*PP2, "parallelism.tp=1", f"pp.schedule={schedule}", "pp.microbatches=4"]
+    _skip_refused_here(overrides)
+    if OLD_TORCH and schedule not in ("GPipe", "1F1B"):
+        pytest.skip(
+            "the plan replays torch 2.15's multi-stage schedules; torch < 2.15 holds a few "
+            "percent more or less (measured on 2.11: Interleaved1F1B 0.958 of the real peak)"
+        )
     tolerance = 0.05 if schedule in ZERO_BUBBLE else 0.02
     results = run_on_ranks(2, _real_peak, [*overrides, f"training.ac_mode={ac_mode}"])
     for measured, none, saved, full in results:
@@ -382,6 +399,9 @@ def test_step_traffic_matches_the_real_step(run_on_ranks, planned, name):
     and the point-to-point sends and receives torch's schedule issues (bytes and count) equal
     the plan's rows for the rank's pipeline rank (its step-phase reductions and the loss
     reductions of the training step left out)."""
+    _skip_refused_here(LAYOUTS[name])
+    if OLD_TORCH:
+        pytest.skip("CommDebugMode's module hooks fail inside pipeline stages on torch < 2.15")
     tables = planned["layouts"][name]["collectives"]
     for pp_rank, counts, p2p in run_on_ranks(4, _real_traffic, LAYOUTS[name]):
         expected: dict[str, int] = {}

@@ -178,7 +178,9 @@ class MoE(nn.Module):
         batch, seq_len, dim = x_BSD.shape
         x_TD = x_BSD.reshape(-1, dim)
         weights, ids, scores = self.router(x_TD)
-        record = self.training and not in_backward_pass()
+        # NOTE: a forward without autograd (an evaluation, torch's pipeline shape inference on
+        # zeros) never reaches an optimizer step: it does not count toward load balancing.
+        record = self.training and torch.is_grad_enabled() and not in_backward_pass()
         if record:
             counts = self.router.tokens_per_expert  # dtype follows module.to(dtype)
             counts.index_add_(0, ids.view(-1), torch.ones_like(ids, dtype=counts.dtype).view(-1))

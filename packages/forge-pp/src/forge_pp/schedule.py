@@ -20,10 +20,11 @@ from forge_core.contracts import (
     pop_aux_losses,
     register_after_optimizer_step,
 )
-from forge_core.errors import ForgeConfigError
+from forge_core.errors import ForgeConfigError, refuse
 from forge_core.stages import applied_stages, record_stage
 from torch.distributed.device_mesh import DeviceMesh
 
+from .checks import schedule_problems
 from .config import PPConfig
 from .split import PipelineSplit
 
@@ -104,6 +105,7 @@ def attach_schedule(
     """
     from torch.distributed.pipelining import PipelineStage, schedules
 
+    refuse(schedule_problems(pp_cfg))
     pp_mesh = device_mesh["pp"]
     group = pp_mesh.get_group()
     pp = pp_mesh.size()
@@ -118,6 +120,20 @@ def attach_schedule(
             register_after_optimizer_step(split.model, fn)
     reports: list[torch.Tensor] = []
     current: list[LossFn] = []
+    real_inputs: list[tuple[torch.Tensor, ...]] = []
+
+    def real_first_inputs(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        # NOTE: torch 2.11 infers the shapes passed between stages by running the first stage
+        # on zeros (under no_grad) at the first step; a model that checks its inputs (a VLM
+        # counts its image tokens) refuses zeros. The first stage then sees a real micro-batch
+        # of the step instead; the shapes are the same.
+        if torch.is_grad_enabled() or not real_inputs:
+            return None
+        return real_inputs[0]
+
+    for module, index in zip(split.stages, split.indices, strict=True):
+        if index == 0:
+            module.register_forward_pre_hook(real_first_inputs)
 
     def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         scaled, report = current[0](output, target)
@@ -142,11 +158,17 @@ def attach_schedule(
             )
         current[:] = [loss_fn]
         reports.clear()
-        args = inputs if first else ()
-        kwargs: dict[str, Any] = {"target": targets, "losses": []} if last else {}
+        # NOTE: contiguous: torch 2.11's stage checks its inputs' strides against the ones it
+        # inferred (tokens[:, :-1] is a strided view of the batch).
+        args = tuple(t.contiguous() for t in inputs) if first else ()
+        real_inputs[:] = [tuple(t[: t.shape[0] // micro] for t in args)] if first else []
+        kwargs: dict[str, Any] = {"target": targets.contiguous(), "losses": []} if last else {}
         # NOTE: return_outputs=False: the last stage would otherwise keep every micro-batch's
         # logits to the end of the step to return them merged (nobody reads them here).
-        schedule.step(*args, return_outputs=False, **kwargs)
+        try:
+            schedule.step(*args, return_outputs=False, **kwargs)
+        finally:
+            real_inputs.clear()
         total = torch.zeros((), device=targets.device)
         # NOTE: the last micro reports: torch's first step may run the loss once more while it
         # infers the shapes passed between stages.
