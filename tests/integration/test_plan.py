@@ -18,11 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
-import subprocess
-import sys
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,7 +39,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import loss_parallel
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.child import json_from_child
+
 #: Layouts on 4 ranks (overrides of forge build's default: debug model, tp=2, FSDP2 on the rest).
 LAYOUTS = {
     "fsdp2 dp_shard=4": ["parallelism.tp=1"],
@@ -116,19 +113,7 @@ def _plan_child(layouts: dict[str, list[str]]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def planned() -> dict[str, Any]:
-    code = (
-        "import json, sys; from tests.integration.test_plan import _plan_child; "
-        "print(json.dumps(_plan_child(json.loads(sys.argv[1]))))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(LAYOUTS)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json_from_child("tests.integration.test_plan", "_plan_child", LAYOUTS)
 
 
 def _build_real(overrides: list[str], **kwargs: Any) -> tuple[Any, Any, Any]:

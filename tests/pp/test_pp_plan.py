@@ -19,11 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
-import subprocess
-import sys
 import weakref
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,9 +39,9 @@ from forge_core.training import forward_backward, local_batch
 from forge_mesh import build_device_mesh
 from forge_pp import SCHEDULES, PPConfig, bubble_fraction, schedule_problems, stage_indices
 
+from tests.child import json_from_child
 from tests.pp.test_pp_units import OLD_TORCH
 
-ROOT = Path(__file__).resolve().parents[2]
 PP2 = ["parallelism.pp=2", "model.n_layers=4"]
 #: Layouts on 4 ranks (overrides of forge's default config: debug model, tp=2).
 LAYOUTS = {
@@ -109,19 +105,7 @@ def _plan_child(layouts: dict[str, list[str]]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def planned() -> dict[str, Any]:
-    code = (
-        "import json, sys; from tests.pp.test_pp_plan import _plan_child; "
-        "print(json.dumps(_plan_child(json.loads(sys.argv[1]))))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(LAYOUTS)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json_from_child("tests.pp.test_pp_plan", "_plan_child", LAYOUTS)
 
 
 def _build_real(overrides: list[str]) -> tuple[Any, Any, Any]:

@@ -68,6 +68,7 @@ __all__ = [
     "tp_record",
     "AUX_LOSS_METHOD",
     "attach_optimizer_hooks",
+    "declared_components",
     "expert_parallel_modules",
     "expert_parallel_size",
     "mark_expert_parallel",
@@ -132,11 +133,19 @@ def pop_aux_losses(model: nn.Module) -> torch.Tensor | None:
 COMPONENTS_ATTR = "forge_components"
 
 
+def declared_components(model: nn.Module) -> tuple[str, ...]:
+    """The component names ``model``'s class declares, including those a pipeline stage lacks."""
+    return tuple(getattr(type(model), COMPONENTS_ATTR, ()))
+
+
 def model_components(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` for each component ``model``'s class declares (``[]`` if none); a
     component set to None (not on this pipeline stage) is left out."""
-    names = getattr(type(model), COMPONENTS_ATTR, ())
-    return [(name, part) for name in names if (part := getattr(model, name)) is not None]
+    return [
+        (name, part)
+        for name in declared_components(model)
+        if (part := getattr(model, name)) is not None
+    ]
 
 
 def opts_out_of_compile(module: nn.Module) -> bool:

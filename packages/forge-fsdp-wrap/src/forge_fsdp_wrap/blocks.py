@@ -9,7 +9,7 @@ parameters among such containers.
 from __future__ import annotations
 
 import torch.nn as nn
-from forge_core.contracts import model_components
+from forge_core.contracts import declared_components, model_components
 from forge_core.errors import ForgeConfigError, did_you_mean
 
 __all__ = ["Block", "component_blocks", "find_block_container", "find_blocks"]
@@ -88,7 +88,7 @@ def component_blocks(
                 raise
             return [("", model, [])]
     known = [name for name, _ in components]
-    declared = getattr(type(model), "forge_components", ())  # incl. those a pipeline stage lacks
+    declared = declared_components(model)  # incl. those a pipeline stage lacks
     for name in names or ():
         if name not in known and name not in declared:
             raise ForgeConfigError(

@@ -98,8 +98,8 @@ def attach_schedule(
     """Build the schedule over ``split``'s (parallelized) stage modules; return the rank model.
 
     The rank model gets ``forge_pipeline_step(inputs, targets, loss_fn) -> loss sum``: the
-    ``inputs`` tuple (tokens; and images for a VLM) goes to stage 0, targets to the last stage, whose ``loss_fn(output, targets)`` returns the loss to
-    back-propagate (already scaled: gradients are not divided by the micro-batch count) and a
+    ``inputs`` tuple (tokens; and images for a VLM) goes to stage 0, targets to the last stage,
+    whose ``loss_fn(output, targets)`` returns the loss to back-propagate (already scaled: gradients are not divided by the micro-batch count) and a
     detached loss to report. The reports are summed over micro-batches and pipeline ranks, so
     every rank returns the same number.
     """
@@ -114,10 +114,6 @@ def attach_schedule(
         PipelineStage(module, index, split.num_stages, torch.device(device), group=group)
         for module, index in zip(split.stages, split.indices, strict=True)
     ]
-    for module in split.stages:
-        module.register_forward_hook(_aux_hook(1.0 / micro))
-        for fn in after_step_functions(module):  # e.g. Float8's scale precompute
-            register_after_optimizer_step(split.model, fn)
     reports: list[torch.Tensor] = []
     current: list[LossFn] = []
     real_inputs: list[tuple[torch.Tensor, ...]] = []
@@ -132,6 +128,9 @@ def attach_schedule(
         return real_inputs[0]
 
     for module, index in zip(split.stages, split.indices, strict=True):
+        module.register_forward_hook(_aux_hook(1.0 / micro))
+        for fn in after_step_functions(module):  # e.g. Float8's scale precompute
+            register_after_optimizer_step(split.model, fn)
         if index == 0:
             module.register_forward_pre_hook(real_first_inputs)
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from forge_core import ForgeConfigError, ModelConfig, applied_stages
 from forge_core.config import ParallelismConfig
-from forge_core.contracts import model_components
+from forge_core.contracts import declared_components, model_components
 from forge_core.errors import did_you_mean
 from forge_core.mesh_dims import axis_size, get_dp_mesh, has_dp_mesh
 from forge_core.torch_compat import is_compiled, non_persistent_buffer_names
@@ -414,8 +414,7 @@ class ParallelPlan:
         parts = dict(model_components(model))
         decoder, encoder = parts.get("decoder", model), parts.get("encoder")
         encoder_tp = self.vlm is not None and self.vlm.encoder_tp
-        declared = getattr(type(model), "forge_components", ())
-        if encoder_tp and encoder is None and "encoder" not in declared:  # None: a later stage
+        if encoder_tp and encoder is None and "encoder" not in declared_components(model):
             raise ForgeConfigError(
                 f"encoder_tp=True but {type(model).__name__} has no encoder component"
             )
