@@ -190,6 +190,9 @@ _KILLED_SAVE = textwrap.dedent(
         if pid == 0:
             try:
                 save_and_stall(root, phase)
+            except BaseException:  # say why on stdout: the test shows what it read
+                import traceback
+                print("FAILED", phase, traceback.format_exc().replace(chr(10), " | "), flush=True)
             finally:
                 os._exit(1)
         children[pid] = phase
@@ -223,7 +226,9 @@ class _StalledSaves:
             for line in self.lines:
                 if line.startswith(f"{prefix} {phase} "):
                     return line[len(prefix) + len(phase) + 2 :].split()
-                assert not line.startswith(f"ENDED {phase} "), f"it ended before {prefix}"
+                assert not line.startswith(f"ENDED {phase} "), (
+                    f"it ended before {prefix}: {self.lines}"
+                )
             line = self.proc.stdout.readline()
             assert line, f"{prefix} {phase} never came: {self.lines}"
             self.lines.append(line.strip())
