@@ -34,6 +34,7 @@ from forge.export import export_checkpoint, from_hf_llama, hf_llama_config, load
 from forge.optim import clip_grad_norm_, warmup_cosine
 from forge.train import (
     _nonfinite_values,
+    _StopFlag,
     peak_flops,
     run_train,
     train_flops_per_token,
@@ -489,6 +490,20 @@ def _sharded_norms() -> list[tuple[float, float]]:
 def test_clip_grad_norm_p_norms_of_sharded_gradients(run_on_ranks):
     for ours, theirs in run_on_ranks(2, _sharded_norms)[0]:
         assert abs(ours - theirs) <= 1e-6 * theirs
+
+
+def test_sigterm_is_noted_quietly_and_ctrl_c_is_acknowledged(capsys, monkeypatch):
+    # SIGTERM is also how the launcher stops the surviving ranks after one failed: no line
+    # promising a save may then sit beside the failure line (CI caught that race once).
+    quiet = _StopFlag()
+    quiet(signal.SIGTERM, None)
+    quiet(signal.SIGINT, None)  # a second signal changes nothing
+    assert quiet.signal == "SIGTERM" and capsys.readouterr().err == ""
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    loud = _StopFlag()
+    loud(signal.SIGINT, None)
+    assert loud.signal == "SIGINT"
+    assert capsys.readouterr().err == "[rank 0] SIGINT: finishing this step, then saving\n"
 
 
 def test_flops_per_token_and_no_mfu_on_cpu():

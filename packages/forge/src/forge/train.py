@@ -129,8 +129,14 @@ class _StopFlag:
     def __call__(self, signum: int, frame: object) -> None:
         # NOTE: a launcher that got Ctrl-C passes the signal on, so a rank may see it twice;
         # stopping is already under way, and the launcher kills after its shutdown timeout.
+        # Only Ctrl-C (SIGINT: someone is watching) is acknowledged at once. SIGTERM is also
+        # how the launcher stops the surviving ranks when one rank fails; a "then saving" line
+        # there would promise a save that never comes, next to the failure line. A SIGTERM
+        # that does stop the run is named in the final report ("stopped by SIGTERM").
         if self.signal is None:
             self.signal = signal.Signals(signum).name
+            if signum != signal.SIGINT:
+                return
             print(
                 f"[rank {dist.get_rank()}] {self.signal}: finishing this step, then saving",
                 file=sys.stderr,
