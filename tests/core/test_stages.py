@@ -39,7 +39,7 @@ def test_out_of_order_stage_is_refused_with_the_order(done, late):
     record_stage(m, done)
     with pytest.raises(
         ForgeConfigError,
-        match=rf"cannot apply '{late}' after \['{done}'\].*TP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2",
+        match=rf"cannot apply '{late}' after \['{done}'\].*TP -> CP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2",
     ):
         check_stage(m, late)
 

@@ -120,7 +120,7 @@ def test_fsdp2_then_ac_wrong_order_raises(run_on_ranks):
     msg = run_on_ranks(4, _fsdp2_then_ac)[0]
     assert (
         "cannot apply 'ac' after ['fsdp2']" in msg
-        and "TP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2" in msg
+        and "TP -> CP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2" in msg
     )
 
 

@@ -46,7 +46,8 @@ class ParallelismConfig:
 
     Axes (outermost first in the mesh): ``pp, dp_replicate, dp_shard, cp, domain, tp``; world size
     = their product. ``ep`` is not a factor of the world size: expert parallelism is carved out of
-    the ``dp_shard`` ranks (``dp_shard = dp_shard_mod_ep x ep``), so EP peers work on different
+    the ``dp_shard`` ranks (``dp_shard = dp_shard_mod_ep x ep``; with cp > 1 out of
+    ``dp_shard x cp``), so EP peers work on different
     tokens and no dense compute is duplicated; it needs ``data='fsdp2'``. Tensor-parallel peers
     run the MoE layers replicated (same tokens), each in its own EP group.
     ``dp_shard=-1`` infers the degree from the world size; ``ep=-1`` picks the largest degree
@@ -172,11 +173,16 @@ class ParallelismConfig:
                 f"parallelism.ep={resolved.ep} needs data='fsdp2' (EP is carved out of the dp_shard "
                 f"ranks); got data={resolved.data!r}"
             )
-        if resolved.ep > 1 and resolved.dp_shard % resolved.ep:
+        # NOTE: with cp > 1 EP is carved out of dp_shard x cp (forge_mesh): cp ranks hold other
+        # tokens too.
+        pool, pool_text = resolved.dp_shard * resolved.cp, f"dp_shard={resolved.dp_shard}"
+        if resolved.cp > 1:
+            pool_text += f" x cp={resolved.cp}"
+        if resolved.ep > 1 and pool % resolved.ep:
             raise ForgeConfigError(
-                f"parallelism.ep={resolved.ep} must divide dp_shard={resolved.dp_shard}: expert "
-                "parallelism is carved out of the dp_shard ranks; choose ep in "
-                f"{[d for d in range(1, resolved.dp_shard + 1) if resolved.dp_shard % d == 0]}"
+                f"parallelism.ep={resolved.ep} must divide {pool_text}: expert "
+                f"parallelism is carved out of those ranks; choose ep in "
+                f"{[d for d in range(1, pool + 1) if pool % d == 0]}"
             )
         return resolved
 

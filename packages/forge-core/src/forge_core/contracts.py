@@ -37,6 +37,16 @@ mark. No registry, no global state: everything lives on the modules.
   callable ``forge_pipeline_step`` (:func:`pipeline_step`) is split over pipeline ranks and runs
   its forward and backward itself, through a schedule: the training step hands it the inputs,
   the targets and the loss function instead of calling it.
+- **Attention kernel.** An attention module whose class sets ``forge_attention = "causal"``
+  computes its causal attention through :func:`causal_attention` (``F.scaled_dot_product_attention``
+  unless a layer installed another kernel on it with :func:`set_attention_kernel`: context
+  parallelism's exact attention across sequence shards). The kernel is kept in the module's
+  ``__dict__``, like a hook: no submodule, no parameter, state dicts unchanged.
+- **Sequence shards.** A model on which :func:`set_sequence_shard` put a shard function trains
+  on a slice of each sequence: the training step passes its inputs and targets ``[B, S]``
+  through it and calls the model with the global positions of the kept tokens as
+  ``positions=`` (RoPE must see them), summing the token count and the loss over the ``cp``
+  ranks too.
 - **Left out of torch.compile.** A module class with ``forge_no_compile = True`` cannot be traced
   as one graph (e.g. it reads split sizes on the host). Per-block compilation then compiles the
   block's other composite children and runs this module eagerly.
@@ -74,7 +84,11 @@ __all__ = [
     "mark_expert_parallel",
     "model_components",
     "opts_out_of_compile",
+    "causal_attention",
     "pipeline_step",
+    "sequence_shard",
+    "set_attention_kernel",
+    "set_sequence_shard",
     "pop_aux_losses",
 ]
 
@@ -307,3 +321,51 @@ def restyle_tp(model: nn.Module, fqn: str, style: ParallelStyle) -> None:
             "first (as Float8 does when it swaps a Linear)"
         )
     _apply_one(record, fqn, module, style)
+
+
+ATTENTION_ATTR = "forge_attention"
+_KERNEL_ATTR = "_forge_attention_kernel"
+#: ``kernel(q [B, H, s, D], k [B, Hkv, s, D], v, enable_gqa=...) -> [B, H, s, D]``: causal.
+AttentionKernel = Callable[..., torch.Tensor]
+
+
+def set_attention_kernel(module: nn.Module, kernel: AttentionKernel) -> None:
+    """Have ``module`` (its class declares ``forge_attention = "causal"``) attend through
+    ``kernel`` instead of SDPA."""
+    if getattr(type(module), ATTENTION_ATTR, None) != "causal":
+        raise TypeError(
+            f"{type(module).__name__} does not declare forge_attention = 'causal': its attention "
+            "does not go through forge_core.contracts.causal_attention"
+        )
+    module.__dict__[_KERNEL_ATTR] = kernel
+
+
+def causal_attention(
+    module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, enable_gqa: bool
+) -> torch.Tensor:
+    """Causal attention of ``q, k, v [B, heads, seq, head_dim]`` for ``module``: its installed
+    kernel (:func:`set_attention_kernel`), else ``F.scaled_dot_product_attention``."""
+    kernel = module.__dict__.get(_KERNEL_ATTR)
+    if kernel is not None:
+        return kernel(q, k, v, enable_gqa=enable_gqa)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=enable_gqa
+    )
+
+
+SEQUENCE_SHARD_ATTR = "forge_sequence_shard"
+#: ``shard(x [B, S, ...]) -> x [B, S / cp, ...]``: this rank's tokens, in the order it keeps them.
+SequenceShard = Callable[[torch.Tensor], torch.Tensor]
+
+
+def set_sequence_shard(model: nn.Module, shard: SequenceShard) -> None:
+    """Train ``model`` on the part of each sequence ``shard`` keeps (see the module docstring)."""
+    model.__dict__[SEQUENCE_SHARD_ATTR] = shard
+
+
+def sequence_shard(model: nn.Module) -> SequenceShard | None:
+    """The shard function :func:`set_sequence_shard` put on ``model`` (or on the module under
+    its DDP / compile wrapper), else None."""
+    from .stages import unwrap
+
+    return unwrap(model).__dict__.get(SEQUENCE_SHARD_ATTR)

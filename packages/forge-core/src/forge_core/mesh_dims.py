@@ -100,11 +100,12 @@ def get_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def get_dp_group_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
-    """A 1-D mesh over all data-parallel ranks (for reducing statistics such as token counts).
+    """A 1-D mesh over every rank that holds other tokens (for reducing statistics such as
+    token counts): the data-parallel ranks, and the context-parallel ones when cp > 1.
 
-    None when there is no data-parallel axis of size > 1.
+    None when there is no such axis of size > 1.
     """
-    for name in ("dp", "dp_shard", "dp_replicate"):
+    for name in ("dp_cp", "dp", "dp_shard", "dp_replicate"):
         if has_axis(mesh, name) and sub_mesh(mesh, name).size() > 1:
             return sub_mesh(mesh, name)
     return None

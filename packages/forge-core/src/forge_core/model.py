@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .contracts import causal_attention
 from .errors import ForgeConfigError
 from .init import canonical_name, fill_param_
 from .model_config import PRESETS, ModelConfig
@@ -71,7 +72,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Grouped-query causal self-attention through ``F.scaled_dot_product_attention``."""
+    """Grouped-query causal self-attention through ``F.scaled_dot_product_attention``.
+
+    ``forge_attention = "causal"``: the attention itself goes through
+    :func:`forge_core.contracts.causal_attention`, so a layer may swap the kernel (context
+    parallelism attends across sequence shards).
+    """
+
+    forge_attention = "causal"
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -94,7 +102,7 @@ class Attention(nn.Module):
         v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+        out = causal_attention(self, q, k, v, enable_gqa=self.gqa)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -229,8 +237,13 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         insert_embeds: torch.Tensor | None = None,
         insert_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits for ``tokens [B, S]``.
+
+        ``positions [S]`` (int64): the place of each token in its sequence, for RoPE; default
+        ``0 .. S-1``. A context-parallel rank holds slices of each sequence and passes their
+        global positions (``forge_core.contracts.set_sequence_shard``).
 
         ``insert_embeds [B, N, dim]`` with ``insert_mask [B, S]`` (N True positions per row):
         those positions take the given embeddings instead of their token's (see
@@ -239,7 +252,7 @@ class Transformer(nn.Module):
         ``cast_forward_inputs`` casts them to the decoder's compute dtype.
         """
         S = tokens.shape[1]
-        if self.config.max_seq_len < S:
+        if positions is None and self.config.max_seq_len < S:
             raise ForgeConfigError(
                 f"sequence length {S} exceeds model.max_seq_len={self.config.max_seq_len}"
             )
@@ -249,7 +262,10 @@ class Transformer(nn.Module):
             raise ForgeConfigError("insert_embeds and insert_mask go together: pass both or none")
         if insert_embeds is not None and insert_mask is not None:
             h = insert_embeddings(h, insert_embeds, insert_mask)
-        cos, sin = self.rope_cos[:S], self.rope_sin[:S]
+        if positions is None:
+            cos, sin = self.rope_cos[:S], self.rope_sin[:S]
+        else:  # NOTE: not checked against max_seq_len here: that would wait for the device
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for block in self.layers.values():
             h = block(h, cos, sin)
         if self.norm is not None:  # NOTE: None on a pipeline stage before the last

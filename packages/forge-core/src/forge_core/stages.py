@@ -1,7 +1,10 @@
-"""The stage-order contract: PP split -> TP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2/DDP.
+"""The stage-order contract: PP split -> TP -> CP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2/DDP.
 
 Why an order: the pipeline split comes first because every later stage applies to each stage
-module (a stage records ``pp`` and then its own order); TP must see raw ``nn.Linear`` modules; Float8 swaps Linears after TP/EP split them
+module (a stage records ``pp`` and then its own order); TP must see raw ``nn.Linear`` modules;
+CP swaps the attention kernel of the attention modules TP left in place, before AC wraps and
+compile traces the blocks that call it (and before FSDP2, which shards over dp_shard x cp);
+Float8 swaps Linears after TP/EP split them
 and before AC wraps blocks; domain parallelism swaps convolutions and norms for their
 height-slab forms, which AC and compile must then see; FSDP2 shards last so it sees the final parameters (DTensors from TP,
 float8 weights). Applied in another order the model still runs but computes different numbers,
@@ -41,15 +44,16 @@ __all__ = [
 STAGES: dict[str, int] = {
     "pp": -1,
     "tp": 0,
-    "ep": 1,
-    "float8": 2,
-    "domain": 3,
-    "ac": 4,
-    "compile": 5,
-    "fsdp2": 6,
-    "ddp": 6,
+    "cp": 1,
+    "ep": 2,
+    "float8": 3,
+    "domain": 4,
+    "ac": 5,
+    "compile": 6,
+    "fsdp2": 7,
+    "ddp": 7,
 }
-ORDER_TEXT = "PP split -> TP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2 (or DDP)"
+ORDER_TEXT = "PP split -> TP -> CP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2 (or DDP)"
 _ATTR = "_forge_stages"
 
 

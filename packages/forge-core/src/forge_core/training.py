@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
-from .contracts import pipeline_step, pop_aux_losses
+from .contracts import pipeline_step, pop_aux_losses, sequence_shard
 from .errors import ForgeConfigError
 from .mesh_dims import DP_AXES, axis_size, dp_rank_and_size, has_axis, sub_mesh
 
@@ -194,10 +194,21 @@ def forward_backward(
     parallel) keep the loss context through backward; auxiliary losses the model registered
     (``forge_core.contracts.pop_aux_losses``, e.g. MoE balancing) are added per micro-batch.
 
+    A context-parallel model (``forge_core.contracts.set_sequence_shard``) gets this rank's
+    slices of every sequence and their global ``positions``; its token count and loss are
+    summed over the ``cp`` ranks as well, and the gradient scale counts them among the ranks
+    FSDP2 / DDP average over (they shard and reduce over ``dp x cp``).
+
     Returns ``(loss sum, token count)`` over the global batch (both reduced over the
-    data-parallel ranks, on the device): their ratio is the step's loss.
+    data-parallel and context-parallel ranks, on the device): their ratio is the step's loss.
     """
     step = pipeline_step(model)
+    shard = sequence_shard(model)
+    if step is not None and shard is not None:
+        raise ForgeConfigError(
+            "a model split into pipeline stages cannot also shard its sequences (context "
+            "parallelism): set parallelism.pp=1 or parallelism.cp=1"
+        )
     if step is not None and grad_accum != 1:
         raise ForgeConfigError(
             "a model split into pipeline stages runs its micro-batches through the schedule: "
@@ -207,11 +218,18 @@ def forward_backward(
         raise ForgeConfigError(
             f"per-rank batch {tokens_BS.shape[0]} is not divisible by grad_accum={grad_accum}"
         )
-    targets = tokens_BS[:, 1:]
+    inputs_BS, targets = tokens_BS[:, :-1], tokens_BS[:, 1:]
     if ignore_token is not None:
         targets = targets.masked_fill(targets == ignore_token, IGNORE_INDEX)
-    count = reduce_over_dp((targets != IGNORE_INDEX).sum().to(torch.int64), mesh)
-    scale = dp_rank_and_size(mesh)[1] / count
+    where: dict[str, torch.Tensor] = {}
+    cp = 1
+    if shard is not None:
+        cp = axis_size(mesh, "cp")
+        positions = torch.arange(inputs_BS.shape[1], device=tokens_BS.device)
+        where["positions"] = shard(positions[None])[0]
+        inputs_BS, targets = shard(inputs_BS), shard(targets)
+    count = _reduce_over_tokens((targets != IGNORE_INDEX).sum().to(torch.int64), mesh, cp)
+    scale = dp_rank_and_size(mesh)[1] * cp / count
 
     def token_loss(logits: torch.Tensor, micro_targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(
@@ -229,16 +247,16 @@ def forward_backward(
             micro_sum = token_loss(logits, micro_targets)
             return micro_sum * scale, micro_sum.detach()
 
-        inputs = (tokens_BS[:, :-1],) if images is None else (tokens_BS[:, :-1], images)
+        inputs = (inputs_BS,) if images is None else (inputs_BS, images)
         return reduce_over_dp(step(inputs, targets, pipeline_loss), mesh), count
     micro_images = images.chunk(grad_accum) if images is not None else [None] * grad_accum
     micro_targets = targets.chunk(grad_accum)
     loss_sum = torch.zeros((), device=tokens_BS.device)
     for i, (micro, pixels) in enumerate(
-        zip(tokens_BS.chunk(grad_accum), micro_images, strict=True)
+        zip(inputs_BS.chunk(grad_accum), micro_images, strict=True)
     ):
         set_gradient_sync(model, i == grad_accum - 1)
-        logits = model(micro[:, :-1]) if pixels is None else model(micro[:, :-1], pixels)
+        logits = model(micro, **where) if pixels is None else model(micro, pixels, **where)
         # Vocab-sharded logits (loss parallel): the cross entropy reduces over the tp ranks
         # without gathering the logits; forward and backward both need the context.
         with loss_parallel() if isinstance(logits, DTensor) else nullcontext():
@@ -255,4 +273,13 @@ def forward_backward(
         loss_sum += (
             micro_sum.full_tensor() if isinstance(micro_sum, DTensor) else micro_sum
         ).detach()
-    return reduce_over_dp(loss_sum, mesh), count
+    return _reduce_over_tokens(loss_sum, mesh, cp), count
+
+
+def _reduce_over_tokens(value: torch.Tensor, mesh: DeviceMesh | None, cp: int) -> torch.Tensor:
+    """Sum ``value`` over every rank holding other tokens: the data-parallel ranks and, for a
+    model that shards its sequences (``cp > 1``), the context-parallel ones."""
+    reduce_over_dp(value, mesh)
+    if cp > 1:
+        dist.all_reduce(value, group=sub_mesh(mesh, "cp").get_group())
+    return value

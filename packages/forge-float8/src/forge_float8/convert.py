@@ -275,7 +275,7 @@ def _restyle_tensor_parallel(
     Not chosen: (a) removing the old hooks by handle — torch's ParallelStyles drop their
     ``RemovableHandle``s, so only private hook dicts could; (c) TP choosing the Float8 styles
     itself (torchtitan's way) — torchtitan converts to Float8 before TP, while under forge's
-    order TP -> EP -> Float8 TP sees plain ``nn.Linear`` modules, which torchao's Float8 styles
+    order TP -> CP -> EP -> Float8 TP sees plain ``nn.Linear`` modules, which torchao's Float8 styles
     refuse, and cannot know which Linears Float8 will skip.
     """
     from torchao.float8.float8_tensor_parallel import (

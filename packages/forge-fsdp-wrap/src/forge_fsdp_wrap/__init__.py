@@ -1,6 +1,6 @@
 """forge_fsdp_wrap: FSDP2, HSDP, DDP, mixed precision, activation checkpointing, compile.
 
-The last stages of forge's order (TP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2/DDP):
+The last stages of forge's order (TP -> CP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2/DDP):
 
 - :func:`apply_ac` wraps blocks for activation checkpointing (``none|full|selective|op``)
 - :func:`apply_compile` compiles each block in place

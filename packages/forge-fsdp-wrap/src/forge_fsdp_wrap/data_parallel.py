@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from forge_core.contracts import expert_parallel_modules
 from forge_core.errors import ForgeConfigError
-from forge_core.mesh_dims import get_dp_mesh, get_expert_dp_mesh, has_dp_mesh
+from forge_core.mesh_dims import get_dp_mesh, get_expert_dp_mesh, has_axis, has_dp_mesh, sub_mesh
 from forge_core.stages import stage
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -271,7 +271,10 @@ def apply_ddp(model: nn.Module, device_mesh: DeviceMesh) -> DistributedDataParal
         raise ForgeConfigError(
             "apply_ddp needs a data-parallel axis (parallelism.dp_replicate > 1)"
         )
-    dp_mesh = get_dp_mesh(device_mesh)
+    # NOTE: with cp > 1 the context-parallel ranks hold the same parameters too: DDP averages
+    # over dp x cp (forge_mesh's dp_cp view).
+    dp_mesh = sub_mesh(device_mesh, "dp_cp") if has_axis(device_mesh, "dp_cp") else None
+    dp_mesh = dp_mesh or get_dp_mesh(device_mesh)
     if dp_mesh.ndim != 1:
         raise ForgeConfigError(
             f"apply_ddp needs one data-parallel axis, got {dp_mesh.mesh_dim_names}; DDP replicates: "

@@ -6,12 +6,18 @@ axes of size > 1, and adds flattened views for the data-parallel groups:
 
 - ``dp``           = dp_replicate x dp_shard  (loss averaging, data loading, DDP)
 - ``dp_shard_cp``  = dp_shard x cp            (the FSDP2 shard group when cp > 1)
-- ``dp_cp``        = dp_replicate x dp_shard x cp
+- ``dp_cp``        = dp_replicate x dp_shard x cp (DDP's group when cp > 1; every rank that
+  holds other tokens: MoE token counts)
+
+With ``cp > 1`` both cp views exist even when the other axes do not (they are then the ``cp``
+axis itself): context-parallel ranks hold the same parameters and see other tokens, so their
+gradients are reduced with the data-parallel ones.
 
 With ``ep > 1`` the ``dp_shard`` axis is also unflattened into ``dp_shard_mod_ep x ep`` (EP peers
 are neighbouring ranks), giving the views ``ep`` (the all-to-all group of the MoE layers),
 ``dp_shard_mod_ep`` and ``expert_dp`` (``dp_replicate x dp_shard_mod_ep``: FSDP2's mesh for the
-expert weights). These share the root mesh, so expert weights sharded ``Shard(0)`` over ``ep``
+expert weights). With ``cp > 1`` it is ``dp_shard x cp`` that is unflattened so (ep innermost;
+ep peers may then be cp peers: they hold other tokens, which is all EP needs). These share the root mesh, so expert weights sharded ``Shard(0)`` over ``ep``
 compose with FSDP2 over ``expert_dp``.
 
 Works with ``cpu`` (gloo), ``cuda`` (nccl) and the ``fake`` backend, on which a plan for
@@ -28,7 +34,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from forge_core import ParallelismConfig
-from forge_core.mesh_dims import AXES, VIEWS_ATTR, get_dp_mesh, get_tp_mesh, has_dp_mesh
+from forge_core.mesh_dims import (
+    AXES,
+    SLICES_ATTR,
+    VIEWS_ATTR,
+    get_dp_mesh,
+    get_tp_mesh,
+    has_dp_mesh,
+)
 from forge_core.torch_compat import flatten_mesh, unflatten_mesh_dim
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -77,9 +90,35 @@ def init_distributed(device_type: str = "cuda") -> None:
     dist.init_process_group(backend)
 
 
-def _expert_views(mesh: DeviceMesh, ep: int) -> dict[str, DeviceMesh]:
-    shard = mesh["dp_shard"].size()
-    sparse = unflatten_mesh_dim(mesh, "dp_shard", (shard // ep, ep), ("dp_shard_mod_ep", "ep"))
+def _replicate_x_shard(mesh: DeviceMesh, shard: tuple[str, ...], name: str) -> DeviceMesh:
+    """The 2-D HSDP mesh ``(dp_replicate, name)``, ``name`` being the axes ``shard`` as one.
+
+    NOTE: slicing a flattened view together with a root axis (``mesh["dp_replicate",
+    "dp_shard_cp"]``) is deprecated in torch; flattening all of them and splitting the result
+    in two gives the same groups from public-facing mesh operations only.
+    """
+    whole = flatten_mesh(mesh[("dp_replicate", *shard)], f"dp_replicate_{name}")
+    replicate = mesh["dp_replicate"].size()
+    sizes = (replicate, whole.size() // replicate)
+    return unflatten_mesh_dim(whole, f"dp_replicate_{name}", sizes, ("dp_replicate", name))
+
+
+def _expert_views(mesh: DeviceMesh, ep: int, hsdp_cp: DeviceMesh | None) -> dict[str, DeviceMesh]:
+    """``ep``, ``dp_shard_mod_ep`` and ``expert_dp``: ``ep`` is carved out of ``dp_shard``, or
+    with cp > 1 out of ``dp_shard x cp`` (``hsdp_cp``: the HSDP mesh with cp, if any)."""
+    views = getattr(mesh, VIEWS_ATTR)
+    if "cp" not in (mesh.mesh_dim_names or ()):
+        base, dim = mesh, "dp_shard"
+    elif hsdp_cp is not None:
+        base, dim = hsdp_cp, "dp_shard_cp"
+    else:
+        base = views["dp_shard_cp"]
+        dim = (base.mesh_dim_names or ("dp_shard_cp",))[0]
+    # NOTE: ep is the innermost of the pieces, so that FSDP2 can compose the experts' mesh with
+    # it (its dims must come before ep's). With cp the ep peers include cp peers: they hold
+    # other tokens of the same sequences, which is all EP needs.
+    shard = base[dim].size()
+    sparse = unflatten_mesh_dim(base, dim, (shard // ep, ep), ("dp_shard_mod_ep", "ep"))
     names = sparse.mesh_dim_names or ()
     expert_dp = (
         ("dp_replicate", "dp_shard_mod_ep") if "dp_replicate" in names else ("dp_shard_mod_ep",)
@@ -121,7 +160,17 @@ def build_device_mesh(
     for flat, parts in _FLATTENED.items():
         if all(p in names for p in parts):
             views[flat] = flatten_mesh(mesh[parts], flat)
-    if cfg.ep > 1:
-        views.update(_expert_views(mesh, cfg.ep))
+        elif flat != "dp" and "cp" in names:  # see the module docstring: cp joins the dp groups
+            present = tuple(p for p in parts if p in names)
+            views[flat] = mesh["cp"] if present == ("cp",) else flatten_mesh(mesh[present], flat)
     setattr(mesh, VIEWS_ATTR, views)
+    hsdp = None
+    if cfg.cp > 1 and "dp_replicate" in names:
+        # HSDP with cp: get_dp_mesh's (dp_replicate, dp_shard_cp), made without the deprecated
+        # slice of a flattened view and kept where sub_mesh looks for its slices.
+        shard = ("dp_shard", "cp") if "dp_shard" in names else ("cp",)
+        hsdp = _replicate_x_shard(mesh, shard, "dp_shard_cp")
+        mesh.__dict__.setdefault(SLICES_ATTR, {})[("dp_replicate", "dp_shard_cp")] = hsdp
+    if cfg.ep > 1:
+        views.update(_expert_views(mesh, cfg.ep, hsdp))
     return mesh

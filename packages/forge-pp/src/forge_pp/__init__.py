@@ -1,4 +1,4 @@
-"""forge_pp: pipeline parallelism, the first stage of forge's order (PP split -> TP -> EP -> ...).
+"""forge_pp: pipeline parallelism, the first stage of forge's order (PP split -> TP -> CP -> EP -> ...).
 
 - :class:`PPConfig` (``[pp]``) and :data:`SCHEDULES`: schedule, micro-batches, stages per rank,
   split points (:mod:`forge_pp.config`, no torch import)

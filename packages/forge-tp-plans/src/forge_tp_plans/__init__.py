@@ -11,7 +11,7 @@ and any model that opts in with class attributes.
 - :mod:`forge_tp_plans.checks`: the pure size and import-path checks (no torch import)
 - ``ColwiseConv1x1`` / ``RowwiseConv1x1`` shard 1x1 convolutions on channels
 
-The first stage of forge's order (TP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2). Depends on
+The first stage of forge's order (TP -> CP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2). Depends on
 forge_core and torch only.
 """
 

@@ -1,6 +1,6 @@
 """Composition: apply forge's layers to a model in the one correct order.
 
-    mesh -> model on meta -> TP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2 -> materialize
+    mesh -> model on meta -> TP -> CP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2 -> materialize
                                                             (DDP: materialize -> DDP)
 
 EP runs whenever the model has MoE layers and a mesh: with an ``ep`` axis it shards the experts
@@ -41,6 +41,7 @@ from forge_core.contracts import declared_components, model_components
 from forge_core.errors import did_you_mean
 from forge_core.mesh_dims import axis_size, get_dp_mesh, has_dp_mesh
 from forge_core.torch_compat import is_compiled, non_persistent_buffer_names
+from forge_cp import apply_context_parallel
 from forge_domain import FieldNet, apply_domain_parallel
 from forge_float8 import apply_float8
 from forge_float8.config import Float8Config
@@ -69,7 +70,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .checks import NOT_YET, check_float8, check_plan
+from .checks import check_float8, check_plan
 from .config import COMPILE_SCOPES, ForgeConfig, load_config
 from .hf_patches import (
     HOOKS_ATTR,
@@ -195,9 +196,7 @@ class ParallelPlan:
     pp: PPConfig = PPConfig()
 
     def __post_init__(self) -> None:
-        sizes = {
-            axis: axis_size(self.device_mesh, axis) for axis in (*NOT_YET, "pp", "tp", "domain")
-        }
+        sizes = {axis: axis_size(self.device_mesh, axis) for axis in ("cp", "pp", "tp", "domain")}
         if self.data is None:  # frozen: the resolved default is set once, here
             object.__setattr__(self, "data", "fsdp2" if has_dp_mesh(self.device_mesh) else "none")
         check_plan(
@@ -441,6 +440,9 @@ class ParallelPlan:
                     sequence_parallel=False,
                     allow_import=self.allow_plan_import,
                 )
+        if axis_size(mesh, "cp") > 1:
+            assert mesh is not None  # a cp axis of size > 1 implies a mesh
+            apply_context_parallel(model, mesh)
         if mesh is not None and any(isinstance(m, MoE) for m in decoder.modules()):
             apply_expert_parallel(decoder, mesh)
         elif axis_size(mesh, "ep") > 1:
@@ -618,7 +620,7 @@ def build_parallel_model(
 ) -> nn.Module:
     """Build the reference Transformer (or a VLM) on the meta device, parallelize, materialize.
 
-    The pipeline, top to bottom: model on meta -> TP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2
+    The pipeline, top to bottom: model on meta -> TP -> CP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2
     -> materialize (``to_empty`` + ``init_weights(seed)``: identical values to a single-device
     model built with the same seed). ``device_mesh=None`` builds a plain single-device model.
 

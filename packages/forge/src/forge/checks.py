@@ -23,6 +23,7 @@ import importlib.util
 from typing import TYPE_CHECKING
 
 from forge_core.errors import ForgeConfigError, refuse
+from forge_cp.checks import cp_problems
 from forge_float8.checks import check_float8, float8_problems, torchao_problems
 from forge_fsdp_wrap.checks import ac_mode_problems
 from forge_moe_ep.checks import expert_parallel_problems
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
     from .config import ForgeConfig
 
 __all__ = [
-    "NOT_YET",
     "check_config",
     "check_config_imports",
     "check_config_values",
@@ -49,26 +49,22 @@ __all__ = [
     "plan_problems",
 ]
 
-#: Axes whose layer this forge does not have yet -> what provides them. Refused, never ignored.
-NOT_YET = {
-    "cp": "context parallelism",
-}
-
 
 def plan_problems(data: str, axis_sizes: dict[str, int], *, ac_mode: str = "none") -> list[str]:
     """What this forge cannot do with ``data``, these axis sizes and ``ac_mode`` (pure)."""
     problems = []
     if data not in ("fsdp2", "ddp", "none"):
         problems.append(f"data={data!r}: choose 'fsdp2', 'ddp' or 'none'")
-    for axis, layer in NOT_YET.items():
-        if axis_sizes.get(axis, 1) > 1:
-            problems.append(
-                f"parallelism.{axis}={axis_sizes[axis]} needs {layer}, which this forge does not have yet; set {axis}=1"
-            )
     if data == "ddp" and axis_sizes.get("pp", 1) > 1:
         problems.append(
             f"data='ddp' with pp={axis_sizes['pp']}: pipeline stages are data-parallel with FSDP2 "
             "here; use data='fsdp2' (or 'none')"
+        )
+    if data == "none" and axis_sizes.get("cp", 1) > 1:
+        problems.append(
+            f"data='none' with cp={axis_sizes['cp']}: the context-parallel ranks hold the same "
+            "parameters and their gradients must be summed; use data='fsdp2' (FSDP2 shards over "
+            "dp_shard x cp) or 'ddp'"
         )
     if data == "ddp" and axis_sizes.get("tp", 1) > 1:
         problems.append(
@@ -98,7 +94,7 @@ def config_problems(cfg: ForgeConfig, world_size: int) -> list[str]:
     except ForgeConfigError as err:
         return [str(err)]
     par, t, m = layout.parallelism, cfg.training, cfg.model
-    sizes = {name: getattr(par, name) for name in (*NOT_YET, "pp", "tp")}
+    sizes = {name: getattr(par, name) for name in ("cp", "pp", "tp")}
     problems = plan_problems(par.data, sizes, ac_mode=t.ac_mode)
     if cfg.field is not None:
         problems += _field_problems(cfg, par)
@@ -125,9 +121,13 @@ def config_problems(cfg: ForgeConfig, world_size: int) -> list[str]:
         if vlm.encoder_tp_plan is not None:
             plan, allow = vlm.encoder_tp_plan, cfg.tp.allow_import
             problems += _importable_problems("vlm.encoder_tp_plan", plan, allow)
+    kind = "field" if cfg.field is not None else "vlm" if cfg.is_vlm else "transformer"
+    problems += cp_problems(par.cp, t.seq_len, pp=par.pp, model_kind=kind)
     if par.tp > 1:
         sp = layout.sequence_parallel
-        problems += transformer_tp_problems(m, par.tp, seq_len=t.seq_len, sequence_parallel=sp)
+        # NOTE: under cp, sequence parallelism splits each rank's S / cp tokens over tp
+        seq = t.seq_len // par.cp if t.seq_len % (2 * par.cp) == 0 else None
+        problems += transformer_tp_problems(m, par.tp, seq_len=seq, sequence_parallel=sp)
     if t.global_batch_size % (par.dp_degree * t.grad_accum):
         problems.append(
             f"training.global_batch_size={t.global_batch_size} must be divisible by the "

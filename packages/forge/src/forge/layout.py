@@ -28,7 +28,7 @@ class Layout:
     """Every decision derived from a config and a world size (see the module docstring).
 
     ``data``: the data-parallel mode used: ``parallelism.data``, or ``"none"`` when every rank
-    is taken by pp/tp/cp/domain. ``sequence_parallel``: of forge's decoder
+    is taken by pp/tp/domain. ``sequence_parallel``: of forge's decoder
     (``tp.sequence_parallel``, or for ``"auto"`` the TP layer's own rule,
     :func:`forge_tp_plans.checks.default_sequence_parallel`, for forge's models: they all have a
     registered plan); false without tp, and false on pipeline stages (``parallelism.pp > 1``),
@@ -60,8 +60,9 @@ def resolve_layout(cfg: ForgeConfig, world_size: int) -> Layout:
     degrees do not fit ``world_size`` (the message names the fields and the fix)."""
     experts = cfg.model.num_experts if cfg.model.moe_layers else 0
     par = cfg.parallelism.resolve(world_size, num_experts=experts)
-    # NOTE: with every rank used by pp/tp/cp/domain there is no data-parallel axis to shard over.
-    data = par.data if par.dp_degree > 1 or world_size == 1 else "none"
+    # NOTE: with every rank used by pp/tp/domain there is no data-parallel axis to shard over;
+    # cp ranks hold the same parameters, so FSDP2 / DDP run over them (dp_shard x cp).
+    data = par.data if par.dp_degree * par.cp > 1 or world_size == 1 else "none"
     pipelined = par.pp > 1
     sp = cfg.tp.sequence_parallel_flag
     if sp is None or pipelined:

@@ -1,0 +1,100 @@
+"""``apply_context_parallel``: a model trains on load-balanced slices of each sequence.
+
+What it changes, through forge_core's contracts (the model's code stays as it is):
+
+- every attention module whose class declares ``forge_attention = "causal"`` attends through
+  :class:`~forge_cp.attention.ContextParallelAttention` (exact attention across the shards);
+- the model gets a sequence shard function (:func:`forge_core.contracts.set_sequence_shard`):
+  forge_core's training step passes inputs and targets through it, gives the model the global
+  positions of its tokens (``positions=``), and sums the token count and the loss over the cp
+  ranks.
+
+Parameters are not touched: they stay replicated over cp until FSDP2 shards them over
+``dp_shard x cp`` (or DDP averages over ``dp x cp``), which also sums their gradients over the
+cp ranks. Order: after TP, before EP, Float8, AC, compile and FSDP2 (``forge_core.stages``).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn as nn
+from forge_core.contracts import (
+    ATTENTION_ATTR,
+    declared_components,
+    set_attention_kernel,
+    set_sequence_shard,
+)
+from forge_core.errors import ForgeConfigError
+from forge_core.mesh_dims import axis_size, sub_mesh
+from forge_core.stages import stage, unwrap
+from torch.distributed.device_mesh import DeviceMesh
+
+from .attention import ContextParallelAttention
+from .sequence import shard_sequence
+
+__all__ = ["LoadBalancedShard", "apply_context_parallel"]
+
+
+class LoadBalancedShard:
+    """``shard(x [B, S, ...]) -> [B, S / cp, ...]``: rank ``rank``'s two chunks of each row
+    (:func:`forge_cp.sequence.shard_sequence`)."""
+
+    def __init__(self, cp: int, rank: int) -> None:
+        self.cp, self.rank = cp, rank
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(x, self.cp, self.rank, dim=1)
+
+    def __repr__(self) -> str:
+        return f"LoadBalancedShard(cp={self.cp}, rank={self.rank})"
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if getattr(type(m), ATTENTION_ATTR, None) == "causal"]
+
+
+def apply_context_parallel(model: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    """Shard the sequences of ``model`` over ``device_mesh``'s ``cp`` axis; returns ``model``.
+
+    ``device_mesh`` is the full forge mesh (``forge_mesh.build_device_mesh``) with a ``cp`` axis
+    of size > 1. The model's forward must take ``positions=`` (the global position of each
+    token, for RoPE) and its attention must go through forge_core's attention contract:
+    forge's Transformer and MoE transformer do. Refused, with the reason: a model made of
+    components (a vision-language model), one without such attention modules (e.g. a Hugging
+    Face model), a mesh without cp.
+    """
+    cp = axis_size(device_mesh, "cp")
+    if cp <= 1:
+        raise ForgeConfigError(
+            "apply_context_parallel needs a mesh with a cp axis of size > 1 (parallelism.cp)"
+        )
+    inner = unwrap(model)
+    name = type(inner).__name__
+    if declared_components(inner):
+        raise ForgeConfigError(
+            f"context parallelism on {name}, a model made of components (vision-language), is "
+            "not supported: its image tokens would be split across ranks; set parallelism.cp=1"
+        )
+    attention = _attention_modules(inner)
+    if not attention:
+        raise ForgeConfigError(
+            f"{name} has no attention module forge-cp can run across sequence shards (a class "
+            "declaring forge_attention = 'causal', whose attention goes through "
+            "forge_core.contracts.causal_attention): forge-cp runs forge's Transformer and MoE "
+            "transformer; set parallelism.cp=1 for this model (docs/context.md says why)"
+        )
+    if "positions" not in inspect.signature(inner.forward).parameters:
+        raise ForgeConfigError(
+            f"{name}.forward takes no positions= argument: a context-parallel rank must give "
+            "RoPE the global positions of its tokens; set parallelism.cp=1 for this model"
+        )
+    mesh = sub_mesh(device_mesh, "cp")
+    rank = mesh.get_local_rank()
+    with stage(inner, "cp"):
+        kernel = ContextParallelAttention(mesh.get_group(), rank, cp)
+        for module in attention:
+            set_attention_kernel(module, kernel)
+        set_sequence_shard(inner, LoadBalancedShard(cp, rank))
+    return model

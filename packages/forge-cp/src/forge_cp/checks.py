@@ -1,0 +1,55 @@
+"""Context-parallel checks that need no process group (pure; the launcher runs them).
+
+Each returns one-line messages naming the field and the fix (empty: fine).
+"""
+
+from __future__ import annotations
+
+__all__ = ["cp_problems", "seq_len_choices"]
+
+
+def seq_len_choices(seq_len: int, cp: int) -> tuple[int, int]:
+    """The multiples of ``2 cp`` just below and above ``seq_len`` (below: at least ``2 cp``)."""
+    step = 2 * cp
+    below = max(step, seq_len // step * step)
+    return below, (seq_len // step + 1) * step
+
+
+def cp_problems(
+    cp: int,
+    seq_len: int,
+    *,
+    pp: int = 1,
+    model_kind: str = "transformer",
+) -> list[str]:
+    """What is wrong with ``parallelism.cp=cp`` for sequences of ``seq_len`` tokens.
+
+    ``model_kind``: ``"transformer"`` (forge's, dense or MoE), ``"vlm"`` or ``"field"``.
+    """
+    if cp <= 1:
+        return []
+    problems = []
+    if seq_len % (2 * cp):
+        below, above = seq_len_choices(seq_len, cp)
+        fits = [c for c in range(2, seq_len // 2 + 1) if seq_len % (2 * c) == 0][:8]
+        problems.append(
+            f"training.seq_len={seq_len} is not divisible by 2 x parallelism.cp = {2 * cp} (each "
+            f"cp rank holds two equal chunks of every sequence); set training.seq_len={below} or "
+            f"{above}" + (f", or parallelism.cp to one of {fits}" if fits else "")
+        )
+    if pp > 1:
+        problems.append(
+            f"parallelism.cp={cp} with parallelism.pp={pp}: context parallelism inside pipeline "
+            "stages is not supported yet; set cp=1 or pp=1"
+        )
+    if model_kind == "vlm":
+        problems.append(
+            f"parallelism.cp={cp} on a vision-language model: not supported (its image tokens "
+            "would be split across ranks); set parallelism.cp=1"
+        )
+    elif model_kind == "field":
+        problems.append(
+            f"parallelism.cp={cp} on a field model ([field]): it has no sequence to shard; use "
+            "parallelism.domain for spatial parallelism and set cp=1"
+        )
+    return problems
