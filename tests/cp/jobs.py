@@ -47,3 +47,95 @@ def cp_parity(
     )
     tokens = synthetic_tokens(0, steps, batch_size, seq_len, cfg.vocab_size)
     return compare_runs(train_steps(reference, tokens), train_steps(parallel, tokens, mesh=mesh))
+
+
+def causal_logits(seq_len: int, changed: int) -> dict[str, Any]:
+    """Logits of a cp=2 model for a batch and for the same batch with token ``changed`` replaced,
+    gathered back into sequence order, next to the single-device model's for the batch."""
+    import torch.distributed as dist
+    from forge_core.contracts import sequence_shard
+    from forge_cp import gather_sequence
+
+    mesh = build_device_mesh({"cp": 2}, "cpu")
+    cfg = ModelConfig.preset("debug")
+    with torch.device("meta"):
+        model, reference = Transformer(cfg), Transformer(cfg)
+    model = ParallelPlan(mesh, param_dtype=torch.float32).parallelize(model, device="cpu", seed=0)
+    reference = ParallelPlan(None, param_dtype=torch.float32).parallelize(
+        reference, device="cpu", seed=0
+    )
+    tokens = torch.randint(
+        0, cfg.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(0)
+    )
+    other = tokens.clone()
+    other[:, changed] = (other[:, changed] + 1) % cfg.vocab_size
+    shard = sequence_shard(model)
+    assert shard is not None
+    positions = shard(torch.arange(seq_len)[None])[0]
+    out = {}
+    with torch.no_grad():
+        for name, batch in (("tokens", tokens), ("changed", other)):
+            local = model(shard(batch), positions=positions)
+            parts = [torch.empty_like(local) for _ in range(2)]
+            dist.all_gather(parts, local.contiguous(), group=mesh["cp"].get_group())
+            out[name] = gather_sequence(parts)
+        out["reference"] = reference(tokens)
+    out["positions"] = positions
+    return out
+
+
+def attention_errors(cp: int, n_heads: int, n_kv_heads: int) -> list[float]:
+    """Max differences, in float64, between the context-parallel kernel and SDPA over the whole
+    sequence: the output and the gradients of q, k and v (this rank's part of each)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from forge_cp import ContextParallelAttention, shard_sequence
+
+    g = torch.Generator().manual_seed(0)  # the same full tensors on every rank
+    shape = (2, n_heads, 8 * cp, 16)
+    kv_shape = (2, n_kv_heads, 8 * cp, 16)
+    q, k, v = (
+        torch.randn(s, generator=g, dtype=torch.float64).requires_grad_()
+        for s in (shape, kv_shape, kv_shape)
+    )
+    gqa = n_heads != n_kv_heads
+    reference = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    grad = torch.randn(reference.shape, generator=g, dtype=torch.float64)
+    reference.backward(grad)
+    rank = dist.get_rank()
+    mine = [shard_sequence(t.detach(), cp, rank, dim=2).requires_grad_() for t in (q, k, v)]
+    out = ContextParallelAttention(dist.group.WORLD, rank, cp)(*mine, enable_gqa=gqa)
+    out.backward(shard_sequence(grad, cp, rank, dim=2))
+    pairs = [(out, reference)] + [(a.grad, b.grad) for a, b in zip(mine, (q, k, v), strict=True)]
+    return [float((a - shard_sequence(b, cp, rank, dim=2)).abs().max().detach()) for a, b in pairs]
+
+
+def order_and_refusals() -> dict[str, str]:
+    """What apply_context_parallel says out of order, twice, and on models it cannot run."""
+    from forge_core import ForgeConfigError
+    from forge_core.stages import check_stage
+    from forge_cp import apply_context_parallel
+    from forge_fsdp_wrap import apply_ac
+
+    mesh = build_device_mesh({"cp": 2}, "cpu")
+    said: dict[str, str] = {}
+
+    def attempt(name: str, fn: Any) -> None:
+        try:
+            fn()
+            said[name] = "ran"
+        except ForgeConfigError as e:
+            said[name] = str(e)
+
+    cfg = ModelConfig.preset("debug")
+    with torch.device("meta"):
+        late, twice, first = Transformer(cfg), Transformer(cfg), Transformer(cfg)
+        plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    apply_ac(late, "full")
+    attempt("after_ac", lambda: apply_context_parallel(late, mesh))
+    apply_context_parallel(twice, mesh)
+    attempt("twice", lambda: apply_context_parallel(twice, mesh))
+    apply_context_parallel(first, mesh)
+    attempt("tp_after", lambda: check_stage(first, "tp"))
+    attempt("no_attention", lambda: apply_context_parallel(plain, mesh))
+    return said

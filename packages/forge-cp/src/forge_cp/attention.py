@@ -5,9 +5,12 @@ keys and values of every earlier token, which other ranks hold, so the ranks all
 (one collective per attention layer, K and V together; with grouped-query attention only the
 ``n_kv_heads`` heads travel). Each of the rank's two query chunks then attends to the prefix of
 the gathered sequence that ends with it, through ``F.scaled_dot_product_attention`` with a
-lower-right causal mask (``torch.nn.attention.bias.causal_lower_right``: no ``[s, S]`` boolean
-mask is built, and fused kernels take it where the device has them). The result is the same
-softmax over the same keys as the single-device model, so forward and backward are exact.
+lower-right causal mask. On CUDA that is ``torch.nn.attention.bias.causal_lower_right``: the
+fused kernels apply it without building a mask. Elsewhere SDPA would build (and keep for
+backward) a float mask per call, so the kernel builds one per chunk shape itself and every layer
+shares it: ``4 x chunk x end`` bytes per distinct shape, whatever the depth and the batch. The
+result is the same softmax over the same keys as the single-device model, so forward and
+backward are exact.
 
 Backward is autograd through SDPA and through :class:`_GatherKV`, whose backward sums each
 rank's gradient for the gathered K and V over the ranks and keeps its own part (one
@@ -62,6 +65,19 @@ class ContextParallelAttention:
 
     def __init__(self, group: dist.ProcessGroup, rank: int, cp: int) -> None:
         self.group, self.rank, self.cp = group, rank, cp
+        self._masks: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def mask(self, chunk: int, end: int, like: torch.Tensor) -> Any:
+        """The lower-right causal mask of ``chunk`` queries over ``end`` keys for SDPA."""
+        if like.device.type == "cuda":
+            return causal_lower_right(chunk, end)
+        key = (chunk, end, like.dtype, like.device)
+        if key not in self._masks:  # additive, as SDPA's CPU kernels use it; shared by layers
+            allowed = torch.ones(chunk, end, dtype=torch.bool, device=like.device)
+            blocked = torch.zeros(chunk, end, dtype=like.dtype, device=like.device)
+            blocked.masked_fill_(~allowed.tril(end - chunk), float("-inf"))
+            self._masks[key] = blocked
+        return self._masks[key]
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, enable_gqa: bool
@@ -94,7 +110,7 @@ def _attend(
                 q[:, :, i * chunk : (i + 1) * chunk],
                 k_all[:, :, :end],
                 v_all[:, :, :end],
-                attn_mask=causal_lower_right(chunk, end),
+                attn_mask=kernel.mask(chunk, end, q),
                 enable_gqa=enable_gqa,
             )
         )

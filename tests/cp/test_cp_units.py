@@ -1,0 +1,101 @@
+"""forge-cp's pieces: the load-balanced layout, the attention kernel against SDPA in float64,
+the stage order, and every refusal (pure checks before launch, and on the model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from forge.checks import config_problems
+from forge.config import load_config
+from forge_core import ForgeConfigError, ModelConfig, ParallelismConfig, Transformer
+from forge_cp import (
+    apply_context_parallel,
+    chunk_order,
+    cp_problems,
+    gather_sequence,
+    sequence_positions,
+    shard_sequence,
+)
+
+from tests.cp.jobs import attention_errors, order_and_refusals
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_each_rank_keeps_an_early_and_a_late_chunk_and_gathering_restores_the_order(cp):
+    x = torch.arange(2 * 12 * cp).reshape(2, 12 * cp)
+    parts = [shard_sequence(x, cp, r) for r in range(cp)]
+    assert torch.equal(gather_sequence(parts), x)
+    assert chunk_order(cp) == [c for r in range(cp) for c in (r, 2 * cp - 1 - r)]
+    chunk = 6
+    for r, part in enumerate(parts):
+        want = [
+            *range(r * chunk, (r + 1) * chunk),
+            *range((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk),
+        ]
+        assert sequence_positions(12 * cp, cp, r).tolist() == want
+        assert torch.equal(part, x[:, want])
+        # causal work: the (query, key) pairs with key <= query are the same on every rank
+        assert sum(p + 1 for p in want) == sum(p + 1 for p in sequence_positions(12 * cp, cp, 0))
+
+
+def test_a_sequence_that_does_not_split_in_2_cp_chunks_is_refused():
+    with pytest.raises(ValueError, match=r"sequence length 10 is not divisible by 2 x cp = 4"):
+        shard_sequence(torch.zeros(1, 10), 2, 0)
+
+
+@pytest.mark.parametrize(("world", "heads"), [(2, (4, 4)), (2, (4, 2)), (4, (4, 1))])
+def test_attention_across_shards_equals_sdpa_forward_and_backward(run_on_ranks, world, heads):
+    for errors in run_on_ranks(world, attention_errors, world, *heads):
+        assert max(errors) < 1e-12, errors  # output, dq, dk, dv
+
+
+def test_cp_keeps_its_place_in_the_order_and_refuses_what_it_cannot_run(run_on_ranks):
+    said = run_on_ranks(2, order_and_refusals)[0]
+    assert "cannot apply 'cp' after ['ac']" in said["after_ac"]
+    assert "TP -> CP -> EP" in said["after_ac"]
+    assert "stage 'cp' was already applied" in said["twice"]
+    assert "cannot apply 'tp' after ['cp']" in said["tp_after"]
+    assert "Sequential has no attention module forge-cp can run" in said["no_attention"]
+    assert "set parallelism.cp=1" in said["no_attention"]
+
+
+def test_a_mesh_without_cp_is_refused():
+    with torch.device("meta"):
+        model = Transformer(ModelConfig.preset("debug"))
+    with pytest.raises(ForgeConfigError, match=r"needs a mesh with a cp axis of size > 1"):
+        apply_context_parallel(model, None)  # type: ignore[arg-type]
+
+
+def test_pure_checks_name_the_field_and_the_choices():
+    (seq,) = cp_problems(4, 100)
+    assert "training.seq_len=100 is not divisible by 2 x parallelism.cp = 8" in seq
+    assert "set training.seq_len=96 or 104" in seq and "parallelism.cp to one of [2, 5," in seq
+    assert (
+        "pp=2" in cp_problems(2, 64, pp=2)[0] and "set cp=1 or pp=1" in cp_problems(2, 64, pp=2)[0]
+    )
+    assert "vision-language" in cp_problems(2, 64, model_kind="vlm")[0]
+    assert "parallelism.domain" in cp_problems(2, 64, model_kind="field")[0]
+    assert cp_problems(1, 7) == [] and cp_problems(2, 64) == []
+
+
+def _problems(world: int, *sets: str) -> list[str]:
+    return config_problems(load_config(None, ("parallelism.tp=1", *sets)), world)
+
+
+def test_forge_refuses_bad_cp_configs_before_launch():
+    assert _problems(2, "parallelism.cp=2", "training.seq_len=64") == []
+    (seq,) = _problems(4, "parallelism.cp=4", "training.seq_len=36")
+    assert "training.seq_len=36" in seq and "set training.seq_len=32 or 40" in seq
+    (none,) = _problems(2, "parallelism.cp=2", "parallelism.data='none'", "training.seq_len=64")
+    assert "data='none' with cp=2" in none and "use data='fsdp2'" in none
+    vlm = _problems(2, "parallelism.cp=2", "model.preset='debug_vlm'", "training.seq_len=64")
+    assert any("vision-language" in p for p in vlm), vlm
+    pp = _problems(4, "parallelism.cp=2", "parallelism.pp=2", "training.seq_len=64")
+    assert any("inside pipeline" in p for p in pp), pp
+
+
+def test_expert_parallelism_is_carved_out_of_dp_shard_times_cp():
+    par = ParallelismConfig(cp=2, ep=2).resolve(2, num_experts=4)
+    assert (par.dp_shard, par.cp, par.ep) == (1, 2, 2)
+    with pytest.raises(ForgeConfigError, match=r"ep=4 must divide dp_shard=1 x cp=2.*\[1, 2\]"):
+        ParallelismConfig(cp=2, ep=4).resolve(2, num_experts=4)
