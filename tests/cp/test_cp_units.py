@@ -7,6 +7,7 @@ import pytest
 import torch
 from forge.checks import config_problems
 from forge.config import load_config
+from forge.plan import estimate_activations, plan_layout
 from forge_core import ForgeConfigError, ModelConfig, ParallelismConfig, Transformer
 from forge_cp import (
     apply_context_parallel,
@@ -99,3 +100,17 @@ def test_expert_parallelism_is_carved_out_of_dp_shard_times_cp():
     assert (par.dp_shard, par.cp, par.ep) == (1, 2, 2)
     with pytest.raises(ForgeConfigError, match=r"ep=4 must divide dp_shard=1 x cp=2.*\[1, 2\]"):
         ParallelismConfig(cp=2, ep=4).resolve(2, num_experts=4)
+
+
+def test_the_plans_activation_memory_per_rank_falls_about_1_over_cp():
+    # One sequence of 8k tokens, GQA (the gathered k/v are the part that does not shrink).
+    sets = ("parallelism.tp=1", "training.global_batch_size=1", "training.seq_len=8192")
+    sets += ("model.max_seq_len=8192", "model.n_heads=8", "model.n_kv_heads=2")
+    act = {
+        cp: estimate_activations(load_config(None, (*sets, f"parallelism.cp={cp}")), cp).none
+        for cp in (1, 2, 4)
+    }
+    assert 0.5 < act[2] / act[1] < 0.6 and 0.25 < act[4] / act[1] < 0.35, act
+    text = plan_layout(load_config(None, (*sets, "parallelism.cp=4")), 4).text()
+    assert "1 x 2048 tokens per micro-batch per rank" in text and "seq 8192 / cp 4" in text
+    assert "CP: keys and values" in text and "stages: cp -> fsdp2" in text

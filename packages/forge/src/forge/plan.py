@@ -207,8 +207,9 @@ class LayoutPlan:
             act = "per micro-batch" if pipe is None else "the schedule's peak in flight"
             out += [
                 "stages: " + (" -> ".join(self.stages) or "(none)"),
-                f"batch:  {self.micro_batch} x {t.seq_len} tokens per micro-batch per rank "
-                f"(global {t.global_batch_size} / dp {p.dp_degree} / {split})",
+                f"batch:  {self.micro_batch} x {t.seq_len // p.cp} tokens per micro-batch per rank "
+                f"(global {t.global_batch_size} / dp {p.dp_degree} / {split}"
+                + (f"; seq {t.seq_len} / cp {p.cp}, two chunks each)" if p.cp > 1 else ")"),
                 *(self._pipeline_lines() if pipe is not None else []),
                 f"memory per rank (unsharded params {_fmt(self.unsharded_param_bytes)}; padded: "
                 f"FSDP2's allocation; static: params + grads + AdamW; act: {act}, CUDA)"
@@ -298,9 +299,10 @@ def _itemsize(cfg: ForgeConfig) -> int:
     return getattr(torch, cfg.training.param_dtype).itemsize
 
 
-def _routed_rows(cfg: ForgeConfig, b: int) -> int:
-    """Rows an MoE layer sends to its experts: ``T k`` dropless, ``E b capacity`` capped."""
-    m, s = cfg.model, cfg.training.seq_len
+def _routed_rows(cfg: ForgeConfig, b: int, s: int) -> int:
+    """Rows an MoE layer sends to its experts for ``b`` sequences of ``s`` tokens (a cp rank's
+    share): ``T k`` dropless, ``E b capacity`` capped."""
+    m = cfg.model
     if m.moe_dispatch == "dropless":
         return b * s * m.top_k
     return m.num_experts * b * max(1, math.ceil(m.capacity_factor * s * m.top_k / m.num_experts))
@@ -361,6 +363,13 @@ def estimate_activations(
     input (``b r d e``; the first block's unsplit, ``b s d e``: its checkpoint wraps the SP split)
     and recomputes one block in backward. The tests measure it exact on CPU (float32 and
     bfloat16, with TP and SP); the CUDA norm term follows the fused kernel's backward signature.
+
+    Context parallelism (``cp > 1``): a rank holds ``s = seq_len / cp`` tokens of each sequence
+    and every term above uses that ``s``, except k and v: attention keeps the all-gathered
+    ``2 b seq_len kv_dim/t e`` instead, and the output of its two SDPA calls (one per chunk) is
+    kept twice, by them and concatenated by ``wo`` (``+ b s d/t e``). Once per rank (AC none): in fp32 the RoPE rows of its
+    positions ``2 s head_dim 4``, and on ``device="cpu"`` the causal masks the kernel shares by
+    every layer, ``e c^2 (2 cp + 1)`` with ``c = seq_len / 2 cp`` (CUDA's kernels need none).
     """
     layout = resolve_layout(cfg, world_size)
     parts = _activation_parts(cfg, layout, layout.micro_batch, device)
@@ -375,24 +384,34 @@ def _activation_parts(cfg: ForgeConfig, layout: Layout, b: int, device: str) -> 
     m, t = cfg.model, layout.tp
     kv_heads, ffn, hidden = m.n_kv_heads, m.ffn_dim, m.moe_ffn_dim
     assert kv_heads and ffn and hidden  # filled in by (MoE)ModelConfig.__post_init__
-    sp, lp = layout.sequence_parallel, layout.loss_parallel
-    e, s, d = _itemsize(cfg), cfg.training.seq_len, m.dim
+    sp, lp, cp = layout.sequence_parallel, layout.loss_parallel, layout.parallelism.cp
+    e, d, whole = _itemsize(cfg), m.dim, cfg.training.seq_len
+    s = whole // cp  # this rank's tokens of each sequence
     r = s // t if sp else s
     low = e != 4  # below fp32: casts that fp32 does not make
     norm_in = 8 * b * r * d if device == "cpu" else b * r * d * e
     norm = norm_in + 4 * b * r + b * s * d * e
-    attn = 2 * b * s * (d // t) * e + 2 * b * s * (kv_heads * m.head_dim // t) * e
+    kv_seq = whole if cp > 1 else s  # CP: the all-gathered keys and values
+    attn = 2 * b * s * (d // t) * e + 2 * b * kv_seq * (kv_heads * m.head_dim // t) * e
+    if cp > 1:  # two SDPA calls (one per chunk) keep their outputs; wo keeps their concatenation
+        attn += b * s * (d // t) * e
     attn += 4 * b * s * (m.n_heads // t) + (4 * s * m.head_dim * e if low else 0)
     dense = moe = 2 * norm + attn + 4 * b * s * (ffn // t) * e
     if m.moe_layers:
         tok, n_exp = b * s, m.num_experts
         moe = 2 * norm + attn + 4 * tok * n_exp + 4 * n_exp + tok * m.top_k * 20
-        moe += _routed_rows(cfg, b) * (8 + 2 * d * e + 4 * hidden * e)
+        moe += _routed_rows(cfg, b, s) * (8 + 2 * d * e + 4 * hidden * e)
         moe += 4 * d * (tok + n_exp) if low else 0
         moe += 4 * tok * m.num_shared_experts * hidden * e
     blocks = tuple(moe if m.is_moe_layer(i) else dense for i in range(m.n_layers))
     vocab = m.vocab_size // t if lp else m.vocab_size
-    first = 8 * b * (s + 1)  # token ids
+    first = 8 * b * (s + (cp == 1))  # token ids (a cp rank's are a copy, without the last)
+    cp_once = 0
+    if cp > 1:  # the RoPE rows of this rank's positions (fp32), the CPU kernel's shared masks
+        chunk = whole // (2 * cp)
+        cp_once = (0 if low else 2 * s * m.head_dim * 4) + (
+            e * chunk * chunk * (2 * cp + 1) if device == "cpu" else 0
+        )
     last = 8 * b * s + 4 + norm + 4 * b * s * vocab  # targets, loss scalar, final norm, log-probs
     in_ac = "decoder" in _checkpointed(cfg)
     kept = blocks
@@ -418,6 +437,7 @@ def _activation_parts(cfg: ForgeConfig, layout: Layout, b: int, device: str) -> 
             first += v.n_layers * vit + stem
             first_full += v.n_layers * (b * n * v.dim * e if enc_ac else vit) + stem
             first_top = vit if enc_ac else 0
+    first += cp_once  # NOTE: under AC full they are saved only while a block is recomputed
     return _ActivationParts(first, first_full, blocks, kept, recompute, first_top, last)
 
 
@@ -818,9 +838,10 @@ def _collectives(
     pipeline rank's stage modules) and running ``share``; the rank's view where its group's
     ranks differ (rank 0's without pp, each pipeline rank's with it)."""
     m, tr, par, data = cfg.model, cfg.training, layout.parallelism, layout.data
-    e, b, s, acc = _itemsize(cfg), share.micro_batch, tr.seq_len, share.passes
+    e, b, s, acc = _itemsize(cfg), share.micro_batch, tr.seq_len // par.cp, share.passes
     sizes = {"tp": par.tp, "ep": par.ep, "dp": par.dp_degree, "dp_replicate": par.dp_replicate}
-    sizes["dp_shard"], sizes["pp"] = par.dp_shard, par.pp
+    sizes["dp_shard"], sizes["pp"], sizes["cp"] = par.dp_shard, par.pp, par.cp
+    sizes["dp_cp"] = par.dp_degree * par.cp
     counts: dict[tuple[str, str, str, int, int, str], int] = {}
 
     def add(op: str, group: str, nbytes: int, n: int, what: str, size: int = 0) -> None:
@@ -902,8 +923,13 @@ def _collectives(
         else:
             add("forward all_gather", "tp", b * s * m.vocab_size * e, head, "TP: logits")
     again = 1 + ac
+    if par.cp > 1:  # each attention gathers k and v of the whole sequence (its local heads)
+        kv = 2 * b * tr.seq_len * (m.n_kv_heads or m.n_heads) * m.head_dim // par.tp * e
+        calls = len(share.blocks) * acc
+        add("forward all_gather", "cp", kv, calls * again, "CP: keys and values")
+        add("backward reduce_scatter", "cp", kv, calls, "CP: their gradients")
     if par.ep > 1 and moe_blocks:
-        layers, rows_ep = moe_blocks * acc, _routed_rows(cfg, b)
+        layers, rows_ep = moe_blocks * acc, _routed_rows(cfg, b, s)
         nbytes, how = rows_ep * m.dim * e, "(balanced routing)"
         if m.moe_dispatch == "capacity":
             how = "(capacity buffer)"
@@ -911,10 +937,11 @@ def _collectives(
             add("forward all_to_all", "ep", 4 * m.num_experts, layers * again, "EP: expert counts")
         add("forward all_to_all", "ep", nbytes, 2 * layers * again, f"EP: dispatch+combine {how}")
         add("backward all_to_all", "ep", nbytes, 2 * layers, "EP: their gradients")
-    for axis in ("dp_replicate", "dp_shard"):
+    for axis in ("dp_replicate", "dp_shard", "cp"):
         add("step all_reduce", axis, 4, 1, "loss average (fp32 scalar)")
     if moe_blocks and m.moe_bias_update_rate > 0:
-        add("step all_reduce", "dp", 4 * m.num_experts, moe_blocks, "MoE expert loads")
+        loads = "dp_cp" if par.cp > 1 else "dp"  # every rank holding other tokens
+        add("step all_reduce", loads, 4 * m.num_experts, moe_blocks, "MoE expert loads")
     sharded = {  # a gradient norm sums over every mesh dim some gradient is sharded on
         (_dim_name(p.device_mesh, j), p.device_mesh.shape[j]): None
         for p in params
