@@ -76,6 +76,7 @@ def _job(overrides: list[str]):
         ["tp.loss_parallel=true", "training.ac_mode=selective"],
         ["parallelism.tp=4", "model.n_kv_heads=4", "tp.sequence_parallel=false"],
         ["model.preset=debug_tied", "training.cpu_offload=true", "training.steps=3"],
+        ["parallelism.cp=2", "training.ac_mode=full"],  # cp 2 x tp 2, FSDP2 over cp
     ],
 )
 def test_build_job_reports_pass_for_other_layouts(run_on_ranks, overrides):
