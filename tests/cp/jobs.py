@@ -138,4 +138,11 @@ def order_and_refusals() -> dict[str, str]:
     apply_context_parallel(first, mesh)
     attempt("tp_after", lambda: check_stage(first, "tp"))
     attempt("no_attention", lambda: apply_context_parallel(plain, mesh))
+    import transformers
+
+    small = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1}
+    small |= {"num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64}
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small))
+    attempt("hugging_face", lambda: apply_context_parallel(hf, mesh))
     return said
