@@ -1,6 +1,6 @@
 """Context parallelism equals the single-device model: loss AND gradient norm, fp32, 10 steps.
 
-cp=2 and cp=4 alone, FSDP2 over dp_shard x cp (with AC full), TP (with sequence parallelism)
+cp=2 (blocks compiled around the attention, which runs eagerly) and cp=4 alone, FSDP2 over dp_shard x cp (with AC full), TP (with sequence parallelism)
 inside each cp rank, the MoE model with expert parallelism carved out of the cp ranks, and DDP
 averaging over the cp ranks.
 Causality across shards: a later token changes no earlier logit, on any rank.
@@ -17,14 +17,14 @@ from tests.cp.jobs import causal_logits, cp_parity
 @pytest.mark.parametrize(
     ("world", "layout", "kwargs"),
     [
-        (2, {"cp": 2}, {}),
+        (2, {"cp": 2}, {"compile_model": True, "compile_backend": "aot_eager"}),
         (4, {"cp": 4}, {}),
         (4, {"cp": 2, "dp_shard": 2}, {"ac_mode": "full"}),
         (4, {"cp": 2, "tp": 2}, {"sequence_parallel": True}),
         (2, {"cp": 2, "ep": 2}, {"moe": True}),
         (2, {"cp": 2, "data": "ddp"}, {"data": "ddp"}),
     ],
-    ids=["cp2", "cp4", "cp2xfsdp2-ac-full", "cp2xtp2-sp", "cp2xep2-moe", "cp2-ddp"],
+    ids=["cp2-compiled", "cp4", "cp2xfsdp2-ac-full", "cp2xtp2-sp", "cp2xep2-moe", "cp2-ddp"],
 )
 def test_context_parallel_matches_one_device(run_on_ranks, world, layout, kwargs):
     for result in run_on_ranks(world, cp_parity, layout, **kwargs):

@@ -47,7 +47,7 @@ mark. No registry, no global state: everything lives on the modules.
   through it and calls the model with the global positions of the kept tokens as
   ``positions=`` (RoPE must see them), summing the token count and the loss over the ``cp``
   ranks too.
-- **Left out of torch.compile.** A module class with ``forge_no_compile = True`` cannot be traced
+- **Left out of torch.compile.** A module class (or instance) with ``forge_no_compile = True`` cannot be traced
   as one graph (e.g. it reads split sizes on the host). Per-block compilation then compiles the
   block's other composite children and runs this module eagerly.
 """

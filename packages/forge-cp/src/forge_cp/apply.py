@@ -3,7 +3,8 @@
 What it changes, through forge_core's contracts (the model's code stays as it is):
 
 - every attention module whose class declares ``forge_attention = "causal"`` attends through
-  :class:`~forge_cp.attention.ContextParallelAttention` (exact attention across the shards);
+  :class:`~forge_cp.attention.ContextParallelAttention` (exact attention across the shards),
+  and is left out of per-block ``torch.compile`` (the rest of each block is compiled);
 - the model gets a sequence shard function (:func:`forge_core.contracts.set_sequence_shard`):
   forge_core's training step passes inputs and targets through it, gives the model the global
   positions of its tokens (``positions=``), and sums the token count and the loss over the cp
@@ -96,5 +97,9 @@ def apply_context_parallel(model: nn.Module, device_mesh: DeviceMesh) -> nn.Modu
         kernel = ContextParallelAttention(mesh.get_group(), rank, cp)
         for module in attention:
             set_attention_kernel(module, kernel)
+            # NOTE: its collectives cannot be traced into a graph: per-block compile compiles
+            # the block's other parts and runs the attention module eagerly (forge_core's
+            # "left out of torch.compile" contract).
+            module.__dict__["forge_no_compile"] = True
         set_sequence_shard(inner, LoadBalancedShard(cp, rank))
     return model
