@@ -10,18 +10,8 @@ from forge_core import ModelConfig, Transformer
 from forge_core.testing import ParityResult, compare_runs, train_steps
 from forge_core.training import synthetic_tokens
 from forge_mesh import build_device_mesh
-from forge_moe_ep import moe_transformer
-from forge_moe_ep.config import MoEModelConfig
 
-
-def _model(moe: bool, **model: Any) -> tuple[torch.nn.Module, ModelConfig]:
-    if moe:
-        cfg: ModelConfig = MoEModelConfig.preset("debug_moe", **model)
-        with torch.device("meta"):
-            return moe_transformer(cfg), cfg
-    cfg = ModelConfig.preset("debug", **model)
-    with torch.device("meta"):
-        return Transformer(cfg), cfg
+from tests.pp.jobs import meta_model
 
 
 def cp_parity(
@@ -35,8 +25,8 @@ def cp_parity(
     **plan: Any,
 ) -> ParityResult:
     """A context-parallel model (``layout`` has cp) against the same model on one device, fp32."""
-    parallel_model, cfg = _model(moe, **(model or {}))
-    reference_model, _ = _model(moe, **(model or {}))
+    parallel_model, cfg = meta_model(moe, **(model or {}))
+    reference_model, _ = meta_model(moe, **(model or {}))
     experts = getattr(cfg, "num_experts", 0) if moe else 0
     mesh = build_device_mesh(layout, "cpu", num_experts=experts)
     parallel = ParallelPlan(mesh, param_dtype=torch.float32, **plan).parallelize(

@@ -15,7 +15,8 @@ from forge_moe_ep.config import MoEModelConfig
 from forge_pp import PPConfig
 
 
-def _model(moe: bool, **model: Any) -> tuple[torch.nn.Module, ModelConfig]:
+def meta_model(moe: bool, **model: Any) -> tuple[torch.nn.Module, ModelConfig]:
+    """forge's debug Transformer (``moe``: the debug MoE one) on meta, with its config."""
     if moe:
         cfg: ModelConfig = MoEModelConfig.preset("debug_moe", **model)
         with torch.device("meta"):
@@ -38,8 +39,8 @@ def pipeline_parity(
 ) -> ParityResult:
     """A pipelined model (``layout`` has pp) against the same model on one device, fp32."""
     model_args = {"n_layers": 4, **(model or {})}
-    parallel_model, cfg = _model(moe, **model_args)
-    reference_model, _ = _model(moe, **model_args)
+    parallel_model, cfg = meta_model(moe, **model_args)
+    reference_model, _ = meta_model(moe, **model_args)
     experts = getattr(cfg, "num_experts", 0) if moe else 0
     mesh = build_device_mesh(layout, "cpu", num_experts=experts)
     tp = layout.get("tp", 1) > 1
@@ -64,7 +65,7 @@ def rank_model_facts(layout: dict[str, Any], pp: dict[str, Any]) -> dict[str, An
     """What one rank holds after the split: its parameter names, blocks and stage order."""
     from forge_core import applied_stages
 
-    model, _ = _model(False, n_layers=4)
+    model, _ = meta_model(False, n_layers=4)
     mesh = build_device_mesh(layout, "cpu")
     plan = ParallelPlan(mesh, param_dtype=torch.float32, pp=PPConfig(**pp))
     rank_model = plan.parallelize(model, device="cpu", seed=0)
