@@ -10,21 +10,18 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from forge_core import (
     ORDER_TEXT,
     ParallelismConfig,
     applied_stages,
     count_host_syncs,
 )
-from forge_core.contracts import pipeline_step
 from forge_core.mesh_dims import sub_mesh
 from forge_core.stages import unwrap
 from forge_core.testing import compare_runs, train_steps
@@ -42,7 +39,6 @@ from forge_vlm.data import synthetic_vlm_batch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from .build import ParallelPlan, model_from_config
 from .checks import check_config
@@ -141,16 +137,11 @@ def _count_step_syncs(
 ) -> str:
     """Host syncs of one forward + backward (what a GPU would wait for), as a short text.
 
-    A pipelined rank model is not called itself: its step runs the schedule over every
-    micro-batch (``forward_backward``), and the count is of this rank's stages."""
+    The step is the training step itself (``forward_backward``): a pipelined rank model runs
+    its schedule over every micro-batch (the count is of this rank's stages), a context-parallel
+    one its sequence shards."""
     with count_host_syncs(device) as counter:
-        if pipeline_step(model) is not None:
-            forward_backward(model, batch, mesh=mesh)
-        else:
-            logits = model(batch[:, :-1])
-            context = loss_parallel() if isinstance(logits, DTensor) else nullcontext()
-            with context:
-                F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).backward()
+        forward_backward(model, batch, mesh=mesh)
     model.zero_grad(set_to_none=True)
     ops = ", ".join(f"{op} x{n}" for op, n in sorted(counter.ops.items()))
     return f"{counter.count}" + (f" ({ops})" if ops else "")
@@ -294,7 +285,8 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         + " x ".join(f"{n}={s}" for n, s in zip(names, sizes, strict=True))
         + f"  (data={data})"
         + (
-            f"; ep={par.ep} carved from dp_shard: dp_shard_mod_ep={par.dp_shard // par.ep} x ep={par.ep}"
+            f"; ep={par.ep} carved from {'dp_shard x cp' if par.cp > 1 else 'dp_shard'}: "
+            f"dp_shard_mod_ep={par.dp_shard * par.cp // par.ep} x ep={par.ep}"
             if par.ep > 1
             else ""
         ),
