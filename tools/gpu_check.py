@@ -13,7 +13,8 @@ What each phase runs, as timed steps (each under ``timeout``, from the phase's d
   temporary folder put first on PYTHONPATH), report the environment (device, driver, python,
   torch, triton, torchao), build and load the native ops (``FORGE_KERNELS_REQUIRE_NATIVE=1``,
   with CUDA: ``FORGE_KERNELS_CUDA=1``).
-- ``tests``: pytest over ``tests/kernels tests/moe_ep/test_moe.py tests/core/test_sync_guard.py``
+- ``tests``: pytest over ``tests/kernels tests/moe_ep/test_moe.py tests/core/test_sync_guard.py
+  tests/cp/test_cp_units.py``
   (plus ``tests/float8`` when torchao imports) with ``FORGE_KERNELS_TEST_CUDA_BUILD=1``; their
   CUDA cases run in bf16 under sync debug mode "error". Then a smoke run of every benchmark.
 - ``bench``: every benchmark at a size that fits, its page written to the output folder.
@@ -82,7 +83,12 @@ GPU_PLATFORMS = (
     "manylinux1_x86_64",
 )
 
-TESTS = ("tests/kernels", "tests/moe_ep/test_moe.py", "tests/core/test_sync_guard.py")
+TESTS = (
+    "tests/kernels",
+    "tests/moe_ep/test_moe.py",
+    "tests/core/test_sync_guard.py",
+    "tests/cp/test_cp_units.py",  # the CUDA lower-right causal bias of forge-cp's kernel
+)
 FLOAT8_TESTS = ("tests/float8",)
 # NOTE: the dry run's real pytest run: the native ops' tests (they load the library the build
 # step made) and the sync guard; the full CPU suite runs elsewhere in the GPU-image lane.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from forge.checks import config_problems
 from forge.config import load_config
 from forge.plan import estimate_activations, plan_layout
@@ -115,3 +116,27 @@ def test_the_plans_activation_memory_per_rank_falls_about_1_over_cp():
     text = plan_layout(load_config(None, (*sets, "parallelism.cp=4")), 4).text()
     assert "1 x 2048 tokens per micro-batch per rank" in text and "seq 8192 / cp 4" in text
     assert "CP: keys and values" in text and "stages: cp -> fsdp2" in text
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/gpu_check runs it)"
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_the_lower_right_causal_bias_equals_the_explicit_mask(dtype):
+    # On CUDA the kernel hands SDPA torch's lower-right causal bias (no mask built); elsewhere an
+    # additive mask. Both must be the same attention, for a front (square) and a back chunk.
+    from forge_cp import ContextParallelAttention
+
+    kernel = ContextParallelAttention(None, 0, 2)  # type: ignore[arg-type]  # no collective here
+    g = torch.Generator(device="cuda").manual_seed(0)
+    chunk = 64
+    for end in (chunk, 4 * chunk):
+        q = torch.randn(2, 4, chunk, 32, device="cuda", dtype=dtype, generator=g)
+        k, v = (torch.randn(2, 2, end, 32, device="cuda", dtype=dtype, generator=g) for _ in "kv")
+        fused = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=kernel.mask(chunk, end, q), enable_gqa=True
+        )
+        allowed = torch.ones(chunk, end, dtype=torch.bool, device="cuda").tril(end - chunk)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(fused, want, rtol=tol, atol=tol)
