@@ -123,8 +123,9 @@ def test_the_plans_activation_memory_per_rank_falls_about_1_over_cp():
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_on_cuda_the_lower_right_causal_bias_equals_the_explicit_mask(dtype):
-    # On CUDA the kernel hands SDPA torch's lower-right causal bias (no mask built); elsewhere an
-    # additive mask. Both must be the same attention, for a front (square) and a back chunk.
+    # On CUDA the kernel hands SDPA torch's lower-right causal bias (no mask built); elsewhere a
+    # strided mask over flipped queries. Both must be the explicit lower-right causal attention,
+    # for a front (square) and a back chunk.
     from forge_cp import ContextParallelAttention
 
     kernel = ContextParallelAttention(None, 0, 2)  # type: ignore[arg-type]  # no collective here
@@ -133,9 +134,7 @@ def test_on_cuda_the_lower_right_causal_bias_equals_the_explicit_mask(dtype):
     for end in (chunk, 4 * chunk):
         q = torch.randn(2, 4, chunk, 32, device="cuda", dtype=dtype, generator=g)
         k, v = (torch.randn(2, 2, end, 32, device="cuda", dtype=dtype, generator=g) for _ in "kv")
-        fused = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=kernel.mask(chunk, end, q), enable_gqa=True
-        )
+        fused = kernel.attend_chunk(q, k, v, enable_gqa=True)
         allowed = torch.ones(chunk, end, dtype=torch.bool, device="cuda").tril(end - chunk)
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
         tol = 1e-5 if dtype == torch.float32 else 2e-2

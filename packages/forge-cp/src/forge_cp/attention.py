@@ -6,19 +6,22 @@ keys and values of every earlier token, which other ranks hold, so the ranks all
 ``n_kv_heads`` heads travel). Each of the rank's two query chunks then attends to the prefix of
 the gathered sequence that ends with it, through ``F.scaled_dot_product_attention`` with a
 lower-right causal mask. On CUDA that is ``torch.nn.attention.bias.causal_lower_right``: the
-fused kernels apply it without building a mask. Elsewhere SDPA would build (and keep for
-backward) a float mask per call, so the kernel builds one per chunk shape itself and every layer
-shares it: ``4 x chunk x end`` bytes per distinct shape, whatever the depth and the batch. The
-result is the same softmax over the same keys as the single-device model, so forward and
-backward are exact.
+fused kernels apply it without building a mask. Elsewhere SDPA takes a float mask and keeps it
+for backward, and a ``chunk x end`` mask per call would grow with the square of the sequence.
+The kernel instead flips the chunk's queries: row ``i`` of the flipped chunk may see key ``j``
+exactly when ``i + j < end``, so the mask is constant along anti-diagonals and is a strided view
+(strides ``(1, 1)``) of one row of ``chunk + end - 1`` values; that row is all that is stored,
+once per chunk shape and shared by every layer. The outputs are flipped back. The result is the
+same softmax over the same keys as the single-device model, so forward and backward are exact
+(to the rounding of sums taken in another order).
 
 Backward is autograd through SDPA and through :class:`_GatherKV`, whose backward sums each
 rank's gradient for the gathered K and V over the ranks and keeps its own part (one
 reduce-scatter). Both collectives run on gloo and NCCL.
 
 Chosen over ring attention (K/V blocks passed around the ring, partial softmaxes merged with
-their log-sum-exp) because it needs no log-sum-exp out of SDPA (only private, CUDA-specific
-ops return it) and has one collective per layer instead of ``cp - 1`` steps. The price: each
+their log-sum-exp) because it needs no log-sum-exp out of SDPA (only private aten ops return
+it) and has one collective per layer instead of ``cp - 1`` steps. The price: each
 rank keeps the gathered K and V of every layer for backward, ``2 x S x n_kv_heads x head_dim``
 values per layer, which do not shrink with cp (everything else a rank saves does; see
 benchmarks/cp.md). With GQA that is a small share.
@@ -67,17 +70,28 @@ class ContextParallelAttention:
         self.group, self.rank, self.cp = group, rank, cp
         self._masks: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
 
-    def mask(self, chunk: int, end: int, like: torch.Tensor) -> Any:
-        """The lower-right causal mask of ``chunk`` queries over ``end`` keys for SDPA."""
-        if like.device.type == "cuda":
-            return causal_lower_right(chunk, end)
+    def flipped_mask(self, chunk: int, end: int, like: torch.Tensor) -> torch.Tensor:
+        """The additive causal mask ``[chunk, end]`` of a chunk whose queries are flipped (the
+        last ``chunk`` of ``end`` tokens, last query first): a ``(1, 1)``-strided view of one
+        row of ``chunk + end - 1`` values (module docstring), made once per shape."""
         key = (chunk, end, like.dtype, like.device)
-        if key not in self._masks:  # additive, as SDPA's CPU kernels use it; shared by layers
-            allowed = torch.ones(chunk, end, dtype=torch.bool, device=like.device)
-            blocked = torch.zeros(chunk, end, dtype=like.dtype, device=like.device)
-            blocked.masked_fill_(~allowed.tril(end - chunk), float("-inf"))
-            self._masks[key] = blocked
+        if key not in self._masks:
+            row = torch.zeros(chunk + end - 1, dtype=like.dtype, device=like.device)
+            row[end:] = float("-inf")  # row i, key j: allowed when i + j < end
+            self._masks[key] = row.as_strided((chunk, end), (1, 1))
         return self._masks[key]
+
+    def attend_chunk(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool
+    ) -> torch.Tensor:
+        """``q``'s chunk (the last ``q.shape[2]`` of ``k.shape[2]`` tokens) attending causally."""
+        chunk, end = q.shape[2], k.shape[2]
+        if q.device.type == "cuda":
+            bias = causal_lower_right(chunk, end)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=enable_gqa)
+        mask = self.flipped_mask(chunk, end, q)
+        out = F.scaled_dot_product_attention(q.flip(2), k, v, attn_mask=mask, enable_gqa=enable_gqa)
+        return out.flip(2)
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, enable_gqa: bool
@@ -105,13 +119,6 @@ def _attend(
     outs = []
     for i, index in enumerate((rank, 2 * cp - 1 - rank)):
         end = (index + 1) * chunk  # the prefix of the sequence this chunk attends to
-        outs.append(
-            F.scaled_dot_product_attention(
-                q[:, :, i * chunk : (i + 1) * chunk],
-                k_all[:, :, :end],
-                v_all[:, :, :end],
-                attn_mask=kernel.mask(chunk, end, q),
-                enable_gqa=enable_gqa,
-            )
-        )
+        mine = q[:, :, i * chunk : (i + 1) * chunk]
+        outs.append(kernel.attend_chunk(mine, k_all[:, :, :end], v_all[:, :, :end], enable_gqa))
     return torch.cat(outs, dim=2)

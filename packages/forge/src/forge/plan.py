@@ -368,8 +368,8 @@ def estimate_activations(
     and every term above uses that ``s``, except k and v: attention keeps the all-gathered
     ``2 b seq_len kv_dim/t e`` instead, and the output of its two SDPA calls (one per chunk) is
     kept twice, by them and concatenated by ``wo`` (``+ b s d/t e``). Once per rank (AC none): in fp32 the RoPE rows of its
-    positions ``2 s head_dim 4``, and on ``device="cpu"`` the causal masks the kernel shares by
-    every layer, ``e c^2 (2 cp + 1)`` with ``c = seq_len / 2 cp`` (CUDA's kernels need none).
+    positions ``2 s head_dim 4``, and on ``device="cpu"`` the two mask rows the kernel shares by
+    every layer, ``e ((2 cp + 3) c - 2)`` with ``c = seq_len / 2 cp`` (CUDA's kernels need none).
     """
     layout = resolve_layout(cfg, world_size)
     parts = _activation_parts(cfg, layout, layout.micro_batch, device)
@@ -409,8 +409,9 @@ def _activation_parts(cfg: ForgeConfig, layout: Layout, b: int, device: str) -> 
     cp_once = 0
     if cp > 1:  # the RoPE rows of this rank's positions (fp32), the CPU kernel's shared masks
         chunk = whole // (2 * cp)
+        # the masks: one row of chunk + end - 1 values per chunk (end: (r + 1) c, (2 cp - r) c)
         cp_once = (0 if low else 2 * s * m.head_dim * 4) + (
-            e * chunk * chunk * (2 * cp + 1) if device == "cpu" else 0
+            e * ((2 * cp + 3) * chunk - 2) if device == "cpu" else 0
         )
     last = 8 * b * s + 4 + norm + 4 * b * s * vocab  # targets, loss scalar, final norm, log-probs
     in_ac = "decoder" in _checkpointed(cfg)
