@@ -51,8 +51,8 @@ def test_measured_bytes_match_the_accounting(rows: list[dict]) -> None:
     # On torch 2.15 and 2.11 the accounting ((cp=1)/cp + K/V excess + masks + attention output
     # copy + RoPE rows + token ids) matches the measured bytes to within a few bytes (the 0-d
     # loss scale). 1% leaves room for a torch whose kernels save a little differently (e.g. a
-    # padded log-sum-exp) and still fails on one unaccounted [S/cp, dim] fp32 tensor per block,
-    # which is ~1.7% of a quick-setting rank's bytes per block.
+    # padded log-sum-exp) and still fails on a single unaccounted [S/cp, dim] fp32 tensor in
+    # one block, ~1.7% of a quick-setting rank's bytes.
     for row in rows:
         if row["cp"] == 1:
             continue
