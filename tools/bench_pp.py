@@ -87,7 +87,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from benchlib import machine_facts  # noqa: E402 - sibling module (tools/ is the script's folder)
+from benchlib import cpu_model, machine_busy_s, machine_facts  # noqa: E402 - sibling module (tools/ is the script's folder)
 from forge_core import ModelConfig
 from forge_core.testing.harness import RankPool
 from forge_pp import SCHEDULES, PPConfig, bubble_fraction, schedule_problems
@@ -279,21 +279,6 @@ def _instrument(rank_model: torch.nn.Module, rec: Recorder) -> int:
 
     schedule._compute_loss = loss
     return n_stages
-
-
-def machine_busy_s() -> float | None:
-    """CPU seconds the whole machine has spent busy since boot (all cores; Linux
-    ``/proc/stat``: user, nice, system, irq, softirq and steal), or None where unreadable."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
-    if not fields or fields[0] != "cpu":
-        return None
-    ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
-    busy = sum(ticks) - ticks[3] - ticks[4]
-    return busy / os.sysconf("SC_CLK_TCK")
 
 
 def rank_measure(settings: Settings, pp: int, schedules: list[str]) -> dict[str, Any]:
@@ -881,7 +866,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     torch.set_num_threads(1)
     info = machine_facts(packages=())
-    info["cpu"] = f"{info['cpu']} ({_cpu_model()})"
+    info["cpu"] = f"{info['cpu']} ({cpu_model()})"
     t_start = time.perf_counter()
     pools: dict[int, RankPool] = {}
 
@@ -903,16 +888,6 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(render_markdown(info, settings, rows, wall_s))
         print(f"wrote {args.out}")
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown model"
 
 
 if __name__ == "__main__":

@@ -58,6 +58,33 @@ def time_interleaved(
     return {name: (statistics.median(v), min(v)) for name, v in times.items()}
 
 
+def machine_busy_s() -> float | None:
+    """CPU seconds the whole machine has spent busy since boot (all cores; Linux
+    ``/proc/stat``: user, nice, system, irq, softirq and steal), or None where unreadable."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    busy = sum(ticks) - ticks[3] - ticks[4]
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or "unknown model"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown model"
+
+
 def machine_facts(packages: Sequence[str] = ("triton",)) -> dict[str, str]:
     """The machine lines every ``benchmarks/*.md`` page starts with: date, versions (``packages``
     besides python and torch; "not installed" when missing), CPU, GPU, load average now."""

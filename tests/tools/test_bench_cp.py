@@ -1,10 +1,12 @@
 """tools/bench_cp.py's measurement on its smallest setting (seq 256 and 512, cp 1 and 2: seconds).
 
 Every (seq, cp) must give a row; a cp=2 rank must save less for backward than the single-device
-model but more than half of it (the gathered K/V and the CPU masks do not shrink with cp); and
-the measured bytes must match the page's accounting, (cp=1)/cp plus the analytic terms: a
-change to forge-cp's attention, to the model or to what torch's kernels save shows here rather
-than as an odd benchmark page. No timing assertions (a shared machine).
+model but more than half of it (the gathered K/V and the attention output's second copy do not
+shrink with cp); the measured bytes must match the page's accounting, (cp=1)/cp plus the
+analytic terms; and the CPU kernel's masks must be the strided rows forge-cp stores (linear in
+the sequence), not full ``chunk x end`` masks: a change to forge-cp's attention, to the model or
+to what torch's kernels save shows here rather than as an odd benchmark page. No timing
+assertions (a shared machine).
 """
 
 from __future__ import annotations
@@ -57,12 +59,30 @@ def test_measured_bytes_match_the_accounting(rows: list[dict]) -> None:
         if row["cp"] == 1:
             continue
         assert abs(row["vs_predicted"] - 1) < 0.01, row
-        # the masks found in the kernel's cache are the formula's, to the byte
-        assert row["mask_measured"] == row["masks"], row
         # every rank holds the same (the masks and the gathered K/V are rank-independent)
         assert row["act_lo"] == row["act"], row
         # the timed steps ran
         assert row["step_ms"] > 0 and row["tok_s_rank"] > 0
+
+
+def test_masks_are_one_strided_row_per_chunk_shape(rows: list[dict]) -> None:
+    # forge-cp's CPU kernel keeps, per chunk shape, one fp32 row of chunk + end - 1 values (the
+    # chunk x end mask is a (1, 1)-strided view of it); a rank's chunks end at (r + 1) chunk
+    # and (2 cp - r) chunk. The old full masks, 4 chunk^2 (2 cp + 1) bytes, fail this (and the
+    # 1% bound above: 5 to 9% of a quick-setting cp=2 rank's bytes).
+    for row in rows:
+        cp, seq = row["cp"], row["seq"]
+        if cp == 1:
+            assert row["mask_measured"] == 0, row  # is_causal=True: no mask
+            continue
+        chunk = seq // (2 * cp)
+        rank_rows = [
+            chunk + (r + 1) * chunk - 1 + chunk + (2 * cp - r) * chunk - 1 for r in range(cp)
+        ]
+        assert set(rank_rows) == {(2 * cp + 3) * chunk - 2}  # the same on every rank
+        assert row["mask_measured"] == 4 * rank_rows[0], row
+        assert row["masks"] == row["mask_measured"], row  # the page's formula, to the byte
+        assert row["masks"] < 0.01 * row["act"], row  # negligible, not quadratic
 
 
 def test_page_renders(rows: list[dict]) -> None:
