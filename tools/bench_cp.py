@@ -24,7 +24,6 @@ import dataclasses
 import gc
 import importlib
 import math
-import os
 import statistics
 import sys
 import time
@@ -35,9 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from benchlib import cpu_model, machine_busy_s, machine_facts  # noqa: E402 - sibling module (tools/ is the script's folder)
+from benchlib import machine_busy_s, measure_on_rank_pools  # noqa: E402 - sibling module (tools/ is the script's folder)
 from forge_core import ModelConfig
-from forge_core.testing.harness import RankPool
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_MD = ROOT / "benchmarks" / "cp.md"
@@ -520,22 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = dataclasses.replace(
         settings, rounds=args.rounds or settings.rounds, repeats=args.repeats or settings.repeats
     )
-    torch.set_num_threads(1)
-    info = machine_facts(packages=())
-    info["cpu"] = f"{info['cpu']} ({cpu_model()})"
-    t_start = time.perf_counter()
-    pools: dict[int, RankPool] = {}
-
-    def run_on_ranks(n: int, fn: Callable[..., Any], *a: Any) -> list[Any]:
-        return pools.setdefault(n, RankPool(n)).run(fn, *a, timeout=900.0)
-
-    try:
-        rows = measure(settings, run_on_ranks)
-    finally:
-        for pool in pools.values():
-            pool.close()
-    info["load average at end (1/5/15 min)"] = "/".join(f"{x:.1f}" for x in os.getloadavg())
-    wall_s = time.perf_counter() - t_start
+    rows, info, wall_s = measure_on_rank_pools(lambda run: measure(settings, run))
     print("\n" + "\n".join(memory_table(rows)))
     print("\n" + "\n".join(time_table(rows)))
     print("\n" + "\n".join(reading(rows)))

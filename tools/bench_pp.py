@@ -87,9 +87,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from benchlib import cpu_model, machine_busy_s, machine_facts  # noqa: E402 - sibling module (tools/ is the script's folder)
+from benchlib import machine_busy_s, measure_on_rank_pools  # noqa: E402 - sibling module (tools/ is the script's folder)
 from forge_core import ModelConfig
-from forge_core.testing.harness import RankPool
 from forge_pp import SCHEDULES, PPConfig, bubble_fraction, schedule_problems
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -864,22 +863,7 @@ def main(argv: list[str] | None = None) -> int:
                 "repeats": args.repeats or settings.repeats,
             }
         )
-    torch.set_num_threads(1)
-    info = machine_facts(packages=())
-    info["cpu"] = f"{info['cpu']} ({cpu_model()})"
-    t_start = time.perf_counter()
-    pools: dict[int, RankPool] = {}
-
-    def run_on_ranks(n: int, fn: Callable[..., Any], *a: Any) -> list[Any]:
-        return pools.setdefault(n, RankPool(n)).run(fn, *a, timeout=900.0)
-
-    try:
-        rows = measure(settings, run_on_ranks)
-    finally:
-        for pool in pools.values():
-            pool.close()
-    info["load average at end (1/5/15 min)"] = "/".join(f"{x:.1f}" for x in os.getloadavg())
-    wall_s = time.perf_counter() - t_start
+    rows, info, wall_s = measure_on_rank_pools(lambda run: measure(settings, run))
     print("\n" + "\n".join(results_table(rows)))
     print("\n" + "\n".join(detail_table(rows)))
     print("\n" + "\n".join(reading(rows, settings)))

@@ -9,6 +9,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -124,3 +125,29 @@ def record_target(bench: str, target: str, measured: str, met: bool | None) -> N
         with open(path, "a") as f:
             row = {"bench": bench, "target": target, "measured": measured, "met": met}
             f.write(json.dumps(row) + "\n")
+
+
+def measure_on_rank_pools(
+    measure: Callable[[Callable[..., list[Any]]], Any],
+) -> tuple[Any, dict[str, str], float]:
+    """``measure(run_on_ranks)`` with one ``forge_core.testing.RankPool`` per world size (closed
+    afterwards) and one torch thread here; returns its result, the machine's facts (the CPU
+    model, the load averages at start and end) and the wall seconds it took."""
+    from forge_core.testing import RankPool
+
+    torch.set_num_threads(1)
+    info = machine_facts(packages=())
+    info["cpu"] = f"{info['cpu']} ({cpu_model()})"
+    start = time.perf_counter()
+    pools: dict[int, RankPool] = {}
+
+    def run_on_ranks(n: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        return pools.setdefault(n, RankPool(n)).run(fn, *args, timeout=900.0)
+
+    try:
+        result = measure(run_on_ranks)
+    finally:
+        for pool in pools.values():
+            pool.close()
+    info["load average at end (1/5/15 min)"] = "/".join(f"{x:.1f}" for x in os.getloadavg())
+    return result, info, time.perf_counter() - start
