@@ -22,6 +22,7 @@ TORCH_FREE = {
     "forge_float8": ["forge_float8.checks", "forge_float8.config"],
     "forge_vlm": ["forge_vlm.checks", "forge_vlm.config"],
     "forge_domain": ["forge_domain.config"],
+    "forge_cp": ["forge_cp.checks"],
     "forge": ["forge.checks", "forge.checkpoint_files", "forge.cli", "forge.config"],
 }
 
@@ -45,3 +46,13 @@ def test_every_exported_name_resolves(package: str):
     assert set(module.__all__) <= set(dir(module))
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         module.no_such_name  # noqa: B018
+
+
+def test_building_a_plan_imports_no_triton_language():
+    """forge's composition imported (every layer's apply path, forge-cp's kernel included) must
+    not import triton's language module: after that import triton ignores a TRITON_INTERPRET=1
+    set later in the process, which forge-kernels' CPU tests set (torch.nn.attention.bias and
+    torch.compiler.disable both import it, so forge-cp imports them when first used)."""
+    code = "import sys, forge.build, forge.plan; print('triton.language' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stdout[:500]

@@ -29,12 +29,12 @@ benchmarks/cp.md). With GQA that is a small share.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 __all__ = ["ContextParallelAttention"]
 
@@ -87,6 +87,11 @@ class ContextParallelAttention:
         """``q``'s chunk (the last ``q.shape[2]`` of ``k.shape[2]`` tokens) attending causally."""
         chunk, end = q.shape[2], k.shape[2]
         if q.device.type == "cuda":
+            # NOTE: imported here: torch.nn.attention.bias imports triton's language module,
+            # after which triton ignores a TRITON_INTERPRET=1 set later in the process
+            # (forge-kernels' CPU tests set it), and a CPU run never needs it.
+            from torch.nn.attention.bias import causal_lower_right
+
             bias = causal_lower_right(chunk, end)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=enable_gqa)
         mask = self.flipped_mask(chunk, end, q)
@@ -96,10 +101,19 @@ class ContextParallelAttention:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, enable_gqa: bool
     ) -> torch.Tensor:
-        return _attend(self, q, k, v, enable_gqa)
+        return _eager_attend()(self, q, k, v, enable_gqa)
 
 
-@torch.compiler.disable
+@functools.cache
+def _eager_attend() -> Any:
+    """:func:`_attend` kept out of ``torch.compile``.
+
+    NOTE: wrapped at the first call, not at import: ``torch.compiler.disable`` imports dynamo,
+    which imports triton's language module (see :meth:`ContextParallelAttention.attend_chunk`).
+    """
+    return torch.compiler.disable(_attend)
+
+
 def _attend(
     kernel: ContextParallelAttention,
     q: torch.Tensor,
