@@ -126,9 +126,9 @@ def config_problems(cfg: ForgeConfig, world_size: int) -> list[str]:
     if par.tp > 1:
         sp = layout.sequence_parallel
         # NOTE: under cp, sequence parallelism splits each rank's S / cp tokens over tp
-        seq = t.seq_len if par.cp == 1 else t.seq_len // par.cp
-        if par.cp > 1 and t.seq_len % (2 * par.cp):
-            seq = None  # cp_problems has said what is wrong with it
+        # NOTE: None when cp does not split seq_len: cp_problems has said what is wrong with it
+        fits = par.cp == 1 or t.seq_len % (2 * par.cp) == 0
+        seq = t.seq_len // par.cp if fits else None
         problems += transformer_tp_problems(m, par.tp, seq_len=seq, sequence_parallel=sp)
     if t.global_batch_size % (par.dp_degree * t.grad_accum):
         problems.append(
