@@ -38,6 +38,11 @@ def _build(name: str) -> nn.Module:
         "gemma": lambda: tf.GemmaForCausalLM(
             tf.GemmaConfig(**COMMON, head_dim=8)
         ),  # ties embeddings
+        # q_norm / k_norm: replicated_with_grad_allreduce
+        "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**COMMON, head_dim=8)),
+        "gemma3_text": lambda: tf.Gemma3ForCausalLM(
+            tf.Gemma3TextConfig(**COMMON, head_dim=8, sliding_window=4)
+        ),
     }
     torch.manual_seed(0)
     return configs[name]().float()
@@ -84,7 +89,7 @@ def _hf_logits_and_grads(name: str, layout: dict) -> dict:
     }
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gemma"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gemma", "qwen3", "gemma3_text"])
 def test_hf_model_tp2_logits_and_grads_match(run_on_ranks, name):
     out = run_on_ranks(2, _hf_logits_and_grads, name, {"tp": 2, "data": "none"})[0]
     assert out["source"] == "huggingface"
@@ -92,7 +97,7 @@ def test_hf_model_tp2_logits_and_grads_match(run_on_ranks, name):
     assert out["sharded"] == out["hf_plan"] and out["sharded"][0] == "lm_head"
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gemma"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gemma", "qwen3", "gemma3_text"])
 def test_hf_model_fsdp2_x_tp_logits_and_grads_match(run_on_ranks, name):
     out = run_on_ranks(4, _hf_logits_and_grads, name, {"tp": 2})[0]
     assert out["source"] == "huggingface"

@@ -34,6 +34,7 @@ _EXPORTS = {
     "register_tp_plan": "plans",
     "ColwiseConv1x1": "styles",
     "RowwiseConv1x1": "styles",
+    "ReplicatedWithGradAllReduce": "styles",
     "translate_parallel_style": "styles",
 }
 
@@ -48,7 +49,12 @@ if TYPE_CHECKING:
     from .checks import check_plan_import, check_transformer_tp
     from .config import TPConfig
     from .plans import PlanContext, reference_plan, register_tp_plan
-    from .styles import ColwiseConv1x1, RowwiseConv1x1, translate_parallel_style
+    from .styles import (
+        ColwiseConv1x1,
+        ReplicatedWithGradAllReduce,
+        RowwiseConv1x1,
+        translate_parallel_style,
+    )
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
@@ -56,6 +62,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AppliedPlan",
     "ColwiseConv1x1",
+    "ReplicatedWithGradAllReduce",
     "PlanContext",
     "RowwiseConv1x1",
     "TPConfig",

@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import (
 __all__ = [
     "HF_STYLE_NAMES",
     "ColwiseConv1x1",
+    "ReplicatedWithGradAllReduce",
     "RowwiseConv1x1",
     "describe_style",
     "translate_parallel_style",
@@ -58,6 +59,7 @@ _TRANSLATIONS = {
     "local_colwise": lambda: ColwiseParallel(),
     "local_rowwise": lambda: RowwiseParallel(),
     "replicate": lambda: None,
+    "replicated_with_grad_allreduce": lambda: ReplicatedWithGradAllReduce(),
 }
 _REFUSED = {
     "gather": "it all-reduces a parent's output; forge only accepts it over local_rowwise children",
@@ -77,7 +79,6 @@ _REFUSED = {
     "packed_rowwise": "shards fused weights half by half; give an explicit plan",
     "local_packed_rowwise": "shards fused weights half by half; give an explicit plan",
     "mla_kv_a_proj": "a DeepSeek MLA-specific layout; give an explicit plan",
-    "replicated_with_grad_allreduce": "needs a gradient all-reduce hook on replicated params; give an explicit plan",
     "local_params": "runs a module on raw local shards; give an explicit plan",
 }
 HF_STYLE_NAMES = frozenset(_TRANSLATIONS) | frozenset(_REFUSED)
@@ -241,3 +242,38 @@ class RowwiseConv1x1(_Conv1x1Style):
             return y if bias is None else y + bias.view(1, -1, 1, 1)
 
         return forward
+
+
+class ReplicatedWithGradAllReduce(ParallelStyle):
+    """Parameters replicated on every tp rank (plain tensors), gradients summed over tp.
+
+    For a module that works on a tp rank's own part of the features, such as a per-head q/k
+    norm after a column-parallel projection (Qwen3, Gemma3): each rank's backward gives its
+    weight the gradient of its own heads only, and the true gradient is their sum. Left plain,
+    the weights would drift apart across the tp ranks, silently. Each forward hands the module
+    its parameters through an identity whose backward all-reduces over tp (transformers' style
+    ``replicated_with_grad_allreduce``); names, shapes and state dicts do not change, and under
+    FSDP2 the summed gradient is what it reduce-scatters.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+        names = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        held: dict[str, torch.Tensor] = {}
+
+        # NOTE: swapped in the module's own pre-hook, so it sees the parameter the forward would
+        # use (under FSDP2 the unsharded one, set by the enclosing unit's pre-forward) and puts
+        # it back before that unit reshards.
+        def route(mod: nn.Module, args: object) -> None:
+            for name in names:
+                held[name] = mod._parameters[name]  # type: ignore[assignment]
+                mod._parameters[name] = _CopyToParallel.apply(held[name], group)
+
+        def restore(mod: nn.Module, args: object, output: object) -> None:
+            for name in names:
+                if name in held:
+                    mod._parameters[name] = held.pop(name)  # type: ignore[assignment]
+
+        module.register_forward_pre_hook(route)
+        module.register_forward_hook(restore, always_call=True)
+        return module
