@@ -28,6 +28,11 @@ COMMON = {
 }
 
 
+def _with_plan_entry(model: nn.Module, extra: dict[str, str]) -> nn.Module:
+    model._tp_plan = {**(model._tp_plan or {}), **extra}  # the instance's plan, as HF reads it
+    return model
+
+
 def _build(name: str) -> nn.Module:
     import transformers as tf
 
@@ -42,6 +47,12 @@ def _build(name: str) -> nn.Module:
         "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**COMMON, head_dim=8)),
         "gemma3_text": lambda: tf.Gemma3ForCausalLM(
             tf.Gemma3TextConfig(**COMMON, head_dim=8, sliding_window=4)
+        ),
+        # a plan pattern that matches no module (MLA plans list q_proj and q_b_proj, a config
+        # has one of them): skipped, as transformers does
+        "llama_extra_pattern": lambda: _with_plan_entry(
+            tf.LlamaForCausalLM(tf.LlamaConfig(**COMMON)),
+            {"model.layers.*.self_attn.q_b_proj": "colwise"},
         ),
     }
     torch.manual_seed(0)
@@ -86,13 +97,21 @@ def _hf_logits_and_grads(name: str, layout: dict) -> dict:
             n for n, s in applied_tp_plan(parallel).styles.items() if s != "replicated"
         )[:3],
         "hf_plan": own[:3],
+        "skipped": list(applied_tp_plan(parallel).skipped),
     }
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gemma", "qwen3", "gemma3_text"])
+SKIPPED = {"llama_extra_pattern": ["model.layers.*.self_attn.q_b_proj"]}
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["llama", "qwen2", "mistral", "gemma", "qwen3", "gemma3_text", "llama_extra_pattern"],
+)
 def test_hf_model_tp2_logits_and_grads_match(run_on_ranks, name):
     out = run_on_ranks(2, _hf_logits_and_grads, name, {"tp": 2, "data": "none"})[0]
     assert out["source"] == "huggingface"
+    assert out["skipped"] == SKIPPED.get(name, [])
     assert out["tied"] == out["still_tied"]
     assert out["sharded"] == out["hf_plan"] and out["sharded"][0] == "lm_head"
 

@@ -23,7 +23,14 @@ from torch.distributed.tensor.parallel import (
 
 from . import checks
 from .checks import check_divides, check_transformer_tp
-from .plans import PlanContext, Style, expand_plan, registered_plan_fn, resolve_plan
+from .plans import (
+    PlanContext,
+    Style,
+    expand_plan,
+    registered_plan_fn,
+    resolve_plan,
+    unmatched_patterns,
+)
 from .styles import describe_style
 
 __all__ = [
@@ -46,6 +53,8 @@ class AppliedPlan:
     sequence_parallel: bool
     loss_parallel: bool
     styles: dict[str, str]
+    #: patterns of a Hugging Face plan that match no module, skipped as transformers skips them
+    skipped: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         # Fold layer indices to "*" only where every layer has the entry with the same style.
@@ -66,7 +75,10 @@ class AppliedPlan:
             f"{self.source} plan over {self.tp_size} ranks, sequence_parallel={self.sequence_parallel}, "
             f"loss_parallel={self.loss_parallel}"
         )
-        return "\n".join([head] + [f"  {k:<{width}}  {v}" for k, v in rows.items()])
+        lines = [head] + [f"  {k:<{width}}  {v}" for k, v in rows.items()]
+        if self.skipped:
+            lines.append(f"  skipped, matching no module: {', '.join(self.skipped)}")
+        return "\n".join(lines)
 
 
 def applied_tp_plan(model: nn.Module) -> AppliedPlan | None:
@@ -203,9 +215,12 @@ def _checked_plan(
     sequence_parallel: bool | None,
     loss_parallel: bool,
     allow_import: bool | Sequence[str],
-) -> tuple[str, bool, dict[str, ParallelStyle | None]]:
+) -> tuple[str, bool, dict[str, ParallelStyle | None], tuple[str, ...]]:
     """Everything :func:`apply_tensor_parallel` decides and checks before it splits anything:
-    ``(source, sequence_parallel, {module name: style})``; raises ForgeConfigError."""
+    ``(source, sequence_parallel, {module name: style}, skipped patterns)``; raises
+    ForgeConfigError. A Hugging Face plan's patterns that match no module are skipped (as
+    transformers does); in any other plan such a pattern is refused (a typo would silently
+    leave a layer unsplit)."""
     has_registered = plan is None and registered_plan_fn(model) is not None
     sp = _default_sequence_parallel(model, sequence_parallel, plan is not None, has_registered)
     if loss_parallel and not has_registered and plan is None:
@@ -215,9 +230,10 @@ def _checked_plan(
         )
     ctx = PlanContext(tp_size=tp, sequence_parallel=sp, loss_parallel=loss_parallel)
     source, raw = resolve_plan(model, plan, ctx, allow_import=allow_import)
-    concrete = expand_plan(model, raw)
+    skipped = tuple(unmatched_patterns(model, raw)) if source == "huggingface" else ()
+    concrete = expand_plan(model, {k: v for k, v in raw.items() if k not in skipped})
     _validate(model, concrete, tp)
-    return source, sp, concrete
+    return source, sp, concrete, skipped
 
 
 def check_tensor_parallel(
@@ -235,12 +251,13 @@ def check_tensor_parallel(
     every style fits its module's type and sizes. Returns a one-line description; raises
     ForgeConfigError with the reason. Nothing is modified.
     """
-    source, sp, concrete = _checked_plan(
+    source, sp, concrete, skipped = _checked_plan(
         model, tp, plan, sequence_parallel, loss_parallel, allow_import
     )
     return (
         f"{source} plan over {tp} ranks, {len(concrete)} modules, sequence_parallel={sp}, "
         f"loss_parallel={loss_parallel}"
+        + (f", skipped (matching no module): {', '.join(skipped)}" if skipped else "")
     )
 
 
@@ -268,7 +285,7 @@ def apply_tensor_parallel(
         return model
     tp = tp_mesh.size()
     with stage(model, "tp"):
-        source, sp, concrete = _checked_plan(
+        source, sp, concrete, skipped = _checked_plan(
             model, tp, plan, sequence_parallel, loss_parallel, allow_import
         )
         tied = _shared_parameters(model)
@@ -278,9 +295,8 @@ def apply_tensor_parallel(
         _retie(tied)
         if sp:
             model.register_forward_pre_hook(_check_sequence_length(tp))
-        applied = AppliedPlan(
-            source, tp, sp, loss_parallel, {n: describe_style(s) for n, s in concrete.items()}
-        )
+        styles = {n: describe_style(s) for n, s in concrete.items()}
+        applied = AppliedPlan(source, tp, sp, loss_parallel, styles, skipped)
         model.__dict__[_APPLIED_ATTR] = applied
         log.info("%s", applied)
     return model

@@ -45,6 +45,7 @@ __all__ = [
     "PlanContext",
     "PlanFn",
     "expand_plan",
+    "unmatched_patterns",
     "reference_plan",
     "register_tp_plan",
     "resolve_plan",
@@ -298,6 +299,17 @@ def _pattern_regex(pattern: str) -> re.Pattern[str]:
         + r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split("."))
         + "$"
     )
+
+
+def unmatched_patterns(model: nn.Module, plan: Mapping[str, Style]) -> list[str]:
+    """The patterns of ``plan`` that match no module of ``model`` (a Hugging Face plan may list
+    layers a config leaves out: MLA's ``q_proj`` next to ``q_b_proj``; transformers skips them)."""
+    names = [n for n, _ in model.named_modules() if n]
+    return [
+        p
+        for p in plan
+        if isinstance(p, str) and p and not any(_pattern_regex(p).match(n) for n in names)
+    ]
 
 
 def expand_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, ParallelStyle | None]:
