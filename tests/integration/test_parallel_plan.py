@@ -437,3 +437,28 @@ def test_plan_hooks_an_hf_model_only_when_told_sequences_are_not_packed(flash_ut
     assert seen == [False, False]
     ParallelPlan(None, packed_sequences=True, **fp32).parallelize(model)  # fine now
     assert flash_utils._is_packed_sequence is original
+
+
+# --- AC on a Hugging Face model: transformers' KV cache off ------------------------------------
+
+
+def _hf_ac_parity(ac_mode: str) -> dict[str, Any]:
+    mesh = build_device_mesh({"tp": 2, "data": "none"}, "cpu")
+    reference = _llama()
+    parallel = copy.deepcopy(reference)
+    assert parallel.config.use_cache  # transformers' default
+    plan = ParallelPlan(mesh, ac_mode=ac_mode, param_dtype=torch.float32)
+    parallel = plan.parallelize(parallel)
+    result = run_parity(
+        HFLogits(reference), HFLogits(parallel), mesh=mesh, steps=3, vocab_size=LLAMA["vocab_size"]
+    )
+    return {"result": result, "use_cache": parallel.config.use_cache}
+
+
+@pytest.mark.parametrize("ac_mode", ["op", "full"])
+def test_ac_turns_a_hugging_face_models_kv_cache_off_and_matches_one_device(run_on_ranks, ac_mode):
+    # With transformers' default use_cache=True the forward builds a KV cache, which AC's
+    # recomputation does not reproduce (op AC: "aten.slice.Tensor ... not found in storage").
+    for out in run_on_ranks(2, _hf_ac_parity, ac_mode):
+        out["result"].assert_ok()
+        assert out["use_cache"] is False

@@ -461,6 +461,7 @@ class ParallelPlan:
             assert mesh is not None  # a domain axis of size > 1 implies a mesh
             apply_domain_parallel(model, mesh)
         if self.ac_mode != "none":
+            _no_kv_cache_under_ac(model, self.ac_mode)
             apply_ac(model, self.ac_mode, components=self.ac_components)
         if self.compile_model and self.compile_scope == "blocks":
             apply_compile(model, backend=self.compile_backend)
@@ -560,6 +561,26 @@ class ParallelPlan:
             )
         else:
             logger.info("packed_sequences=False: this transformers has no such check; no hooks")
+
+
+def _no_kv_cache_under_ac(model: nn.Module, ac_mode: str) -> None:
+    """Turn off a Hugging Face model's KV cache (``config.use_cache``) before AC wraps it.
+
+    NOTE: with transformers' default ``use_cache=True`` a training forward still builds a KV
+    cache, which AC's recomputation does not reproduce: op AC fails in backward ("aten.slice.Tensor
+    invocation ... not found in storage"), full AC recomputes against a grown cache. transformers'
+    own gradient checkpointing turns the cache off the same way.
+    """
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None) is True:
+            config.use_cache = False  # type: ignore[union-attr]
+            logger.info(
+                "ac_mode=%s: %s.config.use_cache set to False (AC recomputes the forward; a KV "
+                "cache built in it would not be reproduced)",
+                ac_mode,
+                name or type(module).__name__,
+            )
 
 
 @torch.no_grad()
