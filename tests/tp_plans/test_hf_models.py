@@ -12,7 +12,7 @@ import torch.nn as nn
 from forge_core.testing import run_parity
 from forge_fsdp_wrap import apply_fsdp2, default_mp_policy
 from forge_mesh import build_device_mesh
-from forge_tp_plans import applied_tp_plan, apply_tensor_parallel
+from forge_tp_plans import applied_tp_plan, apply_tensor_parallel, tp_gradient_mismatches
 from torch.distributed.tensor import DTensor
 
 from tests.parity_jobs import HFLogits
@@ -137,3 +137,29 @@ def _hf_training_parity(name: str):
 def test_hf_model_fsdp2_x_tp_training_matches_loss_and_grad_norm(run_on_ranks, name):
     for result in run_on_ranks(4, _hf_training_parity, name):
         result.assert_ok()
+
+
+def _qwen3_gradient_mismatches(norm_style: str) -> list[str]:
+    """The debug check after one backward of a TP=2 Qwen3 whose q/k norms get ``norm_style``."""
+    model = _build("qwen3")
+    inner = model.model
+    norms = {f"layers.*.self_attn.{n}": norm_style for n in ("q_norm", "k_norm")}
+    inner._tp_plan = {**(inner._tp_plan or {}), **norms}
+    mesh = build_device_mesh({"tp": 2, "data": "none"}, "cpu")
+    apply_tensor_parallel(model, mesh)
+    tokens = torch.randint(
+        0, COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1)
+    )
+    model(tokens, labels=tokens).loss.backward()
+    return tp_gradient_mismatches(model, mesh)
+
+
+def test_the_debug_check_finds_replicated_parameters_with_partial_gradients(run_on_ranks):
+    # Qwen3's own plan sums the per-head norms' gradients over tp; a plan that only replicates
+    # them (the apertus-style mistake) leaves each rank the gradient of its own heads.
+    assert run_on_ranks(2, _qwen3_gradient_mismatches, "replicated_with_grad_allreduce") == [[], []]
+    for found in run_on_ranks(2, _qwen3_gradient_mismatches, "replicate"):
+        names = sorted(f.split(" ")[0] for f in found)
+        assert names == [
+            f"model.layers.{i}.self_attn.{n}.weight" for i in (0, 1) for n in ("k_norm", "q_norm")
+        ], found

@@ -35,6 +35,7 @@ _EXPORTS = {
     "ColwiseConv1x1": "styles",
     "RowwiseConv1x1": "styles",
     "ReplicatedWithGradAllReduce": "styles",
+    "tp_gradient_mismatches": "debug",
     "translate_parallel_style": "styles",
 }
 
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     )
     from .checks import check_plan_import, check_transformer_tp
     from .config import TPConfig
+    from .debug import tp_gradient_mismatches
     from .plans import PlanContext, reference_plan, register_tp_plan
     from .styles import (
         ColwiseConv1x1,
@@ -63,6 +65,7 @@ __all__ = [
     "AppliedPlan",
     "ColwiseConv1x1",
     "ReplicatedWithGradAllReduce",
+    "tp_gradient_mismatches",
     "PlanContext",
     "RowwiseConv1x1",
     "TPConfig",
