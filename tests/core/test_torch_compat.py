@@ -170,3 +170,12 @@ def test_dcp_metadata_path(tmp_path):
 
     path = tc.dcp_metadata_path(FileSystemReader(tmp_path))
     assert str(path).endswith(".metadata") and str(tmp_path) in str(path)
+
+
+def test_swap_parameter_puts_a_tensor_where_forward_reads_the_parameter():
+    lin = nn.Linear(2, 2, bias=False)
+    param = lin.weight
+    doubled = param * 2
+    assert tc.swap_parameter(lin, "weight", doubled) is param
+    assert lin.weight is doubled and torch.equal(lin(torch.eye(2)), (param * 2).T)
+    assert tc.swap_parameter(lin, "weight", param) is doubled and lin.weight is param

@@ -193,3 +193,16 @@ def dcp_metadata_path(reader: Any, rank: int | None = None) -> Any:
     """Where a DCP ``FileSystemReader`` reads its ``.metadata`` (per-rank when ``rank`` is given
     on torch releases that write one per rank)."""
     return reader._get_metadata_path(rank)
+
+
+def swap_parameter(module: nn.Module, name: str, value: torch.Tensor) -> torch.Tensor:
+    """Put ``value`` (any tensor, e.g. a differentiable function of the parameter) where the
+    module's forward reads its parameter ``name``; returns what was there.
+
+    NOTE: ``nn.Module._parameters``: ``setattr`` accepts only an ``nn.Parameter`` under a
+    parameter's name. FSDP2 swaps its unsharded parameters in the same way.
+    """
+    previous = module._parameters[name]
+    assert previous is not None
+    module._parameters[name] = value  # type: ignore[assignment]
+    return previous

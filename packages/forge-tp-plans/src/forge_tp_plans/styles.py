@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from forge_core.errors import ForgeConfigError, did_you_mean
+from forge_core.torch_compat import swap_parameter
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -266,13 +267,13 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
         # it back before that unit reshards.
         def route(mod: nn.Module, args: object) -> None:
             for name in names:
-                held[name] = mod._parameters[name]  # type: ignore[assignment]
-                mod._parameters[name] = _CopyToParallel.apply(held[name], group)
+                param = getattr(mod, name)
+                held[name] = swap_parameter(mod, name, _CopyToParallel.apply(param, group))
 
         def restore(mod: nn.Module, args: object, output: object) -> None:
             for name in names:
                 if name in held:
-                    mod._parameters[name] = held.pop(name)  # type: ignore[assignment]
+                    swap_parameter(mod, name, held.pop(name))
 
         module.register_forward_pre_hook(route)
         module.register_forward_hook(restore, always_call=True)
