@@ -48,6 +48,13 @@ def _build(name: str) -> nn.Module:
         "gemma3_text": lambda: tf.Gemma3ForCausalLM(
             tf.Gemma3TextConfig(**COMMON, head_dim=8, sliding_window=4)
         ),
+        # no plan of their own: forge_tp_plans.hf_families
+        "stablelm": lambda: tf.StableLmForCausalLM(tf.StableLmConfig(**COMMON)),
+        "gptj": lambda: tf.GPTJForCausalLM(
+            tf.GPTJConfig(
+                vocab_size=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64
+            )
+        ),
         # a plan pattern that matches no module (MLA plans list q_proj and q_b_proj, a config
         # has one of them): skipped, as transformers does
         "llama_extra_pattern": lambda: _with_plan_entry(
@@ -163,3 +170,10 @@ def test_the_debug_check_finds_replicated_parameters_with_partial_gradients(run_
         assert names == [
             f"model.layers.{i}.self_attn.{n}.weight" for i in (0, 1) for n in ("k_norm", "q_norm")
         ], found
+
+
+@pytest.mark.parametrize("name", ["stablelm", "gptj"])
+def test_hf_families_without_a_plan_use_forges_and_match(run_on_ranks, name):
+    out = run_on_ranks(2, _hf_logits_and_grads, name, {"tp": 2, "data": "none"})[0]
+    assert out["source"] == "forge (Hugging Face family)"
+    assert out["sharded"], out

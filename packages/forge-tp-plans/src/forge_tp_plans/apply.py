@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import (
 
 from . import checks
 from .checks import check_divides, check_transformer_tp
+from .hf_families import FAMILY_HEAD_COUNTS
 from .plans import (
     PlanContext,
     Style,
@@ -208,6 +209,22 @@ def _check_sequence_length(tp: int):  # noqa: ANN202
     return hook
 
 
+FAMILY_SOURCE = "forge (Hugging Face family)"
+
+
+def _localize_head_counts(model: nn.Module, tp: int) -> None:
+    """Divide the head counts a family's attention reads in forward by tp (its modules now hold
+    1/tp of the heads); :data:`forge_tp_plans.hf_families.FAMILY_HEAD_COUNTS` names them."""
+    counts = FAMILY_HEAD_COUNTS.get(type(model).__name__, {})
+    for pattern, attrs in counts.items():
+        for name in expand_plan(model, {pattern: None}):
+            module = model.get_submodule(name)
+            for attr in attrs:
+                value = getattr(module, attr)
+                check_divides(tp, {f"{name}.{attr}": value})
+                setattr(module, attr, value // tp)
+
+
 def _checked_plan(
     model: nn.Module,
     tp: int,
@@ -293,6 +310,8 @@ def apply_tensor_parallel(
         # (Float8) can swap a module's style.
         apply_tp_styles(model, tp_mesh, {n: s for n, s in concrete.items() if s is not None})
         _retie(tied)
+        if source == FAMILY_SOURCE:
+            _localize_head_counts(model, tp)
         if sp:
             model.register_forward_pre_hook(_check_sequence_length(tp))
         styles = {n: describe_style(s) for n, s in concrete.items()}
