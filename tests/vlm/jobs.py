@@ -72,7 +72,7 @@ def vlm_parity(
     vision: dict | None = None,
     adapter: dict | None = None,
     model: dict | None = None,
-    steps: int = 8,
+    steps: int = 5,
     grad_accum: int = 1,
     **kwargs: Any,
 ) -> dict[str, Any]:
