@@ -1,5 +1,5 @@
 """Vision-language model parity on 4 CPU ranks (gloo, fp32): every parallel layout, the frozen
-encoder, each AC scope and compile equal the single-device VLM on loss and grad norm over 8
+encoder, each AC scope and compile equal the single-device VLM on loss and grad norm over 5
 steps; the bf16 dtype hand-off by ``cast_forward_inputs``; refusals of bad layouts."""
 
 from __future__ import annotations
