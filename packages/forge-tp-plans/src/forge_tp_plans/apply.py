@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import (
 
 from . import checks
 from .checks import check_divides, check_transformer_tp
-from .hf_families import FAMILY_HEAD_COUNTS
+from .hf_families import FAMILY_HEAD_COUNTS, FAMILY_SOURCE
 from .plans import (
     PlanContext,
     Style,
@@ -207,9 +207,6 @@ def _check_sequence_length(tp: int):  # noqa: ANN202
             )
 
     return hook
-
-
-FAMILY_SOURCE = "forge (Hugging Face family)"
 
 
 def _localize_head_counts(model: nn.Module, tp: int) -> None:

@@ -12,7 +12,10 @@ column-wise would mix heads of q, k and v; they need a fused-weight style.
 
 from __future__ import annotations
 
-__all__ = ["FAMILY_HEAD_COUNTS", "FAMILY_PLANS"]
+__all__ = ["FAMILY_HEAD_COUNTS", "FAMILY_PLANS", "FAMILY_SOURCE"]
+
+#: The plan source ``describe_tp_plan`` reports for these plans.
+FAMILY_SOURCE = "forge (Hugging Face family)"
 
 _ATTENTION = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise"}
 

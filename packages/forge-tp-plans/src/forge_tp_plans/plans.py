@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from .checks import check_plan_import
-from .hf_families import FAMILY_PLANS
+from .hf_families import FAMILY_PLANS, FAMILY_SOURCE
 from .styles import ColwiseConv1x1, RowwiseConv1x1, translate_parallel_style
 
 __all__ = [
@@ -286,7 +286,7 @@ def resolve_plan(
         return "huggingface", hf
     family = FAMILY_PLANS.get(type(model).__name__)
     if family is not None:  # a Hugging Face family that ships no plan: forge's
-        return "forge (Hugging Face family)", family  # apply.FAMILY_SOURCE
+        return FAMILY_SOURCE, family
     opt_in = _opt_in_plan(model)
     if opt_in:
         return "opt-in attributes", opt_in
