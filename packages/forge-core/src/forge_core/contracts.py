@@ -22,6 +22,11 @@ mark. No registry, no global state: everything lives on the modules.
   hook ids. :func:`restyle_tp` gives a module another style later, with public torch APIs only:
   Float8 applies the Float8 variant of a Linear's style to the Float8Linear that replaced it,
   and moves a parent's input preparation (a swappable stand-in module) to fp8 all-gathers.
+- **Tensor-parallel opt-out.** A module class with a string ``forge_tp_skip`` runs whole on
+  every tp rank: tensor-parallel plan entries naming a module inside it are dropped (reported
+  as left whole; its own entry may still prepare its input and output layouts); the string
+  says why. forge's MoE declares it: its experts shard
+  over ``ep``, and a Hugging Face plan's expert entries would otherwise reach a converted block.
 - **Float8 opt-out.** A module class with a string ``forge_float8_skip`` keeps every Linear inside
   it in high precision; the string is the reason that gets reported.
 - **Components.** A model class with ``forge_components = ("encoder", "adapter", "decoder")``

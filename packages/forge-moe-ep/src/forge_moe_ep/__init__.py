@@ -9,6 +9,9 @@
   ``capacity`` (fixed per-sequence capacity, dropped tokens counted, no host sync at all); see
   :mod:`forge_moe_ep.dispatch`.
 - :func:`moe_metrics` reads tokens dropped and host syncs.
+- :func:`convert_hf_moe` turns Hugging Face MoE blocks (Qwen3-MoE, Qwen2-MoE, Mixtral,
+  DeepSeek-V3, GPT-OSS, OLMoE, GLM4-MoE, Llama 4) into :class:`MoE` layers with equal outputs;
+  :func:`restore_hf_moe` puts them back for ``save_pretrained`` (:mod:`forge_moe_ep.hf`).
 
 Depends on forge_core, forge_kernels and torch.
 """
@@ -26,6 +29,10 @@ _EXPORTS = {
     "moe_metrics": "moe",
     "moe_transformer": "moe",
     "apply_expert_parallel": "parallel",
+    "HFMoE": "hf",
+    "convert_hf_moe": "hf",
+    "restore_hf_moe": "hf",
+    "EXPERT_ACTIVATIONS": "config",
     "check_expert_parallel": "checks",
     "MOE_DISPATCH_MODES": "config",
     "MOE_PRESETS": "config",
@@ -35,8 +42,15 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from .checks import check_expert_parallel
-    from .config import MOE_DISPATCH_MODES, MOE_PRESETS, MOE_ROUTERS, MoEModelConfig
+    from .config import (
+        EXPERT_ACTIVATIONS,
+        MOE_DISPATCH_MODES,
+        MOE_PRESETS,
+        MOE_ROUTERS,
+        MoEModelConfig,
+    )
     from .dispatch import capacity_per_sequence
+    from .hf import HFMoE, convert_hf_moe, restore_hf_moe
     from .moe import GroupedExperts, MoE, Router, moe_metrics, moe_transformer
     from .parallel import apply_expert_parallel
 
@@ -45,16 +59,20 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __version__ = "0.1.0"
 
 __all__ = [
+    "EXPERT_ACTIVATIONS",
     "MOE_DISPATCH_MODES",
     "MOE_PRESETS",
     "MOE_ROUTERS",
     "GroupedExperts",
+    "HFMoE",
     "MoEModelConfig",
     "MoE",
     "Router",
     "apply_expert_parallel",
     "capacity_per_sequence",
     "check_expert_parallel",
+    "convert_hf_moe",
     "moe_metrics",
     "moe_transformer",
+    "restore_hf_moe",
 ]

@@ -14,9 +14,20 @@ from typing import Any
 from forge_core.errors import ForgeConfigError, did_you_mean
 from forge_core.model_config import PRESETS, ModelConfig
 
-__all__ = ["MOE_DISPATCH_MODES", "MOE_PRESETS", "MOE_ROUTERS", "MoEModelConfig"]
+__all__ = [
+    "EXPERT_ACTIVATIONS",
+    "MOE_DISPATCH_MODES",
+    "MOE_PRESETS",
+    "MOE_ROUTERS",
+    "MoEModelConfig",
+]
 
 MOE_ROUTERS = ("softmax", "sigmoid")
+#: The experts' gated activation ``act(x w1) * (x w3)``: ``silu`` (SwiGLU), ``gelu``,
+#: ``gelu_tanh`` (GeGLU, exact or tanh-approximated GELU), and ``clamped_swiglu`` (GPT-OSS:
+#: gate clamped above at ``expert_act_limit``, up clamped to +-limit,
+#: ``(up + 1) * gate * sigmoid(alpha * gate)`` with ``alpha = expert_act_alpha``).
+EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
 #: ``dropless``: exact, every routed token is computed (EP exchanges split sizes: one host wait
 #: per MoE layer per forward). ``capacity``: each sequence sends at most a fixed number of tokens
 #: to each expert (``capacity_factor``), the rest are dropped and counted; no host sync at all.
@@ -35,6 +46,22 @@ class MoEModelConfig(ModelConfig):
     ``capacity_factor`` for the capacity mode. Load balancing: ``moe_bias_update_rate``
     (aux-loss-free expert bias, 0 disables it) and ``moe_aux_loss_coef`` (auxiliary
     load-balancing loss, 0 disables it). ``moe_every = 0``: a dense model.
+
+    Router and expert variants (the defaults are forge's own MoE; the other values express the
+    Hugging Face families ``forge_moe_ep.hf`` converts):
+
+    - ``router_renormalize``: divide the top-k weights by their sum (None: only for ``sigmoid``
+      with ``top_k > 1``); ``router_scale``: multiply them by this factor afterwards.
+    - ``router_groups`` / ``router_topk_groups``: group-limited choice (DeepSeek-V3): experts
+      form ``router_groups`` equal groups, a group scores the sum of its two best (biased)
+      scores, and each token chooses only within its ``router_topk_groups`` best groups.
+    - ``router_bias``: the router's linear layer has a bias (GPT-OSS).
+    - ``router_weights_on_input``: scale each expert's INPUT rows by the routing weight instead
+      of its output (Llama 4); the outputs are then summed unweighted.
+    - ``expert_act`` (see ``EXPERT_ACTIVATIONS``), ``expert_act_alpha``, ``expert_act_limit``,
+      ``expert_linear_bias`` (biases on the experts' three projections: GPT-OSS).
+    - ``shared_expert_gate``: the shared expert's output is scaled by ``sigmoid(x g)``, with a
+      learned ``g [dim, 1]`` (Qwen2-MoE).
     """
 
     moe_every: int = 0
@@ -47,6 +74,17 @@ class MoEModelConfig(ModelConfig):
     capacity_factor: float = 1.25
     moe_bias_update_rate: float = 1e-3
     moe_aux_loss_coef: float = 0.0
+    router_renormalize: bool | None = None
+    router_scale: float = 1.0
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    router_bias: bool = False
+    router_weights_on_input: bool = False
+    expert_act: str = "silu"
+    expert_act_alpha: float = 1.702
+    expert_act_limit: float = 7.0
+    expert_linear_bias: bool = False
+    shared_expert_gate: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -59,9 +97,16 @@ class MoEModelConfig(ModelConfig):
 
         for name in ("moe_every", "num_experts", "num_shared_experts", "top_k"):
             non_negative_int(name)
+        for name in ("router_groups", "router_topk_groups"):
+            if non_negative_int(name) < 1:
+                raise ForgeConfigError(f"model.{name}=0 must be >= 1 (1: no group limit)")
         if self.moe_ffn_dim is None:
             object.__setattr__(self, "moe_ffn_dim", self.ffn_dim)
-        for name, allowed in (("router", MOE_ROUTERS), ("moe_dispatch", MOE_DISPATCH_MODES)):
+        for name, allowed in (
+            ("router", MOE_ROUTERS),
+            ("moe_dispatch", MOE_DISPATCH_MODES),
+            ("expert_act", EXPERT_ACTIVATIONS),
+        ):
             v = getattr(self, name)
             if v not in allowed:
                 raise ForgeConfigError(
@@ -79,9 +124,27 @@ class MoEModelConfig(ModelConfig):
             raise ForgeConfigError(
                 f"model.top_k={self.top_k} must be in [1, num_experts={self.num_experts}]"
             )
+        groups, chosen = self.router_groups, self.router_topk_groups
+        if self.num_experts % groups or chosen > groups:
+            raise ForgeConfigError(
+                f"model.router_groups={groups} / router_topk_groups={chosen}: the groups must "
+                f"divide num_experts={self.num_experts} and router_topk_groups <= router_groups"
+            )
+        if self.top_k > chosen * (self.num_experts // groups):
+            raise ForgeConfigError(
+                f"model.top_k={self.top_k} is more than the {chosen} chosen groups of "
+                f"{self.num_experts // groups} experts hold; raise router_topk_groups"
+            )
         if not isinstance(self.moe_ffn_dim, int) or self.moe_ffn_dim < 1:
             raise ForgeConfigError(f"model.moe_ffn_dim={self.moe_ffn_dim!r} must be >= 1")
-        for name in ("capacity_factor", "moe_bias_update_rate", "moe_aux_loss_coef"):
+        for name in (
+            "capacity_factor",
+            "moe_bias_update_rate",
+            "moe_aux_loss_coef",
+            "router_scale",
+            "expert_act_alpha",
+            "expert_act_limit",
+        ):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise ForgeConfigError(f"model.{name}={v!r} must be a non-negative number")
@@ -119,10 +182,10 @@ class MoEModelConfig(ModelConfig):
         """Parameter count (tied weights counted once): the dense count with each MoE block's
         router, experts and shared expert in place of its dense FFN."""
         assert self.moe_ffn_dim
-        d, n_moe = self.dim, len(self.moe_layers)
-        moe_ffn = d * self.num_experts + 3 * d * self.moe_ffn_dim * (
-            self.num_experts + self.num_shared_experts
-        )
+        d, h, e, n_moe = self.dim, self.moe_ffn_dim, self.num_experts, len(self.moe_layers)
+        moe_ffn = d * e + 3 * d * h * (e + self.num_shared_experts)
+        moe_ffn += e * self.router_bias + e * (2 * h + d) * self.expert_linear_bias
+        moe_ffn += d * (self.shared_expert_gate and self.num_shared_experts > 0)
         return super().num_params() + n_moe * (moe_ffn - self.dense_ffn_params())
 
 

@@ -46,7 +46,7 @@ from forge_core.init import fill_param_
 from forge_core.model import FeedForward, ModelConfig, Transformer
 from forge_core.torch_compat import in_backward_pass
 from forge_kernels.grouped_gemm import grouped_gemm
-from forge_kernels.permute import combine, permute, routing_layout
+from forge_kernels.permute import RoutingLayout, combine, permute, routing_layout
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
@@ -61,15 +61,36 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class Router(nn.Module):
-    """Top-k token-choice router, float32, with an expert bias used only for choosing."""
+    """Top-k token-choice router, float32, with an expert bias used only for choosing.
+
+    ``score``: ``softmax`` or ``sigmoid`` of the logits. The variants (``MoEModelConfig``'s
+    ``router_*`` fields): ``renormalize`` the chosen weights to sum to one (None: for sigmoid
+    with ``top_k > 1``), multiply them by ``scale``, choose only within the ``topk_groups`` best
+    of ``groups`` equal expert groups (a group scores the sum of its two best biased scores),
+    and a ``bias`` on the linear layer.
+    """
 
     expert_bias: torch.Tensor  # buffers (typed for checkers: register_buffer sets them)
     tokens_per_expert: torch.Tensor
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, score: str) -> None:
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        score: str,
+        *,
+        renormalize: bool | None = None,
+        scale: float = 1.0,
+        groups: int = 1,
+        topk_groups: int = 1,
+        bias: bool = False,
+    ) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.score = num_experts, top_k, score
-        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.renormalize = score == "sigmoid" and top_k > 1 if renormalize is None else renormalize
+        self.scale, self.groups, self.topk_groups = scale, groups, topk_groups
+        self.gate = nn.Linear(dim, num_experts, bias=bias)
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.register_buffer(
             "tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False
@@ -77,19 +98,49 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [T, D] -> (weights [T, K] fp32, expert ids [T, K] int64, scores [T, E] fp32)``."""
+        bias = self.gate.bias
         with torch.autocast(x_TD.device.type, enabled=False):
-            logits = F.linear(x_TD.float(), self.gate.weight.float())
+            logits = F.linear(
+                x_TD.float(), self.gate.weight.float(), None if bias is None else bias.float()
+            )
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
-        ids = torch.topk(scores.detach() + self.expert_bias.float(), self.top_k, dim=-1).indices
+        choice = scores.detach() + self.expert_bias.float()
+        if self.groups > 1:
+            choice = self._within_best_groups(choice)
+        ids = torch.topk(choice, self.top_k, dim=-1).indices
         weights = scores.gather(-1, ids)
-        if self.score == "sigmoid" and self.top_k > 1:
+        if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.scale != 1.0:
+            weights = weights * self.scale
         return weights, ids, scores
+
+    def _within_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """``choice`` with every expert outside each token's ``topk_groups`` best groups at -inf."""
+        grouped = choice.view(choice.shape[0], self.groups, -1)
+        best_two = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        keep = torch.zeros_like(best_two, dtype=torch.bool)
+        keep.scatter_(1, best_two.topk(self.topk_groups, dim=-1).indices, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
+
+
+def _gated(
+    h1: torch.Tensor, h3: torch.Tensor, act: str, alpha: float, limit: float
+) -> torch.Tensor:
+    """The experts' gated activation of gate rows ``h1`` and up rows ``h3`` (EXPERT_ACTIVATIONS)."""
+    if act == "silu":
+        return F.silu(h1) * h3
+    if act == "clamped_swiglu":
+        gate, up = h1.clamp(max=limit), h3.clamp(-limit, limit)
+        return (up + 1) * gate * torch.sigmoid(alpha * gate)
+    return F.gelu(h1, approximate="tanh" if act == "gelu_tanh" else "none") * h3
 
 
 class GroupedExperts(nn.Module):
-    """``E`` SwiGLU experts as stacked weights; ``forward(rows, offs)`` runs grouped GEMMs.
+    """``E`` gated experts as stacked weights; ``forward(rows, offs)`` runs grouped GEMMs.
 
+    Each expert computes ``(act(x w1 + b1) * (x w3 + b3)) w2 + b2`` (``act`` and the optional
+    biases: ``MoEModelConfig.expert_act`` / ``expert_linear_bias``; default SwiGLU, no bias).
     ``rows`` are expert-major; ``offs`` holds each expert's cumulative end row and ``offs[-1]``
     must equal the number of rows (every row in an expert's group), as forge's dispatch modes
     guarantee; ``offs=None`` means equal groups (``rows / E`` each). See ``dispatch.ExpertsFn``.
@@ -99,16 +150,30 @@ class GroupedExperts(nn.Module):
     hooks bring the rows of every rank's tokens routed to them in and send the results back.
     """
 
-    def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        dim: int,
+        hidden: int,
+        *,
+        act: str = "silu",
+        bias: bool = False,
+        alpha: float = 1.702,
+        limit: float = 7.0,
+    ) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.b1 = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(num_experts, dim)) if bias else None
+        self.b3 = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
+        self.act, self.alpha, self.limit = act, alpha, limit
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor:
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        experts = w1.shape[0]
         if offs is None:
-            experts = w1.shape[0]
             if x.shape[0] % experts:
                 raise ValueError(
                     f"GroupedExperts: {x.shape[0]} rows do not form {experts} equal groups"
@@ -123,8 +188,17 @@ class GroupedExperts(nn.Module):
             x = x.to(w1.dtype)
         # NOTE: dense: forge's dispatch puts every row in a group (offs[-1] == rows), so no
         # masked pass over rows past offs[-1] is needed (dispatch.ExpertsFn).
-        h = F.silu(grouped_gemm(x, w1, offs, dense=True)) * grouped_gemm(x, w3, offs, dense=True)
-        return grouped_gemm(h, w2, offs, dense=True)
+        h1, h3 = grouped_gemm(x, w1, offs, dense=True), grouped_gemm(x, w3, offs, dense=True)
+        if self.b1 is None:
+            h = _gated(h1, h3, self.act, self.alpha, self.limit)
+            return grouped_gemm(h, w2, offs, dense=True)
+        # Each row's expert, from the group ends (no host sync): the row's bias is its expert's.
+        rows = torch.arange(x.shape[0], device=x.device, dtype=offs.dtype)
+        expert = torch.searchsorted(offs, rows, right=True).clamp_(max=experts - 1)
+        assert self.b2 is not None and self.b3 is not None  # all three or none (__init__)
+        b1, b2, b3 = (_local(b).to(h1.dtype)[expert] for b in (self.b1, self.b2, self.b3))
+        h = _gated(h1 + b1, h3 + b3, self.act, self.alpha, self.limit)
+        return grouped_gemm(h, w2, offs, dense=True) + b2
 
 
 class MoE(nn.Module):
@@ -136,6 +210,9 @@ class MoE(nn.Module):
     #: Runs eagerly under forge's per-block compile (forge_core.contracts): dropless EP reads
     #: split sizes on the host and the Triton kernels are opaque autograd Functions.
     forge_no_compile = True
+    #: Left whole by tensor parallelism (forge_core.contracts): the experts shard over ep, the
+    #: router and shared expert are small; a Hugging Face plan's expert entries must not apply.
+    forge_tp_skip = "forge's MoE runs whole on each tp rank; its experts shard over ep"
     #: Kept out of Float8 (forge_core.contracts): the experts run grouped GEMMs that never call
     #: Float8Linear.forward, the shared expert runs beside them, the router needs fp32.
     forge_float8_skip = (
@@ -147,13 +224,33 @@ class MoE(nn.Module):
         c = config
         self.config, self.layer_id = c, layer_id
         self.num_experts, self.top_k = c.num_experts, c.top_k
-        self.router = Router(c.dim, c.num_experts, c.top_k, c.router)
-        self.experts = GroupedExperts(c.num_experts, c.dim, c.moe_ffn_dim)  # type: ignore[arg-type]
-        self.shared_expert = (
+        self.router = Router(
+            c.dim,
+            c.num_experts,
+            c.top_k,
+            c.router,
+            renormalize=c.router_renormalize,
+            scale=c.router_scale,
+            groups=c.router_groups,
+            topk_groups=c.router_topk_groups,
+            bias=c.router_bias,
+        )
+        self.experts = GroupedExperts(
+            c.num_experts,
+            c.dim,
+            c.moe_ffn_dim,  # type: ignore[arg-type]  # NOTE: __post_init__ fills it
+            act=c.expert_act,
+            bias=c.expert_linear_bias,
+            alpha=c.expert_act_alpha,
+            limit=c.expert_act_limit,
+        )
+        #: Any module ``[T, dim] -> [T, dim]`` (a converted Hugging Face block keeps its own).
+        self.shared_expert: nn.Module | None = (
             FeedForward(c.dim, c.num_shared_experts * c.moe_ffn_dim)  # type: ignore[operator]
             if c.num_shared_experts
             else None
         )
+        self.shared_expert_gate = nn.Linear(c.dim, 1, bias=False) if c.shared_expert_gate else None
         # Training-forward counters of routed and dropped (token, expert) slots (see moe_metrics).
         self.register_buffer("tokens_routed", torch.zeros((), dtype=torch.int64), persistent=False)
         self.register_buffer("tokens_dropped", torch.zeros((), dtype=torch.int64), persistent=False)
@@ -194,6 +291,8 @@ class MoE(nn.Module):
             # Exactly the routed rows, variable groups: permute / combine are permutations.
             layout = routing_layout(ids, self.num_experts)
             x_rows = permute(x_TD, layout, self.top_k, dense=True)
+            if self.config.router_weights_on_input:
+                x_rows, weights = self._weighted_rows(x_rows, layout, weights, dense=True)
             # NOTE: the shared expert runs between the permute and the experts call: under
             # expert parallelism a split-size copy to the host is in flight there (started
             # after the router), and this device work hides it before the host waits.
@@ -205,7 +304,22 @@ class MoE(nn.Module):
         return routed.view(batch, seq_len, dim)
 
     def _shared(self, x_TD: torch.Tensor) -> torch.Tensor | None:
-        return self.shared_expert(x_TD) if self.shared_expert is not None else None
+        if self.shared_expert is None:
+            return None
+        out = self.shared_expert(x_TD)
+        if self.shared_expert_gate is not None:
+            out = torch.sigmoid(self.shared_expert_gate(x_TD)) * out
+        return out
+
+    @staticmethod
+    def _weighted_rows(
+        x_rows: torch.Tensor, layout: RoutingLayout, weights: torch.Tensor, *, dense: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``router_weights_on_input``: each row scaled by its slot's weight (the weights move
+        with the rows: a permute of ``[T*K, 1]`` slots), and unit weights for the combine."""
+        slot_weights = weights.reshape(-1, 1).to(x_rows.dtype)
+        x_rows = x_rows * permute(slot_weights, layout, 1, dense=dense)
+        return x_rows, torch.ones_like(weights)
 
     def _capacity(
         self,
@@ -231,6 +345,8 @@ class MoE(nn.Module):
             if record:
                 self.tokens_dropped += dropped
             x_rows = permute(x_TD, layout, self.top_k)  # [E * batch * capacity, D]
+            if self.config.router_weights_on_input:
+                x_rows, weights = self._weighted_rows(x_rows, layout, weights)
             # NOTE: offs=None (equal groups) rather than layout.offs: the group sizes are then
             # known from shapes, so an expert-parallel dispatch moves the rows with equal splits
             # and no host sync.
@@ -290,6 +406,9 @@ class MoE(nn.Module):
         std = 0.02
         depth_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, param in self.named_parameters():
+            if name.rsplit(".", 1)[-1] in ("b1", "b2", "b3", "bias"):
+                param.zero_()
+                continue
             s = depth_std if name.endswith("w2") or name.endswith("w2.weight") else std
 
             def normal(t: torch.Tensor, g: torch.Generator, s: float = s) -> torch.Tensor:

@@ -27,6 +27,7 @@ from .hf_families import FAMILY_HEAD_COUNTS, FAMILY_SOURCE
 from .plans import (
     PlanContext,
     Style,
+    _pattern_regex,
     expand_plan,
     registered_plan_fn,
     resolve_plan,
@@ -56,6 +57,9 @@ class AppliedPlan:
     styles: dict[str, str]
     #: patterns of a Hugging Face plan that match no module, skipped as transformers skips them
     skipped: tuple[str, ...] = ()
+    #: plan patterns (or module names) inside a module that stays whole on every tp rank
+    #: (``forge_tp_skip``, forge_core.contracts), e.g. a converted MoE block's experts
+    left_whole: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         # Fold layer indices to "*" only where every layer has the entry with the same style.
@@ -79,6 +83,8 @@ class AppliedPlan:
         lines = [head] + [f"  {k:<{width}}  {v}" for k, v in rows.items()]
         if self.skipped:
             lines.append(f"  skipped, matching no module: {', '.join(self.skipped)}")
+        if self.left_whole:
+            lines.append(f"  left whole (forge_tp_skip): {', '.join(self.left_whole)}")
         return "\n".join(lines)
 
 
@@ -229,12 +235,14 @@ def _checked_plan(
     sequence_parallel: bool | None,
     loss_parallel: bool,
     allow_import: bool | Sequence[str],
-) -> tuple[str, bool, dict[str, ParallelStyle | None], tuple[str, ...]]:
+) -> tuple[str, bool, dict[str, ParallelStyle | None], tuple[str, ...], tuple[str, ...]]:
     """Everything :func:`apply_tensor_parallel` decides and checks before it splits anything:
-    ``(source, sequence_parallel, {module name: style}, skipped patterns)``; raises
+    ``(source, sequence_parallel, {module name: style}, skipped patterns, left whole)``; raises
     ForgeConfigError. A Hugging Face plan's patterns that match no module are skipped (as
     transformers does); in any other plan such a pattern is refused (a typo would silently
-    leave a layer unsplit)."""
+    leave a layer unsplit). Modules inside one whose class declares ``forge_tp_skip`` are taken
+    out of the plan (they run whole on every tp rank) and listed as left whole (the declaring
+    module's own entry stays: it may only prepare input and output layouts)."""
     has_registered = plan is None and registered_plan_fn(model) is not None
     sp = _default_sequence_parallel(model, sequence_parallel, plan is not None, has_registered)
     if loss_parallel and not has_registered and plan is None:
@@ -245,9 +253,31 @@ def _checked_plan(
     ctx = PlanContext(tp_size=tp, sequence_parallel=sp, loss_parallel=loss_parallel)
     source, raw = resolve_plan(model, plan, ctx, allow_import=allow_import)
     skipped = tuple(unmatched_patterns(model, raw)) if source == "huggingface" else ()
-    concrete = expand_plan(model, {k: v for k, v in raw.items() if k not in skipped})
+    whole = [n for n, m in model.named_modules() if n and getattr(m, "forge_tp_skip", None)]
+
+    def inside_whole(name: str) -> bool:
+        # NOTE: the declaring module keeps its own entry (the reference plan prepares an MoE's
+        # input and output layouts for sequence parallelism there); only what is inside it.
+        return any(name.startswith(w + ".") for w in whole)
+
+    names = [n for n, _ in model.named_modules() if n]
+    # Patterns naming only modules inside such a module are dropped before their styles are
+    # translated (a Hugging Face plan's MoE expert styles are not forge's to apply).
+    dropped = [
+        p
+        for p in raw
+        if p not in skipped
+        and isinstance(p, str)
+        and (hits := [n for n in names if _pattern_regex(p).match(n)])
+        and all(inside_whole(n) for n in hits)
+    ]
+    concrete = expand_plan(
+        model, {k: v for k, v in raw.items() if k not in skipped and k not in dropped}
+    )
+    left_whole = (*dropped, *(n for n in concrete if inside_whole(n)))
+    concrete = {n: s for n, s in concrete.items() if not inside_whole(n)}
     _validate(model, concrete, tp)
-    return source, sp, concrete, skipped
+    return source, sp, concrete, skipped, left_whole
 
 
 def check_tensor_parallel(
@@ -265,7 +295,7 @@ def check_tensor_parallel(
     every style fits its module's type and sizes. Returns a one-line description; raises
     ForgeConfigError with the reason. Nothing is modified.
     """
-    source, sp, concrete, skipped = _checked_plan(
+    source, sp, concrete, skipped, _ = _checked_plan(
         model, tp, plan, sequence_parallel, loss_parallel, allow_import
     )
     return (
@@ -299,7 +329,7 @@ def apply_tensor_parallel(
         return model
     tp = tp_mesh.size()
     with stage(model, "tp"):
-        source, sp, concrete, skipped = _checked_plan(
+        source, sp, concrete, skipped, left_whole = _checked_plan(
             model, tp, plan, sequence_parallel, loss_parallel, allow_import
         )
         tied = _shared_parameters(model)
@@ -312,7 +342,7 @@ def apply_tensor_parallel(
         if sp:
             model.register_forward_pre_hook(_check_sequence_length(tp))
         styles = {n: describe_style(s) for n, s in concrete.items()}
-        applied = AppliedPlan(source, tp, sp, loss_parallel, styles, skipped)
+        applied = AppliedPlan(source, tp, sp, loss_parallel, styles, skipped, left_whole)
         model.__dict__[_APPLIED_ATTR] = applied
         log.info("%s", applied)
     return model

@@ -54,6 +54,7 @@ from forge_fsdp_wrap import (
     enable_autocast,
 )
 from forge_moe_ep import MoE, apply_expert_parallel, moe_transformer
+from forge_moe_ep.hf import HF_MOE_BLOCKS, convert_hf_moe
 from forge_pp import PipelineSplit, attach_schedule, pipeline_split, share_buffers
 from forge_pp.config import PPConfig
 from forge_tp_plans import apply_tensor_parallel
@@ -410,6 +411,14 @@ class ParallelPlan:
                 "to its device"
             )
         self._skip_packed_sequence_check(model)
+        mesh = self.device_mesh
+        if is_hf_model(model) and max(axis_size(mesh, "tp"), axis_size(mesh, "ep")) > 1:
+            # NOTE: before TP: Hugging Face MoE blocks cannot run sharded under forge (their
+            # plans' expert styles are transformers' own); forge's MoE runs whole on each tp
+            # rank and shards its experts over ep. forge_moe_ep.hf.restore_hf_moe undoes it.
+            converted = convert_hf_moe(model)
+            if converted:
+                logger.info("Hugging Face MoE blocks converted to forge's MoE: %s", converted)
         parts = dict(model_components(model))
         decoder, encoder = parts.get("decoder", model), parts.get("encoder")
         encoder_tp = self.vlm is not None and self.vlm.encoder_tp
@@ -417,7 +426,6 @@ class ParallelPlan:
             raise ForgeConfigError(
                 f"encoder_tp=True but {type(model).__name__} has no encoder component"
             )
-        mesh = self.device_mesh
         if axis_size(mesh, "tp") > 1:
             assert mesh is not None  # a tp axis of size > 1 implies a mesh
             apply_tensor_parallel(
@@ -448,7 +456,8 @@ class ParallelPlan:
         elif axis_size(mesh, "ep") > 1:
             raise ForgeConfigError(
                 "the mesh has an ep axis but the model has no forge_moe_ep.MoE layer; set "
-                "parallelism.ep=1 or use an MoE model (model.moe_every > 0)"
+                "parallelism.ep=1 or use an MoE model (model.moe_every > 0, or a Hugging Face "
+                f"model with MoE blocks forge converts: {', '.join(sorted(HF_MOE_BLOCKS))})"
             )
         if self.float8.enabled:  # a VLM's decoder; its encoder and adapter stay in high precision
             apply_float8(
