@@ -48,8 +48,6 @@ def test_sequence_parallel_and_replicate():
         ("grouped_gemm", "MoE expert style"),
         ("local", "MoE style"),
         ("gather", "only accepts it over local_rowwise children"),
-        ("packed_colwise", "fused"),
-        ("mla_kv_a_proj", "MLA"),
     ],
 )
 def test_moe_and_fused_styles_are_refused_with_the_reason(name, reason):

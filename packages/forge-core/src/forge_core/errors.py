@@ -119,7 +119,8 @@ def check_field_types(obj: object, section: str) -> None:
         value, hint = getattr(obj, f.name), hints[f.name]
         if not _matches(hint, value):
             fix = ""
-            if hint is bool and isinstance(value, str) and parse_bool_word(value) is not None:
+            takes_bool = bool in (hint, *typing.get_args(hint))  # bool, or bool | None
+            if takes_bool and isinstance(value, str) and parse_bool_word(value) is not None:
                 fix = f" ({str(parse_bool_word(value)).lower()} without quotes)"
             raise ForgeConfigError(f"{section}.{f.name}={value!r} must be {_describe(hint)}{fix}")
 

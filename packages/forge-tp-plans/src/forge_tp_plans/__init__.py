@@ -35,6 +35,13 @@ _EXPORTS = {
     "ColwiseConv1x1": "styles",
     "RowwiseConv1x1": "styles",
     "ReplicatedWithGradAllReduce": "styles",
+    "PackedColwiseLinear": "styles",
+    "PackedRowwiseLinear": "styles",
+    "MlaKvAProjReplicated": "styles",
+    "ColwiseConv1D": "fused_styles",
+    "RowwiseConv1D": "fused_styles",
+    "FusedQKVColwise": "fused_styles",
+    "SplitAttentionHeads": "fused_styles",
     "tp_gradient_mismatches": "debug",
     "translate_parallel_style": "styles",
 }
@@ -50,9 +57,13 @@ if TYPE_CHECKING:
     from .checks import check_plan_import, check_transformer_tp
     from .config import TPConfig
     from .debug import tp_gradient_mismatches
+    from .fused_styles import ColwiseConv1D, FusedQKVColwise, RowwiseConv1D, SplitAttentionHeads
     from .plans import PlanContext, reference_plan, register_tp_plan
     from .styles import (
         ColwiseConv1x1,
+        MlaKvAProjReplicated,
+        PackedColwiseLinear,
+        PackedRowwiseLinear,
         ReplicatedWithGradAllReduce,
         RowwiseConv1x1,
         translate_parallel_style,
@@ -63,7 +74,14 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __version__ = "0.1.0"
 __all__ = [
     "AppliedPlan",
+    "ColwiseConv1D",
     "ColwiseConv1x1",
+    "FusedQKVColwise",
+    "MlaKvAProjReplicated",
+    "PackedColwiseLinear",
+    "PackedRowwiseLinear",
+    "RowwiseConv1D",
+    "SplitAttentionHeads",
     "ReplicatedWithGradAllReduce",
     "tp_gradient_mismatches",
     "PlanContext",

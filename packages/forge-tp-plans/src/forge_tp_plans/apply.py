@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import (
 
 from . import checks
 from .checks import check_divides, check_transformer_tp
-from .hf_families import FAMILY_HEAD_COUNTS, FAMILY_SOURCE
+from .hf_families import FAMILY_HEAD_COUNTS, FAMILY_SINGLE_KV_REPLICATED, FAMILY_SOURCE
 from .plans import (
     PlanContext,
     Style,
@@ -33,7 +33,7 @@ from .plans import (
     resolve_plan,
     unmatched_patterns,
 )
-from .styles import describe_style
+from .styles import bind_style, describe_style
 
 __all__ = [
     "AppliedPlan",
@@ -107,6 +107,15 @@ def _tp_mesh_of(device_mesh: DeviceMesh) -> DeviceMesh | None:
     return get_tp_mesh(device_mesh)
 
 
+def _own_check(style: ParallelStyle | None) -> Callable[[nn.Module, str, int], object] | None:
+    """``check(module, path, tp)`` of forge's own styles (packed, MLA, fused heads, Conv1D):
+    raises ForgeConfigError when the style does not fit the module, before anything is split."""
+    if style is None or not type(style).__module__.startswith("forge_tp_plans."):
+        return None
+    check = getattr(style, "check", None)
+    return check if callable(check) else None
+
+
 def _validate(model: nn.Module, plan: Mapping[str, ParallelStyle | None], tp: int) -> None:
     """Head counts and every sharded dimension must split evenly across the tp ranks."""
     config = getattr(model, "config", None)
@@ -117,10 +126,19 @@ def _validate(model: nn.Module, plan: Mapping[str, ParallelStyle | None], tp: in
         for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
             if isinstance(getattr(config, key, None), int):
                 sizes[key] = getattr(config, key)
+    if (
+        sizes.get("num_key_value_heads") == 1
+        and type(model).__name__ in FAMILY_SINGLE_KV_REPLICATED
+    ):
+        del sizes["num_key_value_heads"]  # forge's family plan keeps the one k/v head whole
     if sizes:
         check_divides(tp, sizes)
     for name, style in plan.items():
         module = model.get_submodule(name)
+        own_check = _own_check(style)
+        if own_check is not None:
+            own_check(module, name, tp)  # type, sizes (head counts, rope dim) first
+            continue
         # NOTE: torch's Colwise/RowwiseParallel split only Linear and Embedding weights and
         # raise NotImplementedError for anything else, after earlier entries were split: check
         # every entry first, so a refusal leaves the model untouched.
@@ -275,7 +293,7 @@ def _checked_plan(
         model, {k: v for k, v in raw.items() if k not in skipped and k not in dropped}
     )
     left_whole = (*dropped, *(n for n in concrete if inside_whole(n)))
-    concrete = {n: s for n, s in concrete.items() if not inside_whole(n)}
+    concrete = {n: bind_style(s, model, n) for n, s in concrete.items() if not inside_whole(n)}
     _validate(model, concrete, tp)
     return source, sp, concrete, skipped, left_whole
 

@@ -1,19 +1,25 @@
-"""Parallel styles: Hugging Face style names translated to torch's, and 1x1-conv styles.
+"""Parallel styles: Hugging Face style names translated to torch's, and styles of forge's own.
 
 ``translate_parallel_style`` maps the style strings of transformers 4.x and 5.x to torch
 ``ParallelStyle`` objects (or ``None`` for "keep this module replicated"). Styles that only make
-sense for MoE experts or model-specific fused layouts are refused with the reason: silently
-approximating them would give wrong numbers.
+sense for MoE experts are refused with the reason: silently approximating them would give wrong
+numbers.
 
 torch's DTensor convolution does not shard channels correctly (column-parallel raises,
 row-parallel returns wrong values), so 1x1 ``nn.Conv2d`` layers get styles of their own that run
 the convolution on local shards with explicit collectives: the column-parallel input gets an
 identity forward / all-reduce backward, the row-parallel output an all-reduce forward / identity
 backward, and the row-parallel bias is added once, after the reduction.
+
+Fused ("packed") Linears, whose output (``packed_colwise``) or input (``packed_rowwise``) is
+``parts`` tensors laid end to end (``[gate; up]``), get ``PackedColwiseLinear`` and
+``PackedRowwiseLinear``; DeepSeek-V2 style MLA's ``kv_a_proj_with_mqa`` gets
+``MlaKvAProjReplicated`` (see each class).
 """
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 from typing import overload
@@ -37,8 +43,12 @@ from torch.distributed.tensor.parallel import (
 __all__ = [
     "HF_STYLE_NAMES",
     "ColwiseConv1x1",
+    "MlaKvAProjReplicated",
+    "PackedColwiseLinear",
+    "PackedRowwiseLinear",
     "ReplicatedWithGradAllReduce",
     "RowwiseConv1x1",
+    "bind_style",
     "describe_style",
     "translate_parallel_style",
 ]
@@ -61,6 +71,14 @@ _TRANSLATIONS = {
     "local_rowwise": lambda: RowwiseParallel(),
     "replicate": lambda: None,
     "replicated_with_grad_allreduce": lambda: ReplicatedWithGradAllReduce(),
+    # Fused [gate; up] Linears. On a 3-D MoE expert parameter (``experts.gate_up_proj``) these
+    # patterns name no module: a Hugging Face plan skips them, forge-moe-ep splits the experts.
+    "packed_colwise": lambda: PackedColwiseLinear(),
+    "packed_rowwise": lambda: PackedRowwiseLinear(),
+    # 4.5x's plain-tensor variant: forge keeps DTensor parameters (as for local_rowwise)
+    "local_packed_rowwise": lambda: PackedRowwiseLinear(),
+    # Needs qk_rope_head_dim, from the model: bind_style gives it
+    "mla_kv_a_proj": lambda: MlaKvAProjReplicated(),
 }
 _REFUSED = {
     "gather": "it all-reduces a parent's output; forge only accepts it over local_rowwise children",
@@ -76,10 +94,6 @@ _REFUSED = {
     # transformers 5.17 (DeepGEMM's fused FP8xFP4 MoE, sm100)
     "megamoe_experts": "DeepGEMM's fused MoE experts: an MoE style, handled by forge-moe-ep",
     "megamoe_router": "DeepGEMM's fused MoE router: an MoE style, handled by forge-moe-ep",
-    "packed_colwise": "shards fused [gate; up] weights half by half; give an explicit plan",
-    "packed_rowwise": "shards fused weights half by half; give an explicit plan",
-    "local_packed_rowwise": "shards fused weights half by half; give an explicit plan",
-    "mla_kv_a_proj": "a DeepSeek MLA-specific layout; give an explicit plan",
     "local_params": "runs a module on raw local shards; give an explicit plan",
 }
 HF_STYLE_NAMES = frozenset(_TRANSLATIONS) | frozenset(_REFUSED)
@@ -127,6 +141,10 @@ def describe_style(style: ParallelStyle | None) -> str:
         return f"{name}(in {_layout(style.input_layouts)} -> out {_layout(style.output_layouts)})"
     if isinstance(style, PrepareModuleInput):
         return f"{name}({_layout(style.input_layouts)} -> {_layout(style.desired_input_layouts)})"
+    if isinstance(style, PackedColwiseLinear | PackedRowwiseLinear):
+        return f"{name}(parts {style.parts})"
+    if isinstance(style, MlaKvAProjReplicated):
+        return f"{name}(rope dim {'?' if style.rope_dim is None else style.rope_dim})"
     return name
 
 
@@ -278,3 +296,345 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
         module.register_forward_pre_hook(route)
         module.register_forward_hook(restore, always_call=True)
         return module
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused ("packed") Linears
+#
+# A packed dimension of global size N holds ``parts`` tensors end to end; split each into tp
+# slices and number the resulting ``parts * tp`` blocks k = 0, 1, ... in order. Two layouts give
+# every rank ``parts`` of them:
+# - contiguous (torch's ``Shard``): rank r holds blocks r*parts ... r*parts + parts - 1;
+# - packed (what the model's own code needs, e.g. ``chunk(2, -1)`` into matching gate and up):
+#   rank r holds blocks r, tp + r, 2*tp + r, ... (its slice of every part).
+# NOTE (design): the parameters are stored in the contiguous layout, as plain ``Shard`` DTensors,
+# so ``full_tensor()``, the state dict and checkpoints are the unsharded model's, names and values,
+# and FSDP2 composes with them as with ``ColwiseParallel``'s. Only torch's ``_StridedShard``
+# placement could describe the packed layout itself (transformers' choice), and it is private
+# torch (forge touches none outside forge_core.torch_compat; it may change in any of the torch
+# releases forge runs on, and FSDP2's own dp sharding on top of it is unproven here). Storing
+# packed rows under a ``Shard`` placement instead would make ``full_tensor()`` and the state
+# dict a permutation of the weight. The
+# price is an all-to-all of the packed activation in forward and of its gradient in backward
+# (each rank keeps 1/tp of its blocks and exchanges the rest); the activation is exchanged, not
+# the weight, so no extra copy of a weight is saved for backward (under FSDP2 that would keep an
+# unsharded weight alive). Every number is the one the unsharded layer computes (the same dot
+# products), so parity is exact up to the matmul's own rounding.
+# ---------------------------------------------------------------------------------------------
+
+
+def _owner_and_slot(k: int, packed: bool, parts: int, tp: int) -> tuple[int, int]:
+    """Which rank holds block ``k`` in a layout, and where among its ``parts`` local blocks."""
+    return (k % tp, k // tp) if packed else (k // parts, k % parts)
+
+
+@functools.lru_cache(maxsize=64)
+def _exchange_plan(
+    parts: int, tp: int, rank: int, to_packed: bool
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """``(send order, blocks sent per rank, blocks received per rank, receive order)`` of one
+    rank's all-to-all from one layout to the other (local block indices)."""
+    blocks = range(parts * tp)
+    src = [k for k in blocks if _owner_and_slot(k, not to_packed, parts, tp)[0] == rank]
+    # Sent by destination rank, each rank's blocks in increasing k; received by source rank,
+    # in increasing k within each source (the order each source sent them in).
+    sent = sorted(src, key=lambda k: (_owner_and_slot(k, to_packed, parts, tp)[0], k))
+    send_order = [_owner_and_slot(k, not to_packed, parts, tp)[1] for k in sent]
+    send_counts = [
+        sum(_owner_and_slot(k, to_packed, parts, tp)[0] == d for k in sent) for d in range(tp)
+    ]
+    mine = [k for k in blocks if _owner_and_slot(k, to_packed, parts, tp)[0] == rank]
+    received = sorted(mine, key=lambda k: (_owner_and_slot(k, not to_packed, parts, tp)[0], k))
+    recv_counts = [
+        sum(_owner_and_slot(k, not to_packed, parts, tp)[0] == s for k in received)
+        for s in range(tp)
+    ]
+    slots = [_owner_and_slot(k, to_packed, parts, tp)[1] for k in received]
+    recv_order = [slots.index(j) for j in range(parts)]
+    return send_order, send_counts, recv_counts, recv_order
+
+
+def _relayout(
+    x: torch.Tensor, dim: int, parts: int, to_packed: bool, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """The local shard of ``x`` along ``dim`` moved from one layout to the other (all-to-all)."""
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    if tp == 1:
+        return x
+    n = x.shape[dim]
+    if n % parts:
+        raise ForgeConfigError(
+            f"a packed tensor-parallel dimension of local size {n} does not split in {parts} parts"
+        )
+    send_order, send_counts, recv_counts, recv_order = _exchange_plan(parts, tp, rank, to_packed)
+    moved = x.movedim(dim, 0)
+    rest = moved.shape[1:]
+    size = n // parts
+    blocks = moved.reshape(parts, size, *rest)
+    send = blocks[torch.tensor(send_order, device=x.device)].reshape(n, *rest).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(
+        recv,
+        send,
+        [c * size for c in recv_counts],
+        [c * size for c in send_counts],
+        group=group,
+    )
+    out = recv.view(parts, size, *rest)[torch.tensor(recv_order, device=x.device)]
+    return out.reshape(n, *rest).movedim(0, dim).contiguous()
+
+
+class _Relayout(torch.autograd.Function):
+    """Contiguous <-> packed layout of a local shard; backward moves the gradient back."""
+
+    @staticmethod
+    def forward(  # noqa: ANN001
+        ctx,
+        x: torch.Tensor,
+        dim: int,
+        parts: int,
+        to_packed: bool,
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
+        ctx.args = (dim, parts, to_packed, group)
+        return _relayout(x, dim, parts, to_packed, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
+        dim, parts, to_packed, group = ctx.args
+        return _relayout(grad, dim, parts, not to_packed, group), None, None, None, None
+
+
+def _check_packed(path: str, size: int, what: str, parts: int, tp: int) -> None:
+    if size % (parts * tp):
+        raise ForgeConfigError(
+            f"'{path}': {what} {size} must split in {parts} equal parts, each divisible by "
+            f"tp={tp} (a multiple of {parts * tp})"
+        )
+
+
+def _check_linear(module: nn.Module, path: str, style: str) -> None:
+    if not isinstance(module, nn.Linear):
+        raise ForgeConfigError(
+            f"'{path}' is a {type(module).__name__}: {style} splits nn.Linear modules only (a "
+            "3-D MoE expert parameter such as experts.gate_up_proj is split by forge-moe-ep)"
+        )
+
+
+def _replicated_local(x: torch.Tensor) -> torch.Tensor:
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+class PackedColwiseLinear(ParallelStyle):
+    """Column parallel ``nn.Linear`` whose output is ``parts`` tensors end to end (``[gate; up]``).
+
+    Input replicated; output ``[..., out_features / tp]``, local and packed: this rank's slice of
+    each part, in order (``[gate_r; up_r]``), so the model's ``chunk(parts, -1)`` on it gives
+    matching local pieces. transformers' ``packed_colwise`` on a Linear. Weight and bias are
+    ``Shard(0)`` DTensors of the unsharded values (see the NOTE above ``_owner_and_slot``); the
+    output is computed in that contiguous layout and moved to the packed one by an all-to-all.
+    The input's gradient is all-reduced over tp (as for any column-parallel layer).
+    """
+
+    def __init__(self, *, parts: int = 2) -> None:
+        super().__init__()
+        if parts < 1:
+            raise ForgeConfigError(f"PackedColwiseLinear(parts={parts}): parts must be >= 1")
+        self.parts = parts
+
+    def check(self, module: nn.Module, path: str, tp: int) -> None:
+        """Raise ``ForgeConfigError`` unless ``module`` can be split over ``tp`` ranks."""
+        _check_linear(module, path, type(self).__name__)
+        assert isinstance(module, nn.Linear)
+        _check_packed(path, module.out_features, "out_features", self.parts, tp)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.check(module, type(self).__name__, device_mesh.size())
+        group, parts = device_mesh.get_group(), self.parts
+
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                if not isinstance(param, DTensor):
+                    mod.register_parameter(
+                        pname,
+                        nn.Parameter(
+                            distribute_tensor(param, mesh, [Shard(0)]),
+                            requires_grad=param.requires_grad,
+                        ),
+                    )
+
+        distribute_module(module, device_mesh, partition)
+
+        def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+            x = _CopyToParallel.apply(_replicated_local(x), group)
+            y = F.linear(x, _local(self.weight), _local(self.bias))
+            return _Relayout.apply(y, -1, parts, True, group)
+
+        module.forward = types.MethodType(forward, module)
+        return module
+
+
+class PackedRowwiseLinear(ParallelStyle):
+    """Row parallel ``nn.Linear`` whose input is ``parts`` tensors end to end.
+
+    transformers' ``packed_rowwise`` / ``local_packed_rowwise``: the weight's last (input) dim
+    is packed, the bias replicated. A plain-tensor input is this rank's packed shard
+    (``[a_r; b_r]``, e.g. ``cat`` of the outputs of column-parallel layers); a DTensor input
+    is taken in torch's contiguous ``Shard(-1)`` layout instead. Output: the partial products
+    all-reduced, the bias added once, replicated. The weight is a ``Shard(1)`` DTensor of the
+    unsharded values (see the NOTE above ``_owner_and_slot``); the packed input is moved to that
+    contiguous layout by an all-to-all (its gradient back by another).
+    """
+
+    def __init__(self, *, parts: int = 2) -> None:
+        super().__init__()
+        if parts < 1:
+            raise ForgeConfigError(f"PackedRowwiseLinear(parts={parts}): parts must be >= 1")
+        self.parts = parts
+
+    def check(self, module: nn.Module, path: str, tp: int) -> None:
+        """Raise ``ForgeConfigError`` unless ``module`` can be split over ``tp`` ranks."""
+        _check_linear(module, path, type(self).__name__)
+        assert isinstance(module, nn.Linear)
+        _check_packed(path, module.in_features, "in_features", self.parts, tp)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.check(module, type(self).__name__, device_mesh.size())
+        group, parts = device_mesh.get_group(), self.parts
+
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                if not isinstance(param, DTensor):
+                    placement = Shard(1) if pname == "weight" else Replicate()
+                    mod.register_parameter(
+                        pname,
+                        nn.Parameter(
+                            distribute_tensor(param, mesh, [placement]),
+                            requires_grad=param.requires_grad,
+                        ),
+                    )
+
+        distribute_module(module, device_mesh, partition)
+
+        def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+            if isinstance(x, DTensor):
+                x = x.redistribute(device_mesh, [Shard(x.ndim - 1)]).to_local()
+            else:
+                x = _Relayout.apply(x, -1, parts, False, group)
+            y = _ReduceFromParallel.apply(F.linear(x, _local(self.weight)), group)
+            bias = _local(self.bias)
+            return y if bias is None else y + bias
+
+        module.forward = types.MethodType(forward, module)
+        return module
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V2 style MLA (DeepSeek-V2/V3, MiniCPM3, GLM-4-MoE-Lite, LongCat-Flash, ...)
+# ---------------------------------------------------------------------------------------------
+
+
+class _ReduceGradTail(torch.autograd.Function):
+    """Identity forward; backward all-reduces the last ``n`` features of the gradient over tp."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, n: int, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
+        ctx.n, ctx.group = n, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: ANN001
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        tail = grad[..., -ctx.n :].contiguous()
+        dist.all_reduce(tail, group=ctx.group)
+        grad[..., -ctx.n :] = tail
+        return grad, None, None
+
+
+class MlaKvAProjReplicated(ParallelStyle):
+    """MLA's ``kv_a_proj_with_mqa`` (transformers' ``mla_kv_a_proj``): replicated weights, the
+    gradient of the output's last ``rope_dim`` features summed over tp.
+
+    Its output is ``[compressed kv (kv_lora_rank); k_rope (qk_rope_head_dim)]``. The compressed
+    kv goes through the replicated ``kv_a_layernorm`` into the column-parallel ``kv_b_proj``,
+    whose input gradient is all-reduced already: complete on every rank. ``k_rope`` is one head
+    shared by every attention head, and each rank uses it for its own heads only, so its
+    gradient on a rank covers those heads: the true gradient is the sum over tp. With that sum
+    the output gradient is complete and identical on every rank, and so are the weight's and
+    the input's (nothing else is summed: the compressed part's would count tp times). The
+    parameters stay plain tensors, as for a replicated module. ``rope_dim`` is
+    ``qk_rope_head_dim``: given here, by :func:`bind_style` (from the model), or read at apply
+    time from ``module.config`` (where transformers puts the config).
+    """
+
+    def __init__(self, rope_dim: int | None = None) -> None:
+        super().__init__()
+        if rope_dim is not None and rope_dim < 1:
+            raise ForgeConfigError(f"MlaKvAProjReplicated(rope_dim={rope_dim}): must be >= 1")
+        self.rope_dim = rope_dim
+
+    def bind(self, model: nn.Module, fqn: str) -> MlaKvAProjReplicated:
+        """This style with ``rope_dim`` read from ``model``: the attention module holding
+        ``fqn`` (its ``qk_rope_head_dim``), else the model's (text) config."""
+        if self.rope_dim is not None:
+            return self
+        parent = model.get_submodule(fqn.rpartition(".")[0])
+        rope = getattr(parent, "qk_rope_head_dim", None)
+        if not isinstance(rope, int):
+            rope = _config_rope_dim(model)
+        if not isinstance(rope, int):
+            raise ForgeConfigError(
+                f"'{fqn}' has style mla_kv_a_proj, which needs qk_rope_head_dim (the RoPE part "
+                f"of its output); neither {type(parent).__name__} nor the model config has it. "
+                "Give MlaKvAProjReplicated(rope_dim=...) in an explicit plan"
+            )
+        return MlaKvAProjReplicated(rope_dim=rope)
+
+    def check(self, module: nn.Module, path: str, tp: int) -> None:
+        """Raise ``ForgeConfigError`` unless this style fits ``module``."""
+        _check_linear(module, path, type(self).__name__)
+        assert isinstance(module, nn.Linear)
+        rope = self.rope_dim if self.rope_dim is not None else _config_rope_dim(module)
+        if rope is None:
+            raise ForgeConfigError(
+                f"'{path}': qk_rope_head_dim is not known (the RoPE part of the output, whose "
+                "gradient is summed over tp); bind the style to its model first "
+                "(forge_tp_plans.styles.bind_style) or give MlaKvAProjReplicated(rope_dim=...)"
+            )
+        if not 0 < rope < module.out_features:
+            raise ForgeConfigError(
+                f"'{path}': qk_rope_head_dim {rope} must be less than out_features "
+                f"{module.out_features} (kv_lora_rank + qk_rope_head_dim)"
+            )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.check(module, type(self).__name__, device_mesh.size())
+        rope = self.rope_dim if self.rope_dim is not None else _config_rope_dim(module)
+        assert rope is not None
+        group = device_mesh.get_group()
+
+        def hook(mod: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
+            return _ReduceGradTail.apply(output, rope, group)
+
+        module.register_forward_hook(hook)
+        return module
+
+
+def _config_rope_dim(holder: object) -> int | None:
+    """``qk_rope_head_dim`` of ``holder.config`` (its text config for a multimodal one), or of
+    ``holder`` itself when it is a config."""
+    config = getattr(holder, "config", holder)
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rope = getattr(text, "qk_rope_head_dim", None)
+    return rope if isinstance(rope, int) else None
+
+
+def bind_style(style: ParallelStyle | None, model: nn.Module, fqn: str) -> ParallelStyle | None:
+    """``style`` for the submodule ``fqn`` of ``model``, with what it reads from the model filled
+    in (``MlaKvAProjReplicated``: ``qk_rope_head_dim``); other styles are returned as they are.
+    Raises ``ForgeConfigError`` when the model lacks it."""
+    if isinstance(style, MlaKvAProjReplicated):
+        return style.bind(model, fqn)
+    return style
