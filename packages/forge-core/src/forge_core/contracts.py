@@ -31,7 +31,8 @@ mark. No registry, no global state: everything lives on the modules.
   it in high precision; the string is the reason that gets reported.
 - **Components.** A model class with ``forge_components = ("encoder", "adapter", "decoder")``
   (names of child modules, in forward order) is made of sub-models that are parallelized one by
-  one (a vision-language model). :func:`model_components` lists them; FSDP2, AC and compile then
+  one (a vision-language model); :func:`declare_components` declares them on an instance by
+  dotted path instead (a Hugging Face VLM). :func:`model_components` lists them; FSDP2, AC and compile then
   work per component (each component's own blocks), and the stage-order contract checks and
   records every stage on the model and on each component.
 - **Pipeline stages.** A model class with ``forge_pipeline_parts = {"first": (...), "blocks":
@@ -83,6 +84,7 @@ __all__ = [
     "tp_record",
     "AUX_LOSS_METHOD",
     "attach_optimizer_hooks",
+    "declare_components",
     "declared_components",
     "expert_parallel_modules",
     "expert_parallel_size",
@@ -152,19 +154,40 @@ def pop_aux_losses(model: nn.Module) -> torch.Tensor | None:
 COMPONENTS_ATTR = "forge_components"
 
 
+def declare_components(model: nn.Module, paths: Mapping[str, str]) -> None:
+    """Declare ``model``'s components on the instance: ``{name: dotted path of the module}``
+    in forward order (a class one cannot edit, e.g. a Hugging Face vision-language model whose
+    parts sit under ``model.``). Kept in the instance's ``__dict__``: no submodule, state dicts
+    unchanged."""
+    for name, path in paths.items():
+        if not isinstance(model.get_submodule(path), nn.Module):
+            raise ValueError(f"component {name!r}: {path!r} is not a module")
+    model.__dict__[COMPONENTS_ATTR] = dict(paths)
+
+
+def _component_paths(model: nn.Module) -> dict[str, str]:
+    declared = model.__dict__.get(COMPONENTS_ATTR)
+    if isinstance(declared, Mapping):
+        return dict(declared)
+    return {name: name for name in getattr(type(model), COMPONENTS_ATTR, ())}
+
+
 def declared_components(model: nn.Module) -> tuple[str, ...]:
-    """The component names ``model``'s class declares, including those a pipeline stage lacks."""
-    return tuple(getattr(type(model), COMPONENTS_ATTR, ()))
+    """The component names ``model`` declares (its class, or :func:`declare_components` on the
+    instance), including those a pipeline stage lacks."""
+    return tuple(_component_paths(model))
 
 
 def model_components(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, module)`` for each component ``model``'s class declares (``[]`` if none); a
-    component set to None (not on this pipeline stage) is left out."""
-    return [
-        (name, part)
-        for name in declared_components(model)
-        if (part := getattr(model, name)) is not None
-    ]
+    """``(name, module)`` for each component ``model`` declares (``[]`` if none); a component
+    set to None (not on this pipeline stage) is left out."""
+    out = []
+    for name, path in _component_paths(model).items():
+        parent, _, attr = path.rpartition(".")
+        part = getattr(model.get_submodule(parent), attr) if parent else getattr(model, attr)
+        if part is not None:
+            out.append((name, part))
+    return out
 
 
 def opts_out_of_compile(module: nn.Module) -> bool:

@@ -37,7 +37,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from .blocks import component_blocks
+from .blocks import Block, component_blocks
 
 __all__ = [
     "apply_ddp",
@@ -183,7 +183,8 @@ def apply_fsdp2(
                     _shard_expert_parallel_block(block, experts, device_mesh, reshard, kwargs)
                 else:
                     fully_shard(block, reshard_after_forward=reshard, **kwargs)
-            if name:  # a component: its own unit for what its blocks leave (embeddings, norms)
+            if name and _has_own_parameters(part, blocks):
+                # a component's own unit for what its blocks leave (embeddings, norms)
                 fully_shard(part, reshard_after_forward=reshard_after_forward, **kwargs)
         fully_shard(
             model,
@@ -192,6 +193,13 @@ def apply_fsdp2(
             **kwargs,
         )
     return model
+
+
+def _has_own_parameters(part: nn.Module, blocks: list[Block]) -> bool:
+    """Whether ``part`` holds parameters outside its blocks (a component made only of blocks,
+    e.g. a ModuleList, needs no unit of its own: it may have no forward to gather it)."""
+    in_blocks = {id(p) for _, _, block in blocks for p in block.parameters()}
+    return any(id(p) not in in_blocks for p in part.parameters())
 
 
 def frozen_bytes_rule(model: nn.Module, part: nn.Module, dp_size: int) -> tuple[int, float]:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from forge_core import ForgeConfigError, ModelConfig, applied_stages
 from forge_core.config import ParallelismConfig
-from forge_core.contracts import declared_components, model_components
+from forge_core.contracts import declare_components, declared_components, model_components
 from forge_core.errors import did_you_mean
 from forge_core.mesh_dims import axis_size, get_dp_mesh, has_dp_mesh
 from forge_core.torch_compat import is_compiled, non_persistent_buffer_names
@@ -53,6 +53,7 @@ from forge_fsdp_wrap import (
     default_mp_policy,
     enable_autocast,
 )
+from forge_fsdp_wrap.blocks import find_block_container
 from forge_moe_ep import MoE, apply_expert_parallel, moe_transformer
 from forge_moe_ep.hf import HF_MOE_BLOCKS, convert_hf_moe
 from forge_pp import PipelineSplit, attach_schedule, pipeline_split, share_buffers
@@ -76,6 +77,7 @@ from .config import COMPILE_SCOPES, ForgeConfig, load_config
 from .hf_patches import (
     HOOKS_ATTR,
     is_hf_model,
+    is_hf_pretrained,
     is_packed_sequence_patched,
     skip_packed_sequence_check,
 )
@@ -419,6 +421,9 @@ class ParallelPlan:
             converted = convert_hf_moe(model)
             if converted:
                 logger.info("Hugging Face MoE blocks converted to forge's MoE: %s", converted)
+        hf = is_hf_pretrained(model)  # the whole model is transformers' (not just a part)
+        if hf:
+            _declare_hf_vlm_components(model)
         parts = dict(model_components(model))
         decoder, encoder = parts.get("decoder", model), parts.get("encoder")
         encoder_tp = self.vlm is not None and self.vlm.encoder_tp
@@ -429,7 +434,9 @@ class ParallelPlan:
         if axis_size(mesh, "tp") > 1:
             assert mesh is not None  # a tp axis of size > 1 implies a mesh
             apply_tensor_parallel(
-                decoder,
+                # NOTE: a Hugging Face VLM's plan is written for the whole model (it names
+                # model.language_model.* and lm_head, which lies outside the language model).
+                model if hf else decoder,
                 mesh,
                 plan=self.tp_plan,
                 sequence_parallel=self.sequence_parallel,
@@ -570,6 +577,45 @@ class ParallelPlan:
             )
         else:
             logger.info("packed_sequences=False: this transformers has no such check; no hooks")
+
+
+#: A Hugging Face vision-language model's parts (``LlavaForConditionalGeneration``,
+#: ``Gemma3ForConditionalGeneration`` and the many built the same way).
+_HF_VLM_PARTS = {
+    "encoder": "model.vision_tower",
+    "adapter": "model.multi_modal_projector",
+    "decoder": "model.language_model",
+}
+
+
+def _declare_hf_vlm_components(model: nn.Module) -> None:
+    """Declare a Hugging Face VLM's parts as components (forge_core.contracts), so FSDP2, AC and
+    compile treat each on its own: the vision tower's blocks, the projector and the language
+    model's blocks become FSDP2 units (without it they would all sit in the root unit).
+
+    NOTE: the encoder and decoder components are the towers' BLOCK containers, not the towers:
+    the VLM looks up the token embeddings itself before calling its language model (an FSDP2
+    unit of the language model would not be gathered for that lookup), and a unit of the vision
+    tower (a transformers PreTrainedModel) stops transformers from collecting the tower's hidden
+    states (Llava reads them). Embeddings, norms and the head stay with the root unit.
+    """
+    if declared_components(model):
+        return
+    present = {}
+    for name, path in _HF_VLM_PARTS.items():
+        try:
+            part = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if name != "adapter":
+            try:
+                blocks = find_block_container(part)
+            except ForgeConfigError:
+                return
+            path = next(n for n, m in model.named_modules() if m is blocks)
+        present[name] = path
+    if "encoder" in present and "decoder" in present:
+        declare_components(model, present)
 
 
 def _no_kv_cache_under_ac(model: nn.Module, ac_mode: str) -> None:

@@ -41,6 +41,7 @@ from torch.utils.hooks import RemovableHandle
 
 __all__ = [
     "is_hf_model",
+    "is_hf_pretrained",
     "is_packed_sequence_patched",
     "no_packed_sequence_sync",
     "restore_packed_sequence_check",
@@ -167,6 +168,12 @@ def restore_packed_sequence_check(model: nn.Module) -> bool:
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
     """The attention modules of the Hugging Face models in ``model`` (by class-name suffix)."""
     return [m for m in model.modules() if m is not model and type(m).__name__.endswith("Attention")]
+
+
+def is_hf_pretrained(model: nn.Module) -> bool:
+    """Whether ``model`` itself is a ``transformers.PreTrainedModel`` (see :func:`is_hf_model`)."""
+    base = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+    return base is not None and isinstance(model, base)
 
 
 def is_hf_model(model: nn.Module) -> bool:
