@@ -42,6 +42,11 @@ _PRELOAD = [
 #: Imports that a test module's rank functions do lazily (inside the function): preloaded
 #: only when a test of that module that runs ranks is collected.
 _LAZY_IMPORTS = {
+    "tests.zoo.test_hf_zoo": ["transformers"],
+    "tests.tp_plans.test_hf_classics": ["transformers"],
+    "tests.tp_plans.test_packed_styles": ["transformers"],
+    "tests.moe_ep.test_hf_moe": ["transformers"],
+    "tests.vlm.test_hf_vlm": ["transformers"],
     "tests.tp_plans.test_hf_models": [
         "transformers",
         "transformers.models.llama.modeling_llama",

@@ -23,6 +23,7 @@ FAMILIES = (
     "qwen3_moe",
     "qwen2_moe",
     "mixtral",
+    "deepseek_v2",
     "deepseek_v3",
     "gpt_oss",
     "olmoe",
@@ -61,6 +62,24 @@ def _config(name: str):  # noqa: ANN202 - a transformers config
         return tf.MixtralConfig(**c, **experts, num_local_experts=8)
     if name == "olmoe":
         return tf.OlmoeConfig(**c, **experts, num_experts=8, eos_token_id=VOCAB - 1)
+    if name == "deepseek_v2":  # MLA attention, softmax routing limited to the best groups
+        return tf.DeepseekV2Config(
+            **{**c, "num_key_value_heads": 4},
+            **experts,
+            moe_intermediate_size=16,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            topk_method="group_limited_greedy",
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            routed_scaling_factor=2.0,
+        )
     if name == "deepseek_v3":  # MLA attention, a dense first block, grouped sigmoid routing
         return tf.DeepseekV3Config(
             **{**c, "num_key_value_heads": 4},

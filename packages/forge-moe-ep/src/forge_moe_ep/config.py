@@ -52,9 +52,10 @@ class MoEModelConfig(ModelConfig):
 
     - ``router_renormalize``: divide the top-k weights by their sum (None: only for ``sigmoid``
       with ``top_k > 1``); ``router_scale``: multiply them by this factor afterwards.
-    - ``router_groups`` / ``router_topk_groups``: group-limited choice (DeepSeek-V3): experts
-      form ``router_groups`` equal groups, a group scores the sum of its two best (biased)
-      scores, and each token chooses only within its ``router_topk_groups`` best groups.
+    - ``router_groups`` / ``router_topk_groups``: group-limited choice (DeepSeek-V2/V3): experts
+      form ``router_groups`` equal groups, a group scores the sum of its ``router_group_top``
+      best (biased) scores (V3: 2, V2: 1, its maximum), and each token chooses only within its
+      ``router_topk_groups`` best groups.
     - ``router_bias``: the router's linear layer has a bias (GPT-OSS).
     - ``router_weights_on_input``: scale each expert's INPUT rows by the routing weight instead
       of its output (Llama 4); the outputs are then summed unweighted.
@@ -78,6 +79,7 @@ class MoEModelConfig(ModelConfig):
     router_scale: float = 1.0
     router_groups: int = 1
     router_topk_groups: int = 1
+    router_group_top: int = 2
     router_bias: bool = False
     router_weights_on_input: bool = False
     expert_act: str = "silu"
@@ -97,7 +99,7 @@ class MoEModelConfig(ModelConfig):
 
         for name in ("moe_every", "num_experts", "num_shared_experts", "top_k"):
             non_negative_int(name)
-        for name in ("router_groups", "router_topk_groups"):
+        for name in ("router_groups", "router_topk_groups", "router_group_top"):
             if non_negative_int(name) < 1:
                 raise ForgeConfigError(f"model.{name}=0 must be >= 1 (1: no group limit)")
         if self.moe_ffn_dim is None:

@@ -7,13 +7,15 @@ re-laid out; :func:`restore_hf_moe` rebuilds the Hugging Face blocks from them, 
 Triton grouped GEMMs apply to Hugging Face MoE models exactly as to forge's own.
 
 Families are recognised by the block's class name (no transformers import): Qwen3-MoE,
-Qwen2-MoE, Mixtral, DeepSeek-V3, GPT-OSS, OLMoE, GLM4-MoE and Llama 4 (text). Their routers map
+Qwen2-MoE, Mixtral, DeepSeek-V2, DeepSeek-V3, GPT-OSS, OLMoE, GLM4-MoE and Llama 4 (text). Their routers map
 onto :class:`Router`'s variants:
 
 ==============  =========================================================================
 Qwen3, OLMoE    softmax, top-k, renormalised when ``norm_topk_prob``
 Qwen2-MoE       the same, plus a shared expert scaled by ``sigmoid(x g)``
 Mixtral         softmax, top-k, always renormalised
+DeepSeek-V2     softmax, choice within the best ``topk_group`` groups by their best score
+                (``group_limited_greedy``), times ``routed_scaling_factor``; shared experts
 DeepSeek-V3,    sigmoid, choice within the best ``topk_group`` of ``n_group`` groups with the
 GLM4-MoE        correction bias (``e_score_correction_bias`` -> ``router.expert_bias``),
                 renormalised when ``norm_topk_prob``, times ``routed_scaling_factor``;
@@ -67,7 +69,9 @@ class _Family:
     ``in_out`` but gate and up columns alternate, with biases. ``score``: the router's score.
     ``shared`` / ``shared_gate``: attributes of the shared expert and its gate (None: none).
     ``returns_tuple``: the block returns ``(hidden, router output)``; the decoder layer drops
-    the second.
+    the second. ``renormalize``: whether the top-k weights are renormalised (None: as the
+    router's ``norm_topk_prob`` says). ``group_top``: how many of a group's best scores make
+    its score, for a router with ``num_group`` groups (DeepSeek-V3: 2, V2: 1).
     """
 
     router: str
@@ -76,6 +80,8 @@ class _Family:
     shared: str | None = None
     shared_gate: str | None = None
     returns_tuple: bool = False
+    renormalize: bool | None = None
+    group_top: int = 2
 
 
 #: The Hugging Face MoE block classes :func:`convert_hf_moe` converts, by class name.
@@ -85,12 +91,15 @@ HF_MOE_BLOCKS: dict[str, _Family] = {
     "Qwen2MoeSparseMoeBlock": _Family(
         "gate", "out_in", "softmax", shared="shared_expert", shared_gate="shared_expert_gate"
     ),
-    "MixtralSparseMoeBlock": _Family("gate", "out_in", "softmax"),
+    "MixtralSparseMoeBlock": _Family("gate", "out_in", "softmax", renormalize=True),
+    "DeepseekV2Moe": _Family(
+        "gate", "out_in", "softmax", shared="shared_experts", renormalize=False, group_top=1
+    ),
     "DeepseekV3MoE": _Family("gate", "out_in", "sigmoid", shared="shared_experts"),
     "Glm4MoeMoE": _Family("gate", "out_in", "sigmoid", shared="shared_experts"),
-    "GptOssMLP": _Family("router", "interleaved", "softmax", returns_tuple=True),
+    "GptOssMLP": _Family("router", "interleaved", "softmax", returns_tuple=True, renormalize=True),
     "Llama4TextMoe": _Family(
-        "router", "in_out", "sigmoid", shared="shared_expert", returns_tuple=True
+        "router", "in_out", "sigmoid", shared="shared_expert", returns_tuple=True, renormalize=False
     ),
 }
 
@@ -170,7 +179,10 @@ def _moe_config(block: nn.Module, family: _Family, config: Any, layer_id: int) -
             raise ForgeConfigError(
                 f"hidden_act={name!r}: forge's experts support {sorted(_ACTIVATIONS)}"
             )
-    sigmoid_groups = family.score == "sigmoid" and family.router == "gate"
+    # Group-limited routing: DeepSeek-V3 / GLM4-MoE always (n_group may be 1), V2 unless its
+    # topk_method is "greedy".
+    grouped = getattr(router, "topk_method", "group_limited_greedy") != "greedy"
+    groups = int(getattr(router, "num_group", 1) or 1) if grouped else 1
     return MoEModelConfig(
         dim=dim,
         n_layers=int(getattr(config, "num_hidden_layers", layer_id + 1)),
@@ -182,11 +194,12 @@ def _moe_config(block: nn.Module, family: _Family, config: Any, layer_id: int) -
         top_k=int(router.top_k),
         router=family.score,
         router_renormalize=(
-            bool(getattr(router, "norm_topk_prob", True)) if family.layout != "in_out" else False
+            bool(router.norm_topk_prob) if family.renormalize is None else family.renormalize
         ),
         router_scale=float(getattr(router, "routed_scaling_factor", 1.0)),
-        router_groups=int(getattr(router, "num_group", 1)) if sigmoid_groups else 1,
-        router_topk_groups=int(getattr(router, "topk_group", 1)) if sigmoid_groups else 1,
+        router_groups=groups,
+        router_topk_groups=int(getattr(router, "topk_group", 1) or 1) if groups > 1 else 1,
+        router_group_top=family.group_top,
         router_bias=getattr(router, "bias", None) is not None,
         router_weights_on_input=family.layout == "in_out",
         expert_act=act,

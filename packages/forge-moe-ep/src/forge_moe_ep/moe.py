@@ -66,8 +66,8 @@ class Router(nn.Module):
     ``score``: ``softmax`` or ``sigmoid`` of the logits. The variants (``MoEModelConfig``'s
     ``router_*`` fields): ``renormalize`` the chosen weights to sum to one (None: for sigmoid
     with ``top_k > 1``), multiply them by ``scale``, choose only within the ``topk_groups`` best
-    of ``groups`` equal expert groups (a group scores the sum of its two best biased scores),
-    and a ``bias`` on the linear layer.
+    of ``groups`` equal expert groups (a group scores the sum of its ``group_top`` best biased
+    scores), and a ``bias`` on the linear layer.
     """
 
     expert_bias: torch.Tensor  # buffers (typed for checkers: register_buffer sets them)
@@ -84,12 +84,14 @@ class Router(nn.Module):
         scale: float = 1.0,
         groups: int = 1,
         topk_groups: int = 1,
+        group_top: int = 2,
         bias: bool = False,
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.score = num_experts, top_k, score
         self.renormalize = score == "sigmoid" and top_k > 1 if renormalize is None else renormalize
         self.scale, self.groups, self.topk_groups = scale, groups, topk_groups
+        self.group_top = group_top
         self.gate = nn.Linear(dim, num_experts, bias=bias)
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.register_buffer(
@@ -118,9 +120,9 @@ class Router(nn.Module):
     def _within_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """``choice`` with every expert outside each token's ``topk_groups`` best groups at -inf."""
         grouped = choice.view(choice.shape[0], self.groups, -1)
-        best_two = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
-        keep = torch.zeros_like(best_two, dtype=torch.bool)
-        keep.scatter_(1, best_two.topk(self.topk_groups, dim=-1).indices, True)
+        group_scores = grouped.topk(min(self.group_top, grouped.shape[-1]), dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(self.topk_groups, dim=-1).indices, True)
         return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
 
 
@@ -233,6 +235,7 @@ class MoE(nn.Module):
             scale=c.router_scale,
             groups=c.router_groups,
             topk_groups=c.router_topk_groups,
+            group_top=c.router_group_top,
             bias=c.router_bias,
         )
         self.experts = GroupedExperts(

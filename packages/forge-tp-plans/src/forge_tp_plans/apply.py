@@ -271,6 +271,17 @@ def _checked_plan(
     ctx = PlanContext(tp_size=tp, sequence_parallel=sp, loss_parallel=loss_parallel)
     source, raw = resolve_plan(model, plan, ctx, allow_import=allow_import)
     skipped = tuple(unmatched_patterns(model, raw)) if source == "huggingface" else ()
+    params = [n for n, _ in model.named_parameters()]
+    for pattern in skipped:
+        named = [n for n in params if _pattern_regex(pattern).match(n)]
+        if named:
+            # NOTE: transformers 5.17's granite_swa plan names its attention sinks this way;
+            # skipping it would leave every rank all heads' sinks next to half the heads.
+            raise ForgeConfigError(
+                f"plan pattern {pattern!r} names a parameter ({named[0]}), not a module: forge's "
+                "styles split modules and skipping it would leave that parameter whole beside "
+                "split heads; pass plan={pattern: style} or use tp=1"
+            )
     whole = [n for n, m in model.named_modules() if n and getattr(m, "forge_tp_skip", None)]
 
     def inside_whole(name: str) -> bool:

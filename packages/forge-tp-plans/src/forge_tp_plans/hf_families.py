@@ -41,7 +41,14 @@ from .fused_styles import (
     SplitAttentionHeads,
 )
 
-__all__ = ["FAMILY_HEAD_COUNTS", "FAMILY_PLANS", "FAMILY_SINGLE_KV_REPLICATED", "FAMILY_SOURCE"]
+__all__ = [
+    "FAMILY_HEAD_COUNTS",
+    "FAMILY_PLANS",
+    "FAMILY_SINGLE_KV_REPLICATED",
+    "FAMILY_SOURCE",
+    "HF_PLAN_FIXES",
+    "HF_PLAN_REFUSED",
+]
 
 #: The plan source ``describe_tp_plan`` reports for these plans.
 FAMILY_SOURCE = "forge (Hugging Face family)"
@@ -214,6 +221,51 @@ FAMILY_HEAD_COUNTS: dict[str, dict[str, tuple[str, ...]]] = {
 
 #: Families whose plan keeps a single k/v head (multi-query) whole on every rank, so a config's
 #: ``num_key_value_heads == 1`` needs no split (GPT-BigCode's config says 1 when multi-query):
-#: ``apply_tensor_parallel``'s config check is to skip it for them (until it does, it refuses
-#: GPT-BigCode multi-query).
+#: ``apply_tensor_parallel``'s config check skips it for them.
 FAMILY_SINGLE_KV_REPLICATED = frozenset({"GPTBigCodeForCausalLM", "FalconForCausalLM"})
+
+
+# --------------------------------------------------------------------------- transformers' own
+# Corrections to plans transformers ships, found by the zoo (tools/hf_zoo.py): with the plan as
+# shipped, TP=2 gives numbers that differ from the unsharded model's. Each returns entries
+# appended to the model's plan (a later entry wins for the modules it names).
+
+
+def _apertus_fix(model: nn.Module) -> dict[str, ParallelStyle | str | None]:
+    # The MLP's xIELU activation has learned scalars (alpha_p, alpha_n) and runs on the split
+    # hidden layer: each rank's gradient covers its half of the units; summed over tp they are
+    # whole (transformers' plan leaves act_fn out: gradients 1000x off).
+    return {"model.layers.*.mlp.act_fn": "replicated_with_grad_allreduce"}
+
+
+def _gemma3n_fix(model: nn.Module) -> dict[str, ParallelStyle | str | None]:
+    # Activation sparsity (layers with activation_sparsity_pattern > 0; real checkpoints use it
+    # in their first 10 layers) keeps the gate units above mean + k * std across the WHOLE hidden
+    # layer: on a split hidden layer each rank would take its own half's statistics (logits off
+    # by 3e-2). Those layers' MLPs stay whole on every rank.
+    config = getattr(model, "config", None)
+    pattern = getattr(
+        getattr(config, "get_text_config", lambda: config)(), "activation_sparsity_pattern", None
+    )
+    return {
+        f"model.layers.{i}.mlp.{proj}": None
+        for i, sparsity in enumerate(pattern or ())
+        if sparsity
+        for proj in ("gate_proj", "up_proj", "down_proj")
+    }
+
+
+#: Entries appended to transformers' own plan, by model class name (see above).
+HF_PLAN_FIXES = {
+    "ApertusForCausalLM": _apertus_fix,
+    "Gemma3nForCausalLM": _gemma3n_fix,
+}
+
+#: transformers' plans forge refuses, by model class name, with the reason (pass ``plan=``).
+HF_PLAN_REFUSED = {
+    "DogeForCausalLM": (
+        "transformers' plan splits q, k and v by head but gives dt_proj (one gate per kv head, "
+        "from all value heads) 'rowwise' and leaves A (one value per kv head) whole, so each "
+        "rank's attention would mix the gates of all kv heads with half of them"
+    ),
+}

@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from .checks import check_plan_import
-from .hf_families import FAMILY_PLANS, FAMILY_SOURCE
+from .hf_families import FAMILY_PLANS, FAMILY_SOURCE, HF_PLAN_FIXES, HF_PLAN_REFUSED
 from .styles import ColwiseConv1x1, RowwiseConv1x1, translate_parallel_style
 
 __all__ = [
@@ -283,7 +283,14 @@ def resolve_plan(
         return "registered", fn(model, ctx)
     hf = _hf_plan(model)
     if hf:
-        return "huggingface", hf
+        name = type(model).__name__
+        if name in HF_PLAN_REFUSED:
+            raise ForgeConfigError(
+                f"{name}'s own tensor-parallel plan is refused: {HF_PLAN_REFUSED[name]}; pass "
+                "plan={pattern: style} or use tp=1"
+            )
+        fix = HF_PLAN_FIXES.get(name)
+        return "huggingface", {**hf, **(fix(model) if fix else {})}
     family = FAMILY_PLANS.get(type(model).__name__)
     if family is not None:  # a Hugging Face family that ships no plan: forge's
         return FAMILY_SOURCE, family
