@@ -257,5 +257,6 @@ def test_forge_build_default_prints_a_passing_report():
     assert "stages: tp -> fsdp2" in out
     assert "tp:     registered plan over 2 ranks, sequence_parallel=True" in out
     assert "layers.*.attention.wq     ColwiseParallel(in R -> out S(-1))" in out
+    assert "tp grads: every parameter replicated over tp has the same gradient" in out
     assert "r3 123,520 B (29%)" in out
     assert out.count("\n   ") >= 5 and "PASS: parallel run matches the single-device model" in out

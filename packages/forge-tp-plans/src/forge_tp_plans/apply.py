@@ -107,6 +107,16 @@ def _tp_mesh_of(device_mesh: DeviceMesh) -> DeviceMesh | None:
     return get_tp_mesh(device_mesh)
 
 
+def _config_value(config: object, key: str) -> object:
+    """``config.key`` or None. NOTE: some transformers configs raise other errors than
+    AttributeError for a name they hold per layer (embedding_gemma2's
+    AmbiguousGlobalPerLayerAttributeError), which ``getattr(.., None)`` lets through."""
+    try:
+        return getattr(config, key, None)
+    except Exception:  # noqa: BLE001 - any failure means "no single value"
+        return None
+
+
 def _own_check(style: ParallelStyle | None) -> Callable[[nn.Module, str, int], object] | None:
     """``check(module, path, tp)`` of forge's own styles (packed, MLA, fused heads, Conv1D):
     raises ForgeConfigError when the style does not fit the module, before anything is split."""
@@ -124,8 +134,9 @@ def _validate(model: nn.Module, plan: Mapping[str, ParallelStyle | None], tp: in
         check_transformer_tp(model.config, tp, head_sharded=plan.get("output") is not None)
     elif config is not None:  # Hugging Face config names
         for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-            if isinstance(getattr(config, key, None), int):
-                sizes[key] = getattr(config, key)
+            value = _config_value(config, key)
+            if isinstance(value, int):
+                sizes[key] = value
     if (
         sizes.get("num_key_value_heads") == 1
         and type(model).__name__ in FAMILY_SINGLE_KV_REPLICATED

@@ -31,9 +31,7 @@ from forge_float8 import float8_report
 from forge_mesh import build_device_mesh, init_distributed, mesh_layout
 from forge_moe_ep import moe_metrics
 from forge_pp import pipeline_stages
-from forge_tp_plans import (
-    describe_tp_plan,
-)
+from forge_tp_plans import describe_tp_plan, tp_gradient_mismatches
 from forge_vlm import VLMWrapper, ac_components, num_image_tokens
 from forge_vlm.data import synthetic_vlm_batch
 from torch.distributed.device_mesh import DeviceMesh
@@ -145,6 +143,17 @@ def _count_step_syncs(
     model.zero_grad(set_to_none=True)
     ops = ", ".join(f"{op} x{n}" for op, n in sorted(counter.ops.items()))
     return f"{counter.count}" + (f" ({ops})" if ops else "")
+
+
+def _tp_gradient_report(model: nn.Module, batch: torch.Tensor, mesh: DeviceMesh) -> list[str]:
+    """Replicated-over-tp parameters whose gradients differ across the tp ranks after one more
+    forward + backward (``forge_tp_plans.tp_gradient_mismatches``; every rank takes part): a
+    plan that leaves a parameter replicated where each rank sees only its part of the features
+    trains silently wrong. Empty when they all agree."""
+    forward_backward(model, batch, mesh=mesh)
+    found = tp_gradient_mismatches(model, mesh)
+    model.zero_grad(set_to_none=True)
+    return found
 
 
 def _moe_report(
@@ -270,11 +279,17 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
             if cfg.is_vlm
             else _moe_report(cfg, par, model, local_batch(tokens[0], mesh).to(device), device, mesh)
         )
+        tp_grads = (
+            _tp_gradient_report(model, local_batch(tokens[0], mesh).to(device), mesh)
+            if par.tp > 1 and par.pp == 1 and not cfg.is_vlm
+            else None
+        )
     # Float8 rounds every GEMM input to 3 mantissa bits: low-precision tolerances.
     result = compare_runs(ref_steps, par_steps, torch.bfloat16 if cfg.float8.enabled else dtype)
+    passed = result.passed and not tp_grads
     elapsed = time.perf_counter() - start
     if rank != 0:
-        return BuildReport("", result.passed)
+        return BuildReport("", passed)
     full_bytes = _param_bytes(reference)
     names, sizes = mesh_layout(par, world_size)
     lines = [
@@ -298,11 +313,24 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         f"params: unsharded {full_bytes:,} B; per rank "
         + ", ".join(f"r{r} {b:,} B ({b / full_bytes:.0%})" for r, b in enumerate(all_bytes)),
         *(["tp:     " + tp_description(model, par)] if par.tp > 1 and not cfg.is_vlm else []),
+        *(
+            []
+            if tp_grads is None
+            else [
+                "tp grads: "
+                + (
+                    "FAIL: replicated parameters with gradients that differ across tp ranks: "
+                    + "; ".join(tp_grads)
+                    if tp_grads
+                    else "every parameter replicated over tp has the same gradient on each tp rank"
+                )
+            ]
+        ),
         *([moe] if moe else []),
         *([_float8_text(model)] if cfg.float8.enabled else []),
         f"train:  {t.steps} steps, global batch {t.global_batch_size} x seq {t.seq_len}, grad_accum {t.grad_accum}, AdamW lr {t.lr}",
         result.table(),
-        f"{'PASS' if result.passed else 'FAIL'}: parallel run {'matches' if result.passed else 'does NOT match'} the single-device model "
+        f"{'PASS' if passed else 'FAIL'}: parallel run {'matches' if passed else 'does NOT match'} the single-device model "
         f"(rank 0 job time {elapsed:.1f}s)",
     ]
-    return BuildReport("\n".join(lines), result.passed)
+    return BuildReport("\n".join(lines), passed)
