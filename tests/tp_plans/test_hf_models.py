@@ -50,6 +50,8 @@ def _build(name: str) -> nn.Module:
         ),
         # no plan of their own: forge_tp_plans.hf_families
         "stablelm": lambda: tf.StableLmForCausalLM(tf.StableLmConfig(**COMMON)),
+        # xIELU activation with learned scalars on the split MLP hidden layer
+        "apertus": lambda: tf.ApertusForCausalLM(tf.ApertusConfig(**COMMON, head_dim=8)),
         "gptj": lambda: tf.GPTJForCausalLM(
             tf.GPTJConfig(
                 vocab_size=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64
@@ -178,3 +180,25 @@ def test_hf_families_without_a_plan_use_forges_and_match(run_on_ranks, name):
     out = run_on_ranks(2, _hf_logits_and_grads, name, {"tp": 2, "data": "none"})[0]
     assert out["source"] == "forge (Hugging Face family)"
     assert out["sharded"], out
+
+
+def _apertus_mismatches(shipped: bool) -> tuple[list[str], str]:
+    """The debug check after one backward of a TP=2 Apertus under transformers' plan as shipped
+    (its act_fn scalars left replicated) or, ``shipped=False``, forge's choice (corrected)."""
+    from forge_tp_plans.plans import _hf_plan
+
+    model = _build("apertus")
+    mesh = build_device_mesh({"tp": 2, "data": "none"}, "cpu")
+    apply_tensor_parallel(model, mesh, plan=_hf_plan(model) if shipped else None)
+    tokens = torch.randint(
+        0, COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1)
+    )
+    model(tokens, labels=tokens).loss.backward()
+    return tp_gradient_mismatches(model, mesh), applied_tp_plan(model).source
+
+
+def test_the_debug_check_catches_transformers_apertus_plan_and_forge_corrects_it(run_on_ranks):
+    for found, source in run_on_ranks(2, _apertus_mismatches, True):
+        names = sorted({f.split(" ")[0].rsplit(".", 1)[-1] for f in found})
+        assert (names, source) == (["alpha_n", "alpha_p"], "explicit"), found
+    assert run_on_ranks(2, _apertus_mismatches, False) == [([], "huggingface")] * 2
