@@ -10,8 +10,9 @@
   :mod:`forge_moe_ep.dispatch`.
 - :func:`moe_metrics` reads tokens dropped and host syncs.
 - :func:`convert_hf_moe` turns Hugging Face MoE blocks (Qwen3-MoE, Qwen2-MoE, Mixtral,
-  DeepSeek-V3, GPT-OSS, OLMoE, GLM4-MoE, Llama 4) into :class:`MoE` layers with equal outputs;
-  :func:`restore_hf_moe` puts them back for ``save_pretrained`` (:mod:`forge_moe_ep.hf`).
+  DeepSeek-V2, DeepSeek-V3, GPT-OSS, OLMoE, GLM4-MoE, Llama 4) into :class:`MoE` layers with
+  equal outputs; :func:`restore_hf_moe` puts them back for ``save_pretrained``
+  (:mod:`forge_moe_ep.hf`).
 
 Depends on forge_core, forge_kernels and torch.
 """

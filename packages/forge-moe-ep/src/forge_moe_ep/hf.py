@@ -124,7 +124,10 @@ class HFMoE(MoE):
         self.family, self.hf_class, self.hf_config = family, hf_class, hf_config
 
     def forward(self, x: torch.Tensor) -> Any:
-        out = super().forward(x.unsqueeze(0) if x.dim() == 2 else x).view_as(x)
+        # NOTE: a copy, not a view of the combine's output: the decoder layer may add into it
+        # in place, which on a view would drop the pre-backward hook FSDP2 puts on the output
+        # of a unit (this layer is one under expert parallelism).
+        out = super().forward(x.unsqueeze(0) if x.dim() == 2 else x).reshape(x.shape).clone()
         return (out, None) if self.family.returns_tuple else out
 
 

@@ -288,10 +288,17 @@ def _checked_plan(
         if named:
             # NOTE: transformers 5.17's granite_swa plan names its attention sinks this way;
             # skipping it would leave every rank all heads' sinks next to half the heads.
+            moe = ".experts." in named[0]
             raise ForgeConfigError(
                 f"plan pattern {pattern!r} names a parameter ({named[0]}), not a module: forge's "
                 "styles split modules and skipping it would leave that parameter whole beside "
-                "split heads; pass plan={pattern: style} or use tp=1"
+                "split heads; "
+                + (
+                    "these are MoE experts: parallelize with forge's ParallelPlan, which converts "
+                    "known Hugging Face MoE blocks (forge_moe_ep.convert_hf_moe), or convert first"
+                    if moe
+                    else "pass plan={pattern: style} or use tp=1"
+                )
             )
     whole = [n for n, m in model.named_modules() if n and getattr(m, "forge_tp_skip", None)]
 
@@ -335,13 +342,14 @@ def check_tensor_parallel(
     every style fits its module's type and sizes. Returns a one-line description; raises
     ForgeConfigError with the reason. Nothing is modified.
     """
-    source, sp, concrete, skipped, _ = _checked_plan(
+    source, sp, concrete, skipped, left_whole = _checked_plan(
         model, tp, plan, sequence_parallel, loss_parallel, allow_import
     )
     return (
         f"{source} plan over {tp} ranks, {len(concrete)} modules, sequence_parallel={sp}, "
         f"loss_parallel={loss_parallel}"
         + (f", skipped (matching no module): {', '.join(skipped)}" if skipped else "")
+        + (f", left whole (forge_tp_skip): {', '.join(left_whole)}" if left_whole else "")
     )
 
 

@@ -71,8 +71,9 @@ _TRANSLATIONS = {
     "local_rowwise": lambda: RowwiseParallel(),
     "replicate": lambda: None,
     "replicated_with_grad_allreduce": lambda: ReplicatedWithGradAllReduce(),
-    # Fused [gate; up] Linears. On a 3-D MoE expert parameter (``experts.gate_up_proj``) these
-    # patterns name no module: a Hugging Face plan skips them, forge-moe-ep splits the experts.
+    # Fused [gate; up] Linears. A pattern naming a 3-D MoE expert parameter
+    # (``experts.gate_up_proj``) is refused by apply_tensor_parallel: forge converts known
+    # Hugging Face MoE blocks to its own MoE first (forge_moe_ep.convert_hf_moe), experts on ep.
     "packed_colwise": lambda: PackedColwiseLinear(),
     "packed_rowwise": lambda: PackedRowwiseLinear(),
     # 4.5x's plain-tensor variant: forge keeps DTensor parameters (as for local_rowwise)
