@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 from forge.build import ParallelPlan
 from forge_core.testing import compare_runs, train_steps
+from forge_core.testing.harness import RankError
 from forge_mesh import build_device_mesh
 from forge_tp_plans import applied_tp_plan
 from torch.distributed.fsdp import FSDPModule
@@ -100,8 +101,19 @@ def _hf_vlm_parity(name: str, layout: dict) -> dict:
     }
 
 
+def _plan_splits_both_tied_weights_or_neither(name: str) -> bool:
+    plan = build_hf_vlm(name)._tp_plan or {}
+    return ("lm_head" in plan) == ("model.language_model.embed_tokens" in plan)
+
+
 @pytest.mark.parametrize("name", ["gemma3", "llava"])
 def test_hf_vlm_tp2_x_fsdp2_trains_equal(run_on_ranks, name):
+    if name == "gemma3" and not _plan_splits_both_tied_weights_or_neither(name):
+        # transformers 5.17's Gemma 3 plan splits the embedding but not the lm_head tied to it:
+        # forge refuses the tie broken across layouts (5.23's plan splits both).
+        with pytest.raises(RankError, match="tied weight 'weight' of Linear got a different"):
+            run_on_ranks(4, _hf_vlm_parity, name, {"dp_shard": 2, "tp": 2})
+        return
     for out in run_on_ranks(4, _hf_vlm_parity, name, {"dp_shard": 2, "tp": 2}):
         assert out["result"].passed, out["result"].table()
         assert out["tp_modules"] and all(
