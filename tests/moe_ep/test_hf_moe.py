@@ -62,28 +62,15 @@ def _config(name: str):  # noqa: ANN202 - a transformers config
         return tf.MixtralConfig(**c, **experts, num_local_experts=8)
     if name == "olmoe":
         return tf.OlmoeConfig(**c, **experts, num_experts=8, eos_token_id=VOCAB - 1)
-    if name == "deepseek_v2":  # MLA attention, softmax routing limited to the best groups
-        return tf.DeepseekV2Config(
+    if name in ("deepseek_v2", "deepseek_v3"):
+        # MLA attention, a dense first block, routing limited to the best 2 of 4 groups: V2
+        # softmax (a group scores its best expert), V3 sigmoid with correction bias (best two)
+        config = tf.DeepseekV2Config if name == "deepseek_v2" else tf.DeepseekV3Config
+        v2 = {"topk_method": "group_limited_greedy"} if name == "deepseek_v2" else {}
+        return config(
             **{**c, "num_key_value_heads": 4},
             **experts,
-            moe_intermediate_size=16,
-            n_routed_experts=8,
-            n_shared_experts=1,
-            n_group=4,
-            topk_group=2,
-            topk_method="group_limited_greedy",
-            first_k_dense_replace=1,
-            kv_lora_rank=16,
-            q_lora_rank=None,
-            qk_rope_head_dim=4,
-            qk_nope_head_dim=8,
-            v_head_dim=8,
-            routed_scaling_factor=2.0,
-        )
-    if name == "deepseek_v3":  # MLA attention, a dense first block, grouped sigmoid routing
-        return tf.DeepseekV3Config(
-            **{**c, "num_key_value_heads": 4},
-            **experts,
+            **v2,
             moe_intermediate_size=16,
             n_routed_experts=8,
             n_shared_experts=1,

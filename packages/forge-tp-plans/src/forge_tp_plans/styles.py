@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import types
+from abc import abstractmethod
 from collections.abc import Callable
 from typing import overload
 
@@ -31,7 +32,14 @@ import torch.nn.functional as F
 from forge_core.errors import ForgeConfigError, did_you_mean
 from forge_core.torch_compat import swap_parameter
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -426,7 +434,42 @@ def _replicated_local(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor() if isinstance(x, DTensor) else x
 
 
-class PackedColwiseLinear(ParallelStyle):
+class _PackedLinear(ParallelStyle):
+    """What the packed Linear styles share: ``parts``, the size check of the packed dimension
+    (``_features``), and their parameters distributed as ``_placement(name)`` says."""
+
+    _features: str
+
+    def __init__(self, *, parts: int = 2) -> None:
+        super().__init__()
+        if parts < 1:
+            raise ForgeConfigError(f"{type(self).__name__}(parts={parts}): parts must be >= 1")
+        self.parts = parts
+
+    def check(self, module: nn.Module, path: str, tp: int) -> None:
+        """Raise ``ForgeConfigError`` unless ``module`` can be split over ``tp`` ranks."""
+        _check_linear(module, path, type(self).__name__)
+        _check_packed(path, getattr(module, self._features), self._features, self.parts, tp)
+
+    @abstractmethod
+    def _placement(self, name: str) -> Placement:
+        """The placement of the parameter ``name`` (``weight`` / ``bias``) over tp."""
+
+    def _distribute(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        self.check(module, type(self).__name__, device_mesh.size())
+
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                if not isinstance(param, DTensor):
+                    sharded = distribute_tensor(param, mesh, [self._placement(pname)])
+                    mod.register_parameter(
+                        pname, nn.Parameter(sharded, requires_grad=param.requires_grad)
+                    )
+
+        distribute_module(module, device_mesh, partition)
+
+
+class PackedColwiseLinear(_PackedLinear):
     """Column parallel ``nn.Linear`` whose output is ``parts`` tensors end to end (``[gate; up]``).
 
     Input replicated; output ``[..., out_features / tp]``, local and packed: this rank's slice of
@@ -437,34 +480,14 @@ class PackedColwiseLinear(ParallelStyle):
     The input's gradient is all-reduced over tp (as for any column-parallel layer).
     """
 
-    def __init__(self, *, parts: int = 2) -> None:
-        super().__init__()
-        if parts < 1:
-            raise ForgeConfigError(f"PackedColwiseLinear(parts={parts}): parts must be >= 1")
-        self.parts = parts
+    _features = "out_features"
 
-    def check(self, module: nn.Module, path: str, tp: int) -> None:
-        """Raise ``ForgeConfigError`` unless ``module`` can be split over ``tp`` ranks."""
-        _check_linear(module, path, type(self).__name__)
-        assert isinstance(module, nn.Linear)
-        _check_packed(path, module.out_features, "out_features", self.parts, tp)
+    def _placement(self, name: str) -> Placement:
+        return Shard(0)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self.check(module, type(self).__name__, device_mesh.size())
+        self._distribute(module, device_mesh)
         group, parts = device_mesh.get_group(), self.parts
-
-        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            for pname, param in list(mod.named_parameters(recurse=False)):
-                if not isinstance(param, DTensor):
-                    mod.register_parameter(
-                        pname,
-                        nn.Parameter(
-                            distribute_tensor(param, mesh, [Shard(0)]),
-                            requires_grad=param.requires_grad,
-                        ),
-                    )
-
-        distribute_module(module, device_mesh, partition)
 
         def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             x = _CopyToParallel.apply(_replicated_local(x), group)
@@ -475,7 +498,7 @@ class PackedColwiseLinear(ParallelStyle):
         return module
 
 
-class PackedRowwiseLinear(ParallelStyle):
+class PackedRowwiseLinear(_PackedLinear):
     """Row parallel ``nn.Linear`` whose input is ``parts`` tensors end to end.
 
     transformers' ``packed_rowwise`` / ``local_packed_rowwise``: the weight's last (input) dim
@@ -487,35 +510,14 @@ class PackedRowwiseLinear(ParallelStyle):
     contiguous layout by an all-to-all (its gradient back by another).
     """
 
-    def __init__(self, *, parts: int = 2) -> None:
-        super().__init__()
-        if parts < 1:
-            raise ForgeConfigError(f"PackedRowwiseLinear(parts={parts}): parts must be >= 1")
-        self.parts = parts
+    _features = "in_features"
 
-    def check(self, module: nn.Module, path: str, tp: int) -> None:
-        """Raise ``ForgeConfigError`` unless ``module`` can be split over ``tp`` ranks."""
-        _check_linear(module, path, type(self).__name__)
-        assert isinstance(module, nn.Linear)
-        _check_packed(path, module.in_features, "in_features", self.parts, tp)
+    def _placement(self, name: str) -> Placement:
+        return Shard(1) if name == "weight" else Replicate()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self.check(module, type(self).__name__, device_mesh.size())
+        self._distribute(module, device_mesh)
         group, parts = device_mesh.get_group(), self.parts
-
-        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            for pname, param in list(mod.named_parameters(recurse=False)):
-                if not isinstance(param, DTensor):
-                    placement = Shard(1) if pname == "weight" else Replicate()
-                    mod.register_parameter(
-                        pname,
-                        nn.Parameter(
-                            distribute_tensor(param, mesh, [placement]),
-                            requires_grad=param.requires_grad,
-                        ),
-                    )
-
-        distribute_module(module, device_mesh, partition)
 
         def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             if isinstance(x, DTensor):
