@@ -52,46 +52,6 @@ EXPECTED_REFUSED: dict[str, tuple[str, str | dict[str, str]]] = {
         "(skipping it would leave every rank all heads' sinks beside half the heads)",
         "refused: plan pattern 'model.layers.*.self_attn.sinks' names a parameter",
     ),
-    # ---- base
-    "embedding_gemma2_text": (
-        "its full-attention layers are multi-query (per_layer_config: num_key_value_heads=1, "
-        "head_dim twice the sliding layers'): transformers' plan splits k_proj/v_proj colwise, "
-        "so each rank holds half of the one k/v head and the view into heads fails. forge's "
-        "head-count check reads the global num_key_value_heads, which this config refuses to "
-        "give (AmbiguousGlobalPerLayerAttributeError), so it checks nothing: the per-layer "
-        "counts are not checked. Fix (checked): HF_PLAN_FIXES keeps the attention of the layers "
-        "with one k/v head whole (q/k/v/o and their norms None)",
-        "crash: tp forward: RuntimeError: shape",
-    ),
-    "esmc": (
-        "q_norm / k_norm are LayerNorms over all heads' features (hidden_size wide), applied to "
-        "q_proj / k_proj's output before the split into heads: with the projections split "
-        "colwise each rank holds half the features, which the norm cannot take (and could not "
-        "normalise with the whole width's statistics). Fix (checked): HF_PLAN_FIXES keeps the "
-        "attention whole (q/k/v/o_proj None), the MLP split",
-        "crash: tp forward: RuntimeError: Given normalized_shape",
-    ),
-    "muse_glimmer_text": (
-        "transformers adds 'embed_tokens': 'embedding_rowwise' to every base model's plan, but "
-        "MuseGlimmer's embedding (an nn.Embedding subclass) RMS-normalises inside its forward, "
-        "before rowwise's output all-reduce: the norm meets the vocab-sharded partial lookup "
-        "(DTensor AssertionError reducing it). Fix (checked): HF_PLAN_FIXES "
-        "{'embed_tokens': None}",
-        "crash: tp forward: AssertionError",
-    ),
-    "neomme": (
-        "transformers' plan splits the attention by heads, but the exclusive self-attention's "
-        "alpha (one per attention head) stays whole (size mismatch in its forward), and the "
-        "value embeddings (all kv heads, added to the split v) are not split either; 5.17's "
-        "plan also gives its embedding module (not an nn.Embedding) rowwise, which forge "
-        "refuses. Fix (checked, both versions): HF_PLAN_FIXES keeps the attention whole "
-        "(q/k/v_proj, output_projection.gate_proj/o_proj None) and embed_tokens None",
-        {
-            "5.17": "refused: tp plan entry 'embed_tokens' gives RowwiseParallel to a "
-            "NeoMMEEmbeddings",
-            "5.23": "crash: tp forward: RuntimeError: The size of tensor a",
-        },
-    ),
 }
 
 

@@ -7,7 +7,10 @@ re-laid out; :func:`restore_hf_moe` rebuilds the Hugging Face blocks from them, 
 Triton grouped GEMMs apply to Hugging Face MoE models exactly as to forge's own.
 
 Families are recognised by the block's class name (no transformers import): Qwen3-MoE,
-Qwen2-MoE, Mixtral, DeepSeek-V2, DeepSeek-V3, GPT-OSS, OLMoE, GLM4-MoE and Llama 4 (text). Their routers map
+Qwen2-MoE, Mixtral, DeepSeek-V2, DeepSeek-V3, GPT-OSS, OLMoE, GLM4-MoE and Llama 4 (text), and
+the blocks transformers builds the same way in other families (Qwen3-Next, Qwen3.5-MoE,
+Qwen3-VL-MoE, Granite-MoE, Jamba, Kimi-Linear, Dots1, GLM-4.5V, DeepSeek-V3.2, MiniMax,
+Mistral 4, ...: see ``HF_MOE_BLOCKS``; the zoo checks each). Their routers map
 onto :class:`Router`'s variants:
 
 ==============  =========================================================================
@@ -103,6 +106,63 @@ HF_MOE_BLOCKS: dict[str, _Family] = {
     ),
 }
 
+# Blocks built like one of the above (transformers copies them between families); each entry is
+# checked by the zoo (tools/hf_zoo.py: EP=2 x FSDP2 against the unconverted model).
+_SAME_AS = {
+    "DeepseekV3MoE": (
+        "BailingHybridMoE",
+        "Dots1MoE",
+        "KimiLinearMoE",
+        "ExaoneMoeSparseMoEBlock",
+    ),
+    "Glm4MoeMoE": (
+        "DeepseekV32MoE",
+        "Glm4MoeLiteMoE",
+        "GlmMoeDsaMoE",
+        "SolarOpenMoE",
+        "Glm4vMoeTextMoE",
+        "Dots3NoteTextMoE",
+    ),
+    "OlmoeSparseMoeBlock": ("FlexOlmoSparseMoeBlock",),
+    "MixtralSparseMoeBlock": ("MiniMaxSparseMoeBlock",),
+    "Qwen3MoeSparseMoeBlock": ("MellumSparseMoeBlock",),
+    "Qwen2MoeSparseMoeBlock": ("Qwen3NextSparseMoeBlock", "Qwen4ExpTextSparseMoeBlock"),
+}
+HF_MOE_BLOCKS.update(
+    {alias: HF_MOE_BLOCKS[base] for base, names in _SAME_AS.items() for alias in names}
+)
+HF_MOE_BLOCKS.update(
+    {
+        # the same layouts, with a fixed choice where the router has no norm_topk_prob, or
+        # another router attribute / score
+        "MiMoV2FlashMoE": _Family("gate", "out_in", "sigmoid"),
+        "Mistral4MoE": _Family("gate", "out_in", "softmax", shared="shared_experts"),
+        "MistralLarge4TextMoE": _Family(
+            "gate", "out_in", "softmax", shared="shared_experts", renormalize=True
+        ),
+        "Qwen3_5MoeSparseMoeBlock": _Family(
+            "gate",
+            "out_in",
+            "softmax",
+            shared="shared_expert",
+            shared_gate="shared_expert_gate",
+            renormalize=True,
+        ),
+        "Qwen3VLMoeTextSparseMoeBlock": _Family("gate", "out_in", "softmax", renormalize=True),
+        "JambaSparseMoeBlock": _Family("router", "out_in", "softmax", renormalize=False),
+        "FlintSparseMoeBlock": _Family("gate", "out_in", "sigmoid", shared="shared_expert"),
+        **{
+            name: _Family("router", "out_in", "softmax", renormalize=True)
+            for name in (
+                "GraniteMoeMoE",
+                "GraniteMoeSWAMoE",
+                "GraniteMoeHybridMoE",
+                "GraniteMoeSharedMoE",
+            )
+        },
+    }
+)
+
 
 class HFMoE(MoE):
     """A forge :class:`MoE` standing in for a Hugging Face MoE block (:func:`convert_hf_moe`).
@@ -168,6 +228,19 @@ def _experts_of(block: nn.Module) -> Any:  # NOTE: Any: a transformers module, d
     return experts
 
 
+def _top_k(block: nn.Module, router: Any) -> int:
+    """Experts per token: the router's ``top_k`` (transformers 5.23) or the block's (5.17's
+    Jamba routes in the block with a plain Linear router)."""
+    for holder in (router, block):
+        top_k = getattr(holder, "top_k", None)
+        if isinstance(top_k, int):
+            return top_k
+    raise ForgeConfigError(
+        f"{type(block).__name__}: no top_k on its router or on the block; this transformers "
+        "version routes differently from the ones forge knows"
+    )
+
+
 def _moe_config(block: nn.Module, family: _Family, config: Any, layer_id: int) -> MoEModelConfig:
     router: Any = getattr(block, family.router)
     experts = _experts_of(block)
@@ -194,7 +267,7 @@ def _moe_config(block: nn.Module, family: _Family, config: Any, layer_id: int) -
         ffn_dim=hidden,
         moe_every=1,
         num_experts=num_experts,
-        top_k=int(router.top_k),
+        top_k=_top_k(block, router),
         router=family.score,
         router_renormalize=(
             bool(router.norm_topk_prob) if family.renormalize is None else family.renormalize

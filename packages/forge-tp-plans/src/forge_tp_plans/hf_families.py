@@ -28,6 +28,8 @@ with a function below that reads the model's own row layout, per config variant:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from forge_core.errors import ForgeConfigError
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -255,10 +257,51 @@ def _gemma3n_fix(model: nn.Module) -> dict[str, ParallelStyle | str | None]:
     }
 
 
+def _whole(prefix: str, names: tuple[str, ...]) -> dict[str, ParallelStyle | str | None]:
+    return {f"{prefix}.{name}": None for name in names}
+
+
+def _embedding_gemma2_fix(model: nn.Module) -> dict[str, ParallelStyle | str | None]:
+    # Its full-attention layers are multi-query (per_layer_config: one k/v head): a colwise
+    # k_proj / v_proj would give each rank half of that head. Their attention stays whole.
+    layers = getattr(getattr(model, "config", None), "per_layer_config", None) or ()
+    fixes: dict[str, ParallelStyle | str | None] = {}
+    for i, layer in enumerate(layers):
+        if getattr(layer, "num_key_value_heads", None) == 1:
+            names = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "v_norm")
+            fixes.update(_whole(f"layers.{i}.self_attn", names))
+    return fixes
+
+
+_ATTENTION_WHOLE = ("q_proj", "k_proj", "v_proj", "o_proj")
+
 #: Entries appended to transformers' own plan, by model class name (see above).
-HF_PLAN_FIXES = {
+HF_PLAN_FIXES: dict[str, Callable[[nn.Module], dict[str, ParallelStyle | str | None]]] = {
     "ApertusForCausalLM": _apertus_fix,
     "Gemma3nForCausalLM": _gemma3n_fix,
+    "EmbeddingGemma2TextModel": _embedding_gemma2_fix,
+    # q_norm / k_norm are LayerNorms over all heads' features, before the split into heads:
+    # the attention stays whole, the MLP is split.
+    "EsmcModel": lambda model: _whole("layers.*.self_attn", _ATTENTION_WHOLE),
+    # Its embedding RMS-normalises inside its forward, before rowwise's all-reduce would sum
+    # the vocab shards' partial lookups: the embedding stays whole.
+    "MuseGlimmerTextModel": lambda model: {"embed_tokens": None},
+    # The exclusive self-attention's per-head alpha and the value embeddings (all kv heads)
+    # are not split by transformers' plan: the attention stays whole, and the embedding (not an
+    # nn.Embedding; 5.17's plan gives it rowwise).
+    "NeoMMEModel": lambda model: {
+        "embed_tokens": None,
+        **_whole(
+            "layers.*.self_attn",
+            (
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "output_projection.gate_proj",
+                "output_projection.o_proj",
+            ),
+        ),
+    },
 }
 
 #: transformers' plans forge refuses, by model class name, with the reason (pass ``plan=``).

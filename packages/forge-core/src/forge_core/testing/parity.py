@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from ..contracts import attach_optimizer_hooks
 from ..training import forward_backward, global_grad_norm, local_batch, synthetic_tokens
@@ -71,6 +72,13 @@ def train_steps(
     ``images [steps, B, ...]``; targets equal to ``ignore_token`` (image placeholders) are left
     out of the loss. Frozen parameters (``requires_grad=False``) get no optimizer state.
     """
+    # NOTE: an FSDP2 unit left gathered by an earlier forward (one without backward: an
+    # evaluation; forge's last block keeps its parameters after forward) exposes its unsharded
+    # parameters through parameters(): an optimizer built then would step those copies, not
+    # the shards. Reshard first.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
     hooks = attach_optimizer_hooks(model, optimizer)  # e.g. MoE expert-bias updates
