@@ -210,12 +210,15 @@ def _hf_moe_training_parity(layout: dict) -> list[tuple[str, object, tuple]]:
     return out
 
 
+# NOTE: marker zoo: the Hugging Face lane (with tests/zoo), not the README suite (its time).
+@pytest.mark.zoo
 def test_hf_moe_families_train_equal_under_ep2_x_fsdp2(run_on_ranks):
     for rank_results in run_on_ranks(2, _hf_moe_training_parity, {"dp_shard": 2, "ep": 2}):
         for name, result, _ in rank_results:
             assert result.passed, f"{name}\n{result.table()}"
 
 
+@pytest.mark.zoo
 def test_hf_moe_families_train_equal_under_dp2_ep2_x_tp2(run_on_ranks):
     layout = {"dp_shard": 2, "ep": 2, "tp": 2}
     for rank_results in run_on_ranks(4, _hf_moe_training_parity, layout):

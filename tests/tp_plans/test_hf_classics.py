@@ -18,6 +18,9 @@ from forge_tp_plans.fused_styles import SplitAttentionHeads, _exchange, _needed
 from forge_tp_plans.hf_families import FAMILY_PLANS, FAMILY_SOURCE
 from torch.distributed.tensor import DTensor, Replicate
 
+# NOTE: the Hugging Face lane (marker zoo, with tests/zoo), not the README suite (its time).
+pytestmark = pytest.mark.zoo
+
 VOCAB = 64
 _GPT = {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64}
 _GPT_NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}

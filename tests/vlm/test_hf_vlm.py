@@ -16,6 +16,9 @@ from forge_mesh import build_device_mesh
 from forge_tp_plans import applied_tp_plan
 from torch.distributed.fsdp import FSDPModule
 
+# NOTE: the Hugging Face lane (marker zoo, with tests/zoo), not the README suite (its time).
+pytestmark = pytest.mark.zoo
+
 VOCAB, IMAGE_TOKEN, IMAGE_TOKENS = 80, 79, 4
 _TEXT = {
     "vocab_size": VOCAB,

@@ -17,9 +17,9 @@ class (``forge_moe_ep.hf.HF_MOE_BLOCKS``), and is refused for having no forge Mo
 or not.
 
 Marker ``zoo``: the README's suite leaves it out; CI runs it as a lane of its own
-(``uv run pytest -m zoo tests/zoo``). Under transformers 5.17 (the GPU image) the family set
+(``uv run pytest -m zoo tests``). Under transformers 5.17 (the GPU image) the family set
 differs: only the installed transformers' families are checked, and entries for families it
-lacks are ignored (run it there with ``tools/gpu_image_env python -m pytest -m zoo tests/zoo``).
+lacks are ignored (run it there with ``tools/gpu_image_env python -m pytest -m zoo tests``).
 """
 
 from __future__ import annotations
