@@ -17,6 +17,9 @@ from torch.distributed.tensor import DTensor
 
 from tests.parity_jobs import HFLogits
 
+# NOTE: the Hugging Face lane (marker zoo, with tests/zoo), not the README suite (its time).
+pytestmark = pytest.mark.zoo
+
 COMMON = {
     "vocab_size": 64,
     "hidden_size": 32,

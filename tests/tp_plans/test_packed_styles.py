@@ -34,6 +34,9 @@ from forge_tp_plans.styles import (
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+# NOTE: the Hugging Face lane (marker zoo, with tests/zoo), not the README suite (its time).
+pytestmark = pytest.mark.zoo
+
 TP = {"tp": 2, "data": "none"}
 COMMON = {
     "vocab_size": 64,
