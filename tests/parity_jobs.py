@@ -9,6 +9,18 @@ from forge_core import ModelConfig, Transformer
 from forge_core.testing import ParityResult, run_parity
 from forge_mesh import build_device_mesh
 
+#: The sizes of a tiny Hugging Face decoder config (transformers' key names), shared by the
+#: tests that build Hugging Face models from configs with random weights.
+TINY_HF_DECODER = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+
 
 class HFLogits(nn.Module):
     """``tokens -> logits`` for the parity harness (Hugging Face models return an output object)."""

@@ -802,7 +802,6 @@ def check_moe_family(
     from forge_core.testing import run_parity
     from forge_core.training import local_batch, synthetic_tokens
     from forge_moe_ep.hf import HFMoE
-    from torch.distributed.fsdp import FSDPModule
 
     phase, summary, converted, blocks = "build", "", 0, ""
     try:
@@ -824,12 +823,7 @@ def check_moe_family(
         with torch.no_grad():
             ref_logits = local_batch(ref_model(tokens), mesh)
             par_logits = _full(par_model(local_batch(tokens, mesh)))
-        # NOTE: FSDP2 units with reshard_after_forward=False (forge's last block) stay gathered
-        # after a forward with no backward; the harness's optimizer, made from parameters() at
-        # its start, would then hold the gathered copies (wrong gradient norm and updates).
-        for module in parallel.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        # (the no-grad forward leaves forge's last FSDP2 unit gathered; run_parity reshards it)
         # NOTE: the ranks decide together (max over ranks): one going on alone to the
         # training steps would wait in their collectives
         diff = (par_logits - ref_logits).abs()

@@ -39,17 +39,9 @@ from forge_tp_plans import describe_tp_plan
 from forge_vlm import VLMConfig
 from torch.distributed.tensor import DTensor
 
-from tests.parity_jobs import HFLogits
+from tests.parity_jobs import TINY_HF_DECODER, HFLogits
 
-LLAMA = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
+LLAMA = TINY_HF_DECODER
 
 
 def _llama() -> nn.Module:

@@ -17,7 +17,7 @@ from forge_moe_ep import MoEModelConfig
 from forge_moe_ep.hf import HFMoE, convert_hf_moe, restore_hf_moe
 from forge_tp_plans import applied_tp_plan
 
-from tests.parity_jobs import HFLogits
+from tests.parity_jobs import TINY_HF_DECODER, HFLogits
 
 FAMILIES = (
     "qwen3_moe",
@@ -30,16 +30,8 @@ FAMILIES = (
     "glm4_moe",
     "llama4",
 )
-VOCAB = 64
-_COMMON = {
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
+VOCAB = TINY_HF_DECODER["vocab_size"]
+_COMMON = TINY_HF_DECODER
 
 
 def _config(name: str):  # noqa: ANN202 - a transformers config

@@ -15,20 +15,12 @@ from forge_mesh import build_device_mesh
 from forge_tp_plans import applied_tp_plan, apply_tensor_parallel, tp_gradient_mismatches
 from torch.distributed.tensor import DTensor
 
-from tests.parity_jobs import HFLogits
+from tests.parity_jobs import TINY_HF_DECODER, HFLogits
 
 # NOTE: the Hugging Face lane (marker zoo, with tests/zoo), not the README suite (its time).
 pytestmark = pytest.mark.zoo
 
-COMMON = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
+COMMON = TINY_HF_DECODER
 
 
 def _with_plan_entry(model: nn.Module, extra: dict[str, str]) -> nn.Module:
