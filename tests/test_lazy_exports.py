@@ -23,7 +23,8 @@ TORCH_FREE = {
     "forge_vlm": ["forge_vlm.checks", "forge_vlm.config"],
     "forge_domain": ["forge_domain.config"],
     "forge_cp": ["forge_cp.checks"],
-    "forge": ["forge.checks", "forge.checkpoint_files", "forge.cli", "forge.config"],
+    "forge_checkpoint": ["forge_checkpoint.files"],
+    "forge": ["forge.checks", "forge.cli", "forge.config", "forge.resume"],
 }
 
 

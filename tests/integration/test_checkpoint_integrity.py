@@ -16,16 +16,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from forge.checkpoint import (
+from forge.cli import EXIT_CONFIG, EXIT_DAMAGED, _checked_resume, _failure_line
+from forge.export import export_checkpoint
+from forge.train import run_train
+from forge_checkpoint.dcp import (
     MANIFEST,
     CheckpointDamaged,
     checkpoint_lock,
     latest_intact,
     verify_checkpoint,
 )
-from forge.cli import EXIT_CONFIG, EXIT_DAMAGED, _checked_resume, _failure_line
-from forge.export import export_checkpoint
-from forge.train import run_train
 from forge_core import ForgeConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -224,7 +224,7 @@ def test_refusals_come_before_torch_is_imported(copy: Path, tmp_path: Path, case
 def _resume_on_ranks(cfg: dict) -> tuple[str, str, int]:
     """run_train on this rank, counting the files this rank checksums; (outcome, message,
     files read)."""
-    import forge.checkpoint_files as files
+    import forge_checkpoint.files as files
 
     reads = []
     crc32 = files._crc32
@@ -345,7 +345,7 @@ def test_the_failure_line_names_the_cause_not_its_echo(tmp_path: Path):
 
 
 def test_a_failed_checkpoint_write_is_one_plain_error():
-    from forge.checkpoint import CheckpointIOError, _plain_errors
+    from forge_checkpoint.dcp import CheckpointIOError, _plain_errors
     from torch.distributed.checkpoint.api import CheckpointException
 
     full = OSError(28, "No space left on device")

@@ -1,4 +1,4 @@
-"""forge.export: forge <-> Hugging Face Llama parity (logits and bits), refusals, safetensors."""
+"""forge_checkpoint.export: forge <-> Hugging Face Llama parity (logits and bits), refusals, safetensors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from forge.export import (
+from forge_checkpoint.export import (
     export_hf_llama,
     from_hf_llama,
     hf_llama_config,
@@ -192,9 +192,9 @@ def test_transformers_stays_optional(monkeypatch):
     import ast
     import sys
 
-    import forge.export
+    import forge_checkpoint.export
 
-    tree = ast.parse(Path(forge.export.__file__).read_text())
+    tree = ast.parse(Path(forge_checkpoint.export.__file__).read_text())
     top_level = {
         alias.name if isinstance(node, ast.Import) else node.module
         for node in tree.body

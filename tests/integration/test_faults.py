@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from forge.checkpoint_files import latest_intact
+from forge_checkpoint.files import latest_intact
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS = Path(__file__).with_name("faults")

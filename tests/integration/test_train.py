@@ -22,15 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from forge.checkpoint import (
-    SafeFileSystemReader,
-    find_latest,
-    latest_intact,
-    load_model_weights,
-    read_train_state,
-)
 from forge.data import SyntheticData, TokenFile
-from forge.export import export_checkpoint, from_hf_llama, hf_llama_config, load_safetensors
+from forge.export import export_checkpoint
 from forge.optim import clip_grad_norm_, warmup_cosine
 from forge.train import (
     _nonfinite_values,
@@ -39,6 +32,14 @@ from forge.train import (
     run_train,
     train_flops_per_token,
 )
+from forge_checkpoint.dcp import (
+    SafeFileSystemReader,
+    find_latest,
+    latest_intact,
+    load_model_weights,
+    read_train_state,
+)
+from forge_checkpoint.export import from_hf_llama, hf_llama_config, load_safetensors
 from forge_core import ForgeConfigError, ModelConfig, Transformer, load_config
 from forge_core.training import forward_backward
 
@@ -146,9 +147,9 @@ def test_async_save_and_resume_latest(run_on_ranks, tmp_path):
 _KILLED_SAVE = textwrap.dedent(
     """
     import os, sys, time, torch
-    import forge.checkpoint as fc
+    import forge_checkpoint.dcp as fc
     from torch.distributed.checkpoint import FileSystemWriter
-    from forge.checkpoint import Checkpointer, optimizer_hyperparameters
+    from forge_checkpoint.dcp import Checkpointer, optimizer_hyperparameters
     from forge_core import ModelConfig, Transformer
 
     def save_and_stall(root, phase):
@@ -260,7 +261,7 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_intact(stalled_sa
     assert (tmp / "manifest.json").is_file() == (phase == "before the rename")
     latest, skipped = latest_intact(root)
     assert latest is not None and latest.name == "step-00000002" and not skipped
-    from forge.checkpoint import Checkpointer, optimizer_hyperparameters
+    from forge_checkpoint.dcp import Checkpointer, optimizer_hyperparameters
 
     model = Transformer(ModelConfig.preset("debug"))
     model.init_weights(0)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from forge.checkpoint import SafeFileSystemReader, read_train_state
 from forge.job import run_build
 from forge.train import run_train
+from forge_checkpoint.dcp import SafeFileSystemReader, read_train_state
 from forge_core import ModelConfig, Transformer
 
 #: 4 blocks so that pp=4 gives each rank one; clipping active (every step's norm is above 1).

@@ -55,9 +55,9 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple[dict, int] | int:
     import what the config names (a tp.plan module on a meta-device model, torchao). Every
     problem of a phase is printed, one ``forge <command>: config error: ...`` line each.
     """
+    from forge_checkpoint.files import CheckpointDamaged
     from forge_core.errors import ForgeConfigError
 
-    from .checkpoint_files import CheckpointDamaged
     from .checks import config_problems, import_problems
     from .config import load_config
 
@@ -116,9 +116,9 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_DAMAGED = 0, 1, 2, 3
 
 def _checked_resume(cfg: Any) -> Any:
     """Pick and verify the checkpoint ``forge train`` resumes from, before any rank starts
-    (:func:`forge.checkpoint_files.resume_point`), and pass it to the ranks as a path they need
+    (:func:`forge.resume.resume_point`), and pass it to the ranks as a path they need
     not verify again. Raises CheckpointDamaged / ForgeConfigError."""
-    from .checkpoint_files import resume_point
+    from .resume import resume_point
 
     chosen, skipped = resume_point(cfg)
     for line in skipped:
@@ -163,9 +163,9 @@ def _train(args: argparse.Namespace) -> int:
     prepared = _prepare(args, "train")
     if isinstance(prepared, int):
         return prepared
+    from forge_checkpoint.files import CheckpointDamaged, checkpoint_lock, find_latest
     from forge_core.errors import ForgeConfigError
 
-    from .checkpoint_files import CheckpointDamaged, checkpoint_lock, find_latest
     from .config import load_config
 
     cfg_dict, nproc = prepared
@@ -251,9 +251,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from forge_checkpoint.files import CheckpointDamaged, read_train_state, verify_checkpoint
     from forge_core.errors import ForgeConfigError
-
-    from .checkpoint_files import CheckpointDamaged, read_train_state, verify_checkpoint
 
     try:
         # NOTE: before torch's import, so a damaged file is one line at once

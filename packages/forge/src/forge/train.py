@@ -16,7 +16,7 @@ Runs on every rank (forge's own launcher, torchrun or SLURM). One optimizer step
   clipped to ``training.max_grad_norm``; AdamW; warmup + cosine LR;
 - rank 0 logs step, loss, grad norm, LR, tokens/s, each rank's peak memory (and MFU on a GPU)
   to a progress bar (a TTY) or plain lines, and appends the same to ``<out_dir>/metrics.jsonl``;
-- checkpoints every ``checkpoint.every`` steps and at the end (``forge.checkpoint``).
+- checkpoints every ``checkpoint.every`` steps and at the end (:mod:`forge_checkpoint.dcp`).
 
 SIGTERM (SLURM preemption) or Ctrl-C: the rank notes it, the ranks agree after the current step
 (a one-integer all-reduce on a gloo group), save a checkpoint and return normally. The next
@@ -43,6 +43,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from forge_checkpoint.dcp import Checkpointer
+from forge_checkpoint.files import CheckpointDamaged
 from forge_core import (
     ForgeConfigError,
     attach_optimizer_hooks,
@@ -60,12 +62,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .build import ParallelPlan, model_from_config
-from .checkpoint import Checkpointer, optimizer_hyperparameters
-from .checkpoint_files import CheckpointDamaged, resume_point
 from .config import ForgeConfig, load_config
 from .data import FieldBatch, make_data
 from .job import setup_rank, tp_description
 from .optim import clip_grad_norm_, warmup_cosine
+from .resume import resume_point
 
 __all__ = ["StepLog", "TrainSummary", "peak_flops", "run_train", "train_flops_per_token"]
 
@@ -250,7 +251,7 @@ def _gloo_group() -> dist.ProcessGroup:
 
 def _agreed_resume_point(cfg: ForgeConfig, group: dist.ProcessGroup) -> Path | None:
     """The checkpoint every rank resumes from: rank 0 picks and verifies it
-    (:func:`forge.checkpoint_files.resume_point`) and tells the others.
+    (:func:`forge.resume.resume_point`) and tells the others.
 
     NOTE: one read of the checkpoint in all, not one per rank; a refusal reaches every rank as
     the same error (a damaged checkpoint, or one saved for another model), so each exits with
@@ -369,11 +370,8 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
                 f"training.lr={t.lr})"
             )
         train_state = {
-            "step": step,
             "data_position": step,  # the data is indexed by step: resume reads batch `step` next
             "scheduler": scheduler.state_dict(),
-            "param_groups": optimizer_hyperparameters(optimizer),
-            "world_size": world_size,
             "mesh": dict(zip(*mesh_layout(par, world_size), strict=True)),
             "run_id": run_id,
             "config": asdict(cfg),

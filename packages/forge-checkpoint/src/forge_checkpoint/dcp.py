@@ -1,4 +1,4 @@
-"""Checkpoints for ``forge train``: sharded, resharding, atomic, optionally asynchronous.
+"""Training checkpoints: sharded, resharding, atomic, optionally asynchronous.
 
 A checkpoint is one directory ``<dir>/step-00000005`` holding
 
@@ -22,8 +22,8 @@ loading ignores (and the next save removes); the previous ``step-*`` is untouche
 
 Verified: rank 0 writes ``manifest.json`` after every rank's files are on disk, fsyncs every
 file and the manifest, and only then renames the directory into place; the directory's names,
-the manifest, its verification and the run lock are in :mod:`forge.checkpoint_files` (no
-torch import: the launcher verifies before any rank starts).
+the manifest, its verification and the run lock are in :mod:`forge_checkpoint.files` (no
+torch import: a launcher verifies before any rank starts).
 
 Safe to load: nothing is unpickled with ``weights_only=False``. DCP's index file is read by an
 unpickler that admits only DCP's own metadata classes; the state dict holds tensors only
@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .checkpoint_files import (
+from .files import (
     MANIFEST,
     PREFIX,
     STATE_FILE,
@@ -176,7 +176,7 @@ def _is_rank0() -> bool:
 
 
 class Checkpointer:
-    """Saves and loads ``forge train`` checkpoints under ``root``.
+    """Saves and loads training checkpoints under ``root``.
 
     ``process_group``: the group DCP coordinates on. With ``async_save`` pass a group used for
     nothing else (a gloo group): the background writer runs its collectives on it while training
@@ -209,8 +209,15 @@ class Checkpointer:
         train_state: Mapping[str, Any],
     ) -> Path:
         """Write the checkpoint of ``step`` (returns its final path; with ``async_save`` the
-        directory appears when :meth:`wait` or the next save finalizes it)."""
+        directory appears when :meth:`wait` or the next save finalizes it).
+
+        ``train_state`` (JSON) goes to ``train_state.json`` with ``step``, ``world_size`` and the
+        optimizer's param-group settings added, which :meth:`load` needs.
+        """
         self.wait()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        facts = {"step": step, "param_groups": optimizer_hyperparameters(optimizer)}
+        train_state = {**train_state, **facts, "world_size": world}
         tmp, final = self.root / f".tmp-{PREFIX}{step:08d}", step_dir(self.root, step)
         if _is_rank0():
             for stale in self.root.glob(f".tmp-{PREFIX}*"):  # leftovers of killed saves

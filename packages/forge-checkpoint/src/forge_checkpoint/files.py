@@ -1,7 +1,7 @@
-"""A ``forge train`` checkpoint directory on disk: names, manifest, verification, lock.
+"""A checkpoint directory on disk: names, manifest, verification, lock.
 
-No torch import (the launcher verifies a checkpoint before any rank starts, and before it pays
-for torch's import); :mod:`forge.checkpoint` writes and loads the tensors.
+No torch import (a launcher verifies a checkpoint before any rank starts, and before it pays
+for torch's import); :mod:`forge_checkpoint.dcp` writes and loads the tensors.
 
 ``manifest.json`` is written last in every checkpoint, after every rank's files are complete:
 the size and CRC-32 of every other file. :func:`verify_checkpoint` re-reads every file against
@@ -12,7 +12,6 @@ manifest (written before forge had them) loads unverified.
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import json
 import os
@@ -20,12 +19,9 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from forge_core.errors import ForgeConfigError
-
-if TYPE_CHECKING:
-    from .config import ForgeConfig
 
 __all__ = [
     "MANIFEST",
@@ -37,7 +33,6 @@ __all__ = [
     "fsync_dir",
     "latest_intact",
     "read_train_state",
-    "resume_point",
     "step_dir",
     "step_dirs",
     "verify_checkpoint",
@@ -219,76 +214,3 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-#: ModelConfig fields that decide the shapes a checkpoint holds.
-_SHAPE_FIELDS = (
-    "vocab_size",
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_dim",
-    "tie_embeddings",
-    "moe_every",
-    "num_experts",
-    "moe_ffn_dim",
-    "num_shared_experts",
-)
-
-
-def resume_point(cfg: ForgeConfig) -> tuple[Path | None, list[str]]:
-    """The checkpoint a run of ``cfg`` resumes from (None: a fresh start), and a line for each
-    newer damaged checkpoint skipped on the way.
-
-    ``checkpoint.resume = "latest"``: the newest checkpoint that verifies (raises
-    :class:`CheckpointDamaged` when there are checkpoints but none is intact); a path: that
-    checkpoint, which must verify. ``checkpoint.verify = false`` takes them unread. Either way
-    the saved model must have ``cfg``'s shapes (:class:`ForgeConfigError` names what differs).
-    """
-    ck = cfg.checkpoint
-    skipped: list[str] = []
-    if ck.resume == "none":
-        return None, skipped
-    if ck.resume == "latest":
-        if ck.verify:
-            chosen, skipped = latest_intact(cfg.checkpoint_dir)
-        else:
-            chosen = find_latest(cfg.checkpoint_dir)
-        if chosen is None:
-            if skipped:
-                raise CheckpointDamaged(
-                    f"no intact checkpoint in {str(cfg.checkpoint_dir)!r} ({len(skipped)} "
-                    "damaged); set checkpoint.resume=none to start over"
-                )
-            return None, skipped
-    else:
-        chosen = Path(ck.resume)
-        read_train_state(chosen)  # a path: it must be a forge checkpoint
-        if ck.verify:
-            verify_checkpoint(chosen)
-    _check_fits(cfg, chosen)
-    return chosen, skipped
-
-
-def _check_fits(cfg: ForgeConfig, path: Path) -> None:
-    """The checkpoint at ``path`` must hold ``cfg``'s model (shapes and model sections)."""
-    saved = read_train_state(path).get("config", {})
-    saved_model = saved.get("model", {}) if isinstance(saved, dict) else {}
-    mine = dataclasses.asdict(cfg.model)
-    differ = [
-        f"{k}={saved_model[k]!r} there, {mine[k]!r} here"
-        for k in _SHAPE_FIELDS
-        if k in saved_model and saved_model[k] != mine[k]
-    ]
-    for section in ("field", "vision", "adapter"):
-        theirs, ours = saved.get(section), getattr(cfg, section)
-        if (theirs is None) != (ours is None) or (
-            ours is not None and theirs != dataclasses.asdict(ours)
-        ):
-            differ.append(f"[{section}] differs")
-    if differ:
-        raise ForgeConfigError(
-            f"checkpoint {path.name} was saved for another model ({'; '.join(differ[:3])}); "
-            "resume with the config that saved it, or set checkpoint.resume=none"
-        )
