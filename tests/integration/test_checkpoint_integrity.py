@@ -19,7 +19,7 @@ import pytest
 from forge.cli import EXIT_CONFIG, EXIT_DAMAGED, _checked_resume, _failure_line
 from forge.export import export_checkpoint
 from forge.train import run_train
-from forge_checkpoint.dcp import (
+from forge_checkpoint.files import (
     MANIFEST,
     CheckpointDamaged,
     checkpoint_lock,
