@@ -45,4 +45,6 @@ def test_a_save_records_what_a_load_needs(tmp_path):
     loaded = Checkpointer(tmp_path).load(path, fresh, fresh_opt)
     assert loaded["rng_restored"] is True
     assert fresh_opt.param_groups[0]["betas"] == (0.8, 0.9)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True)
+    )
