@@ -30,14 +30,20 @@ from forge.job import _param_bytes
 from forge.plan import (
     build_on_meta,
     estimate_pipeline_activations,
-    pipeline_actions,
     plan_layout,
     run_plan,
 )
 from forge_core import load_config
 from forge_core.training import forward_backward, local_batch
 from forge_mesh import build_device_mesh
-from forge_pp import SCHEDULES, PPConfig, bubble_fraction, schedule_problems, stage_indices
+from forge_pp import (
+    SCHEDULES,
+    PPConfig,
+    bubble_fraction,
+    pipeline_actions,
+    schedule_problems,
+    stage_indices,
+)
 
 from tests.child import json_from_child
 from tests.pp.test_pp_units import OLD_TORCH
@@ -406,14 +412,14 @@ def test_without_torchs_order_the_plan_bounds_every_stage_by_all_micro_batches(m
     """Should a torch build its schedules differently (the stand-in stages refused), the
     multi-stage schedules fall back to the most any schedule holds: every micro-batch of every
     local stage in flight, and the plan says so."""
-    import forge.plan as plan_module
+    import forge_pp.theory as theory
 
     def refuse(*args: Any) -> None:
         raise AttributeError("stand-in stage lacks something")
 
     cfg = load_config(None, [*PP2, "parallelism.tp=1", "pp.schedule=Interleaved1F1B"])
     exact = estimate_pipeline_activations(cfg, 4)
-    monkeypatch.setattr(plan_module, "_torch_order", refuse)
+    monkeypatch.setattr(theory, "_torch_order", refuse)
     ranks, order = pipeline_actions("Interleaved1F1B", 2, 4, 2)
     assert order == "bound (torch's order unavailable: AttributeError)"
     assert [sorted({(s, i) for _, s, i in r}) for r in ranks] == [

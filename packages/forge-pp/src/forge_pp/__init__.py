@@ -9,7 +9,9 @@
   stages go where
 - :func:`attach_schedule`: run the parallelized stages with a torch.distributed.pipelining
   schedule, through ``forge_core.training.forward_backward``
-- :func:`bubble_fraction`: the idle fraction a schedule leaves, in theory
+- :func:`bubble_fraction`: the idle fraction a schedule leaves, in theory;
+  :func:`pipeline_actions`: each pipeline rank's forwards and backwards in the order the
+  schedule runs them; :func:`replay_peak`: the peak bytes held over such an order
 
 Depends on forge_core and torch.
 """
@@ -35,6 +37,8 @@ _EXPORTS = {
     "share_buffers": "schedule",
     "pipeline_stages": "schedule",
     "bubble_fraction": "theory",
+    "pipeline_actions": "theory",
+    "replay_peak": "theory",
 }
 
 if TYPE_CHECKING:
@@ -42,7 +46,7 @@ if TYPE_CHECKING:
     from .config import SCHEDULES, PPConfig, ScheduleInfo
     from .schedule import attach_schedule, pipeline_stages, share_buffers
     from .split import PipelineSplit, balanced_blocks, pipeline_split, split_model, stage_indices
-    from .theory import bubble_fraction
+    from .theory import bubble_fraction, pipeline_actions, replay_peak
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
@@ -57,9 +61,11 @@ __all__ = [
     "balanced_blocks",
     "bubble_fraction",
     "check_pp",
+    "pipeline_actions",
     "pipeline_split",
     "pipeline_stages",
     "pp_problems",
+    "replay_peak",
     "schedule_problems",
     "share_buffers",
     "split_model",

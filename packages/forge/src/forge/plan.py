@@ -2,8 +2,9 @@
 
 Provides :func:`plan_layout` (-> :class:`LayoutPlan`, :meth:`LayoutPlan.text`),
 :func:`estimate_activations`, :func:`build_on_meta` and :func:`run_plan` (the CLI's entry); for
-pipelines :class:`PipelinePlan`, :func:`estimate_pipeline_activations`,
-:func:`pipeline_actions` and :func:`build_stages_on_meta`.
+pipelines :class:`PipelinePlan`, :func:`estimate_pipeline_activations` and
+:func:`build_stages_on_meta` (the schedules' action orders are forge-pp's
+:func:`forge_pp.pipeline_actions`).
 
 The model is built ONCE, as rank 0 of a ``fake`` process group of ``world_size`` ranks, on the
 meta device by ``forge build``'s own ``build_parallel_model`` with no device, so nothing is
@@ -56,7 +57,6 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Protocol, cast
 
 import torch
@@ -72,8 +72,7 @@ from forge_core.torch_compat import (
     strided_shard_type,
 )
 from forge_mesh import build_device_mesh, mesh_layout
-from forge_pp import PipelineSplit, bubble_fraction
-from forge_pp.config import SCHEDULES
+from forge_pp import PipelineSplit, bubble_fraction, pipeline_actions, replay_peak
 from forge_pp.split import balanced_blocks, stage_indices
 from forge_tp_plans import applied_tp_plan
 from forge_vlm import ac_components, num_image_tokens
@@ -95,7 +94,6 @@ __all__ = [
     "build_stages_on_meta",
     "estimate_activations",
     "estimate_pipeline_activations",
-    "pipeline_actions",
     "plan_layout",
     "run_plan",
 ]
@@ -443,11 +441,6 @@ def _activation_parts(cfg: ForgeConfig, layout: Layout, b: int, device: str) -> 
 
 
 # ------------------------------------------------------------------------ pipeline parallelism
-#: A pipeline rank's compute action: ``("F" | "I" | "B" | "W", stage, micro-batch)``: forward,
-#: input-gradient backward (zero-bubble), full backward, weight-gradient backward (zero-bubble).
-_Action = tuple[str, int, int]
-
-
 @dataclass(frozen=True)
 class PipelinePlan:
     """What ``parallelism.pp > 1`` adds to a plan.
@@ -458,7 +451,7 @@ class PipelinePlan:
     ``in_flight``: per pipeline rank, the micro-batches of each of its stages whose activations
     are held at that rank's peak (AC none); ``bubble``: the idle fraction in theory
     (:func:`forge_pp.bubble_fraction`); ``order``: where the action order came from (see
-    :func:`pipeline_actions`)."""
+    :func:`forge_pp.pipeline_actions`)."""
 
     schedule: str
     pp: int
@@ -474,116 +467,6 @@ class PipelinePlan:
     @property
     def num_stages(self) -> int:
         return len(self.stage_blocks)
-
-
-def pipeline_actions(
-    schedule: str, pp: int, microbatches: int, stages_per_rank: int
-) -> tuple[list[list[_Action]], str]:
-    """Every pipeline rank's compute actions in the order the schedule runs them, and where the
-    order came from.
-
-    - GPipe: the ``m`` forwards, then the ``m`` backwards (torch's ScheduleGPipe loop);
-    - 1F1B: ``min(m, pp - r)`` forwards on pipeline rank ``r``, then a backward before each
-      remaining forward, then the remaining backwards (torch's Schedule1F1B loop);
-    - every multi-stage schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
-      ZBVZeroBubble, DualPipeV): torch's own per-rank action list (``pipeline_order``), which the
-      schedule computes arithmetically for every rank when it is built; here it is built over
-      stand-in stages (no process group, no module).
-
-    Should the installed torch refuse the stand-ins, the order falls back to a bound: every local
-    stage runs all its forwards before any backward (GPipe-like: the most a schedule can hold).
-    ``ValueError`` (torch refusing the settings themselves, e.g. DualPipeV with fewer
-    micro-batches than stages) is raised.
-    """
-    m, v = microbatches, stages_per_rank
-    if schedule == "GPipe":
-        return [[*_runs("F", r, m), *_runs("B", r, m)] for r in range(pp)], "forge's rule"
-    if schedule == "1F1B":
-        ranks = []
-        for r in range(pp):
-            warm = min(m, pp - r)
-            steady = [a for i in range(m) for a in (("B", r, i), ("F", r, warm + i)) if a[2] < m]
-            ranks.append([*_runs("F", r, warm), *steady])
-        return ranks, "forge's rule"
-    info = SCHEDULES[schedule]
-    try:
-        return _torch_order(schedule, pp, m, v), "torch's pipeline_order"
-    except ValueError:
-        raise
-    except Exception as err:  # noqa: BLE001 - any torch that builds its schedules differently
-        bound = []
-        for r in range(pp):
-            local = stage_indices(r, pp, v, info.placement)
-            bound.append([(k, s, i) for k in "FB" for s in local for i in range(m)])
-        return bound, f"bound (torch's order unavailable: {type(err).__name__})"
-
-
-def _runs(kind: str, stage: int, m: int) -> list[_Action]:
-    return [(kind, stage, i) for i in range(m)]
-
-
-def _torch_order(schedule: str, pp: int, m: int, v: int) -> list[list[_Action]]:
-    """torch's ``pipeline_order`` of a multi-stage schedule, built over stand-in stages."""
-    from torch.distributed.pipelining import schedules
-
-    info, n = SCHEDULES[schedule], pp * v
-    stand_ins = [
-        SimpleNamespace(
-            stage_index=i,
-            num_stages=n,
-            group_size=pp,
-            group_rank=0,
-            is_first=i == 0,
-            is_last=i == n - 1,
-            submod=nn.Module(),
-        )
-        for i in stage_indices(0, pp, v, info.placement)
-    ]
-    built = getattr(schedules, info.torch_class)(stand_ins, n_microbatches=m)
-    order = built.pipeline_order
-    out: list[list[_Action]] = []
-    for r in range(pp):
-        actions = [a for step in order[r] if step is not None for a in step.sub_actions or (step,)]
-        kinds = [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in actions]
-        out.append([(k, s, i) for k, s, i in kinds if k in ("F", "I", "B", "W")])
-    return out
-
-
-def _replay(
-    actions: list[_Action],
-    per_mb: dict[int, int],
-    out_mb: dict[int, int],
-    recompute: dict[int, int] | None = None,
-) -> tuple[int, dict[int, int]]:
-    """The peak bytes over ``actions`` and the micro-batches of each stage in flight then: a
-    forward adds its stage's ``per_mb`` (saved for the backward) and ``out_mb`` (its output,
-    kept by torch's stage for the backward) bytes; a full backward (B) frees both; a zero-bubble
-    input gradient (I) frees the output, the weight gradient (W, which still needs the saved
-    inputs) the rest. ``recompute``: what a stage's backward (B or I) recomputes on top while it
-    runs (AC full: its largest block)."""
-    live: set[tuple[int, int]] = set()
-    outputs: set[tuple[int, int]] = set()
-    total = peak = 0
-    at_peak: dict[int, int] = {}
-    for kind, s, i in actions:
-        during = 0
-        if kind == "F" and (s, i) not in live:
-            live.add((s, i))
-            outputs.add((s, i))
-            total += per_mb[s] + out_mb[s]
-        elif kind in ("B", "I") and recompute:
-            during = recompute[s]
-        if total + during > peak:
-            peak, at_peak = total + during, {}
-            for st, _ in live:
-                at_peak[st] = at_peak.get(st, 0) + 1
-        if kind in ("B", "I") and (s, i) in outputs:
-            outputs.remove((s, i))
-            total -= out_mb[s]
-        if kind in ("B", "W") and (s, i) in live:
-            live.remove((s, i))
-            total -= per_mb[s]
-    return peak, dict(sorted(at_peak.items()))
 
 
 def _pipeline(
@@ -633,9 +516,9 @@ def _pipeline(
     rank_stages = tuple(tuple(stage_indices(r, pp, v, placement)) for r in range(pp))
     estimates, in_flight = [], []
     for actions in ranks:
-        none, held = _replay(actions, none_mb, out_mb)
-        saved = _replay(actions, full_mb, out_mb)[0]
-        full = _replay(actions, full_mb, out_mb, recompute)[0]
+        none, held = replay_peak(actions, none_mb, out_mb)
+        saved = replay_peak(actions, full_mb, out_mb)[0]
+        full = replay_peak(actions, full_mb, out_mb, recompute)[0]
         estimates.append(ActivationEstimate(none=none, full_saved=saved, full_block=full - saved))
         in_flight.append(held)
     pipe = PipelinePlan(
@@ -665,7 +548,7 @@ def estimate_pipeline_activations(
     stage keeps it for the backward). Nothing outlives its micro-batch's backward: forge_pp runs
     the schedule without merging the last stage's outputs (``return_outputs=False``).
 
-    When: the rank's actions in order (:func:`pipeline_actions`) are replayed; a forward adds
+    When: the rank's actions in order (:func:`forge_pp.pipeline_actions`) are replayed; a forward adds
     its (stage, micro-batch), the full backward frees it, or for the zero-bubble schedules
     (backward split into input and weight gradients) the weight gradient, which still needs the
     saved inputs (an upper bound: the input step frees a little). ``none`` and ``full_saved`` (AC
