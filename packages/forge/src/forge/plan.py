@@ -11,15 +11,11 @@ meta device by ``forge build``'s own ``build_parallel_model`` with no device, so
 materialized (asserted). Every other rank's numbers are arithmetic:
 
 - Parameters: each DTensor's global shape + placements + the rank's coordinate in the
-  parameter's mesh (for every rank at once, from the mesh layout: ``remap_to_tensor``). ``Shard``
-  chunks as ``torch.chunk`` does (``ceil(L/n)`` per rank, the last ranks get less or nothing). A
-  tensor dim carrying a ``_StridedShard`` (FSDP2 over TP- or EP-sharded weights) is chunked right
-  to left, inner (TP/EP) mesh dims first and FSDP2's last: that is how FSDP2 stores it
-  (``to_local()``); torch's left-to-right ``_StridedShard`` rule agrees unless the inner dims
-  split unevenly (TP/EP plans refuse that).
-  Rank 0's arithmetic is checked against the meta model's ``to_local()`` on every run. Bytes
-  count as ``forge.job._param_bytes`` does (unpadded); FSDP2 allocates the padded shard
-  (``ceil(L/n)`` rows on every rank, even one holding nothing), shown as "padded".
+  parameter's mesh, for every rank at once (forge-mesh's :func:`forge_mesh.per_rank.per_rank_bytes`,
+  which says how ``Shard`` and FSDP2's ``_StridedShard`` chunk, and checks rank 0's arithmetic
+  against the meta model's ``to_local()`` on every run). Bytes count as ``forge.job._param_bytes``
+  does (unpadded); FSDP2 allocates the padded shard (``ceil(L/n)`` rows on every rank, even one
+  holding nothing), shown as "padded".
 - Gradients: the trainable shard, same bytes. AdamW: two float32 states per trainable element.
 - Activations: :func:`estimate_activations` (formula in its docstring; the tests compare it with
   the tensors autograd saves on real runs).
@@ -57,7 +53,6 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -68,17 +63,22 @@ from forge_core.stages import unwrap
 from forge_core.torch_compat import (
     fsdp_param_groups,
     fsdp_reshards_root_after_forward,
-    mesh_group_ranks,
-    strided_shard_type,
 )
 from forge_mesh import build_device_mesh, mesh_layout
+from forge_mesh.per_rank import (
+    BYTE_KINDS,
+    SHARD_PLACEMENTS,
+    per_rank_bytes,
+    rank_coordinates,
+    unique_params,
+)
 from forge_pp import PipelineSplit, bubble_fraction, pipeline_actions, replay_peak
 from forge_pp.split import balanced_blocks, stage_indices
 from forge_tp_plans import applied_tp_plan
 from forge_vlm import ac_components, num_image_tokens
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor import DTensor
 
 from .build import ParallelPlan, model_from_config
 from .checks import config_problems, import_problems
@@ -99,17 +99,8 @@ __all__ = [
 ]
 
 _DDP_BUCKET = 25 * 2**20  # DDP's default bucket_cap_mb
-_BYTE_KINDS = ("params", "padded", "grads", "optim")
-_STRIDED_SHARD = strided_shard_type()
-_SHARDS = (Shard, _STRIDED_SHARD)  # NOTE: torch 2.15's _StridedShard is not a Shard subclass
-#: How a parameter groups for the per-rank arithmetic: shape, mesh, placements, FSDP2's mesh dim.
-_ParamKey = tuple[tuple[int, ...], DeviceMesh | None, tuple[Placement, ...], int | None]
 
-
-class _ShardLike(Protocol):
-    """What ``Shard`` and ``_StridedShard`` (no common base but ``Placement``) share here."""
-
-    dim: int
+_DDP_BUCKET = 25 * 2**20  # DDP's default bucket_cap_mb
 
 
 @dataclass(frozen=True)
@@ -581,99 +572,6 @@ def _broken_rules(cfg: ForgeConfig, world_size: int) -> list[str]:
     return config_problems(cfg, world_size) or import_problems(cfg, world_size)
 
 
-def _coordinates(mesh: DeviceMesh, world_size: int) -> torch.Tensor:
-    """``[world_size, mesh.ndim]``: every rank's coordinate in ``mesh`` (-1 if not in it)."""
-    groups = mesh_group_ranks(mesh)  # every group's ranks
-    grid = torch.stack(torch.meshgrid(*[torch.arange(n) for n in mesh.shape], indexing="ij"), -1)
-    grid = grid.reshape(-1, mesh.ndim)
-    coords = torch.full((world_size, mesh.ndim), -1, dtype=torch.long)
-    coords[groups] = grid.repeat(groups.numel() // grid.shape[0], 1)
-    return coords
-
-
-def _local_sizes(
-    shape: tuple[int, ...],
-    placements: tuple[Placement, ...],
-    mesh: DeviceMesh,
-    coords: torch.Tensor,
-    padded_dim: int | None = None,
-) -> list[torch.Tensor]:
-    """Per tensor dim, its local size on every rank; mesh dim ``padded_dim`` (FSDP2's) gives
-    every rank the full ``ceil(L/n)`` chunk (FSDP2's padded allocation)."""
-    sizes = [torch.full((coords.shape[0],), n, dtype=torch.long) for n in shape]
-    by_dim: dict[int, list[int]] = {}
-    for j, p in enumerate(placements):
-        if isinstance(p, _SHARDS):  # both kinds name the tensor dim they split
-            by_dim.setdefault(cast(_ShardLike, p).dim % len(shape), []).append(j)
-    for k, dims in by_dim.items():
-        if any(isinstance(placements[j], _STRIDED_SHARD) for j in dims):
-            dims.reverse()  # FSDP2 sharded the TP/EP-local tensor: inner mesh dims first
-        for j in dims:
-            cur, n = sizes[k], mesh.shape[j]
-            chunk = (cur + n - 1) // n
-            own = (cur - coords[:, j] * chunk).clamp(min=0).minimum(chunk)
-            sizes[k] = chunk if j == padded_dim else own
-    return sizes
-
-
-def _per_rank_bytes(
-    modules: Sequence[nn.Module],
-    world_size: int,
-    coords: dict[DeviceMesh, torch.Tensor] | None = None,
-) -> dict[str, torch.Tensor]:
-    """params / padded / grads / optim bytes of every rank holding ``modules``' parameters (a
-    model, or a pipeline rank's stage modules: each parameter counted once); rank 0's arithmetic
-    checked against ``to_local``. ``coords``: a cache of mesh coordinates."""
-    units = [u for module in modules for u in module.modules() if isinstance(u, FSDPModule)]
-    fsdp_dim = {
-        id(fp.sharded_param): fp.mesh_info.shard_mesh_dim
-        for unit in units
-        for group in fsdp_param_groups(unit)
-        for fp in group.fsdp_params
-    }
-    out = {k: torch.zeros(world_size, dtype=torch.long) for k in _BYTE_KINDS}
-    coords = {} if coords is None else coords
-    groups: dict[_ParamKey, list[nn.Parameter]] = {}  # params that shard alike: one arithmetic
-    for p in _unique_params(modules):
-        key: _ParamKey = (tuple(p.shape), None, (), None)
-        if isinstance(p, DTensor):
-            key = (tuple(p.shape), p.device_mesh, tuple(p.placements), fsdp_dim.get(id(p)))
-        groups.setdefault(key, []).append(p)
-    for (shape, mesh, placements, fdim), params in groups.items():
-        local: int | torch.Tensor = math.prod(shape)  # a DTensor's: per rank, [world_size]
-        padded = local
-        if mesh is not None:
-            if mesh not in coords:
-                coords[mesh] = _coordinates(mesh, world_size)
-            sizes = _local_sizes(shape, placements, mesh, coords[mesh])
-            first = params[0]
-            assert isinstance(first, DTensor)  # a mesh in the key: DTensor parameters
-            rank0, truth = [int(x[0]) for x in sizes], list(first.to_local().shape)
-            if rank0 != truth:
-                raise AssertionError(f"{shape} {placements}: rank 0 {rank0} != to_local {truth}")
-            local = _product(sizes)
-            padded = _product(_local_sizes(shape, placements, mesh, coords[mesh], fdim))
-        trained = [q for q in params if q.requires_grad]
-        out["params"] += local * sum(q.element_size() for q in params)
-        out["padded"] += padded * sum(q.element_size() for q in params)
-        out["grads"] += local * sum(q.element_size() for q in trained)
-        out["optim"] += local * 8 * len(trained)  # AdamW: exp_avg, exp_avg_sq in float32
-    return out
-
-
-def _unique_params(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
-    """The parameters of ``modules``, each once (pipeline stage modules share submodules)."""
-    return list({id(p): p for module in modules for p in module.parameters()}.values())
-
-
-def _product(sizes: list[torch.Tensor]) -> int | torch.Tensor:
-    """Elementwise product of per-rank sizes (1 for none), as ``math.prod`` would give."""
-    total: int | torch.Tensor = 1
-    for n in sizes:
-        total = total * n
-    return total
-
-
 def _fold(name: str) -> str:
     """A module name with wrapper parts dropped and block numbers folded to ``*``."""
     name = re.sub(r"\._checkpoint_wrapped_module|\._orig_mod", "", name)
@@ -761,7 +659,7 @@ def _collectives(
             if hasattr(info, "replicate_mesh_size"):
                 rep, size = info.mesh.mesh_dim_names[0], info.replicate_mesh_size
                 add("backward all_reduce", rep, grads * 4, int(grads > 0), what + " (HSDP)", size)
-    params = _unique_params(modules)
+    params = unique_params(modules)
     if data == "ddp":
         total = sum(p.numel() * 4 for p in params if p.requires_grad)
         for i in range(math.ceil(total / _DDP_BUCKET)):
@@ -831,7 +729,7 @@ def _collectives(
         for p in params
         if isinstance(p, DTensor) and p.requires_grad
         for j, pl in enumerate(p.placements)
-        if isinstance(pl, _SHARDS)
+        if isinstance(pl, SHARD_PLACEMENTS)
     }
     for axis, size in sharded:
         add("step all_reduce", axis, 4, 1, "grad norm partial sum (fp32 scalar)", size)
@@ -945,19 +843,19 @@ def plan_layout(cfg: ForgeConfig, world_size: int) -> LayoutPlan:
         pp_rank = torch.zeros(world_size, dtype=torch.long)
         if par.pp > 1:
             plan.pipeline, plan.micro_batch = pipe, pipe.micro_batch
-            pp_rank = _coordinates(mesh, world_size)[:, _dim_index(mesh, "pp")]
+            pp_rank = rank_coordinates(mesh, world_size)[:, _dim_index(mesh, "pp")]
             plan.pipeline_rank = pp_rank.tolist()
-        per_rank = {k: torch.zeros(world_size, dtype=torch.long) for k in _BYTE_KINDS}
+        per_rank = {k: torch.zeros(world_size, dtype=torch.long) for k in BYTE_KINDS}
         coords: dict[DeviceMesh, torch.Tensor] = {}
         for r, held in enumerate(holdings):
             mine = pp_rank == r
-            for k, v in _per_rank_bytes(held, world_size, coords).items():
+            for k, v in per_rank_bytes(held, world_size, coords).items():
                 per_rank[k][mine] = v[mine]
         plan.param_bytes = per_rank["params"].tolist()
         plan.padded_param_bytes = per_rank["padded"].tolist()
         plan.grad_bytes, plan.optim_bytes = per_rank["grads"].tolist(), per_rank["optim"].tolist()
         plan.unsharded_param_bytes = sum(
-            p.numel() * p.element_size() for held in holdings for p in _unique_params(held)
+            p.numel() * p.element_size() for held in holdings for p in unique_params(held)
         )
         plan.activation = estimates[0]
         ranks = pp_rank.tolist()
