@@ -129,27 +129,35 @@ def test_mla_style_reads_the_rope_dim_from_the_model():
 @pytest.mark.parametrize("tp", [2, 3, 4, 8])
 @pytest.mark.parametrize("parts", [1, 2, 3])
 def test_the_all_to_all_plan_moves_every_block_to_its_packed_place_and_back(tp, parts):
-    from forge_tp_plans.styles import _exchange_plan, _owner_and_slot
+    """The packed layout is ``parts`` equal row segments, each split over tp: the all-to-all
+    (forge_tp_plans.fused_styles) played out without ranks gives each rank its slice of every
+    part, in order (rank r: blocks r, tp + r, ...), and the way back returns every row to the
+    rank that holds it contiguously."""
+    from forge_tp_plans.fused_styles import _exchange
 
-    def layout(packed: bool) -> list[list[int]]:  # rank -> its global block numbers, in order
-        ranks: list[list[int]] = [[-1] * parts for _ in range(tp)]
-        for k in range(parts * tp):
-            owner, slot = _owner_and_slot(k, packed, parts, tp)
-            ranks[owner][slot] = k
-        return ranks
-
-    for to_packed in (True, False):
-        before, after = layout(not to_packed), layout(to_packed)
-        plans = [_exchange_plan(parts, tp, r, to_packed) for r in range(tp)]
-        # what each rank sends to each other one, in order (an all_to_all_single)
-        outbox = []
-        for r, (send_order, send_counts, _, _) in enumerate(plans):
-            sent, start = [before[r][i] for i in send_order], 0
-            outbox.append([sent[start : (start := start + c)] for c in send_counts])
-        for r, (_, _, recv_counts, recv_order) in enumerate(plans):
-            received = [k for s in range(tp) for k in outbox[s][r]]
-            assert [len(outbox[s][r]) for s in range(tp)] == recv_counts
-            assert [received[i] for i in recv_order] == after[r]
+    size = 2  # rows of one block (one part's slice on one rank)
+    c = size * parts  # rows a rank holds
+    plans = [_exchange(((size * tp, True),) * parts, tp, r) for r in range(tp)]
+    # what each rank sends to each other one, in order (an all_to_all_single)
+    outbox = []
+    for r, ex in enumerate(plans):
+        sent, start = [r * c + s + i for s, n in ex.send for i in range(n)], 0
+        outbox.append([sent[start : (start := start + k)] for k in ex.send_counts])
+    packed = []
+    for r, ex in enumerate(plans):
+        assert [len(outbox[s][r]) for s in range(tp)] == list(ex.recv_counts)
+        packed.append([k for s in range(tp) for k in outbox[s][r]])
+        blocks = [p * tp + r for p in range(parts)]  # its slice of every part
+        assert packed[r] == [k * size + i for k in blocks for i in range(size)]
+    for s, ex in enumerate(plans):  # back: each rank returns what it got from s, in order
+        back = []
+        for r in range(tp):
+            start = sum(plans[r].recv_counts[:s])
+            back += packed[r][start : start + plans[r].recv_counts[s]]
+        restored, pos = [-1] * c, 0
+        for start, n in ex.send:
+            restored[start : start + n], pos = back[pos : pos + n], pos + n
+        assert restored == list(range(s * c, (s + 1) * c))
 
 
 # --- a fused GLU: packed_colwise into packed_rowwise -----------------------------------------

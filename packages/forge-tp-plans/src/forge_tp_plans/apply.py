@@ -27,7 +27,7 @@ from .hf_families import FAMILY_HEAD_COUNTS, FAMILY_SINGLE_KV_REPLICATED, FAMILY
 from .plans import (
     PlanContext,
     Style,
-    _pattern_regex,
+    _matching,
     expand_plan,
     registered_plan_fn,
     resolve_plan,
@@ -63,18 +63,17 @@ class AppliedPlan:
 
     def __str__(self) -> str:
         # Fold layer indices to "*" only where every layer has the entry with the same style.
-        groups: dict[str, set[str]] = {}
+        patterns = {name: re.sub(r"\.\d+(\.|$)", r".*\1", name) for name in self.styles}
         members: dict[str, list[str]] = {}
-        for name, style in self.styles.items():
-            pattern = re.sub(r"\.\d+(\.|$)", r".*\1", name)
-            groups.setdefault(pattern, set()).add(style)
-            members.setdefault(pattern, []).append(name)
+        for name in self.styles:
+            members.setdefault(patterns[name], []).append(name)
         n_layers = max((len(v) for v in members.values()), default=1)
         rows: dict[str, str] = {}
         for name, style in self.styles.items():
-            pattern = re.sub(r"\.\d+(\.|$)", r".*\1", name)
-            folded = len(groups[pattern]) == 1 and len(members[pattern]) == n_layers > 1
-            rows.setdefault(pattern if folded else name, style)
+            same = members[patterns[name]]
+            one_style = len({self.styles[n] for n in same}) == 1
+            folded = one_style and len(same) == n_layers > 1
+            rows.setdefault(patterns[name] if folded else name, style)
         width = max((len(k) for k in rows), default=0)
         head = (
             f"{self.source} plan over {self.tp_size} ranks, sequence_parallel={self.sequence_parallel}, "
@@ -284,7 +283,7 @@ def _checked_plan(
     skipped = tuple(unmatched_patterns(model, raw)) if source == "huggingface" else ()
     params = [n for n, _ in model.named_parameters()]
     for pattern in skipped:
-        named = [n for n in params if _pattern_regex(pattern).match(n)]
+        named = _matching(pattern, params)
         if named:
             # NOTE: transformers 5.17's granite_swa plan names its attention sinks this way;
             # skipping it would leave every rank all heads' sinks next to half the heads.
@@ -315,7 +314,7 @@ def _checked_plan(
         for p in raw
         if p not in skipped
         and isinstance(p, str)
-        and (hits := [n for n in names if _pattern_regex(p).match(n)])
+        and (hits := _matching(p, names))
         and all(inside_whole(n) for n in hits)
     ]
     concrete = expand_plan(

@@ -18,11 +18,9 @@ from forge_core.mesh_dims import get_tp_mesh
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from .fused_styles import _local
+
 __all__ = ["tp_gradient_mismatches"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _sharded_over_tp(param: torch.Tensor) -> bool:

@@ -18,6 +18,10 @@ module that returns a :class:`HeadSplit`; it sets the attributes to one rank's v
 the fused projection's :class:`FusedQKVColwise` its segments, and can hand the attention only
 its heads' part of per-head inputs (ALiBi biases). No transformers import: ``Conv1D`` is matched
 by class name and weight shape.
+
+The fused ("packed") Linears of :mod:`forge_tp_plans.styles` (``[gate; up]``) are the same split:
+``parts`` equal segments, each split over tp, so they build on :class:`_ColwiseRows` and
+:class:`_RowwiseRows` here, with the local-shard collectives every style of forge's own shares.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 import torch
 import torch.distributed as dist
@@ -32,10 +37,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from forge_core.errors import ForgeConfigError
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, parallelize_module
-
-from .styles import _CopyToParallel, _local, _ReduceFromParallel
 
 __all__ = [
     "ColwiseConv1D",
@@ -52,6 +62,48 @@ Segments = tuple[tuple[int, bool], ...]
 
 #: Where :class:`SplitAttentionHeads` leaves a fused projection its segments (module ``__dict__``).
 _ROWS_ATTR = "_forge_fused_rows"
+
+
+class _CopyToParallel(torch.autograd.Function):
+    """Identity forward; all-reduce of the gradient backward (a replicated input feeding shards)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    """All-reduce forward (sum of partial outputs); identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        return grad, None
+
+
+@overload
+def _local(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def _local(t: torch.Tensor | None) -> torch.Tensor | None: ...
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _replicated_local(x: torch.Tensor) -> torch.Tensor:
+    """A replicated input as a plain tensor (a DTensor input is gathered whole first)."""
+    return x.full_tensor() if isinstance(x, DTensor) else x
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -78,6 +130,14 @@ def _out_dim(module: nn.Module, path: str) -> int:
     )
 
 
+def _check_conv1d(module: nn.Module, path: str, style: str, linear_style: str) -> None:
+    if not is_conv1d(module):
+        raise ForgeConfigError(
+            f"'{path}' is a {type(module).__name__}: {style} splits transformers' Conv1D only "
+            f"(nn.Linear: {linear_style})"
+        )
+
+
 def _tensor(module: nn.Module, name: str) -> torch.Tensor | None:
     """The module's parameter ``name`` (None when it has none, e.g. no bias)."""
     value = getattr(module, name, None)
@@ -94,36 +154,38 @@ def _out_features(module: nn.Module, path: str) -> int:
     return int(_weight(module).shape[_out_dim(module, path)])
 
 
-def _plain_local(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """A replicated input as a plain tensor (a DTensor input is replicated first)."""
-    return x.redistribute(mesh, [Replicate()]).to_local() if isinstance(x, DTensor) else x
+def _in_features(module: nn.Module, path: str) -> int:
+    return int(_weight(module).shape[1 - _out_dim(module, path)])
 
 
-def _distribute(module: nn.Module, mesh: DeviceMesh, placements: Mapping[str, Shard | Replicate]):  # noqa: ANN202
-    """Turn ``module``'s own parameters into DTensors of their unsharded values (names kept)."""
+def _distribute(module: nn.Module, mesh: DeviceMesh, weight: Placement, other: Placement) -> None:
+    """Turn ``module``'s own parameters into DTensors of their unsharded values (names kept):
+    ``weight`` placed as ``weight`` says, the others (the bias) as ``other``. Parameters that are
+    DTensors already are left as they are."""
 
     def partition(name: str, mod: nn.Module, device_mesh: DeviceMesh) -> None:
         for pname, param in list(mod.named_parameters(recurse=False)):
-            if isinstance(param, DTensor):
-                continue
-            mod.register_parameter(
-                pname,
-                nn.Parameter(
-                    distribute_tensor(param, device_mesh, [placements[pname]]),
-                    requires_grad=param.requires_grad,
-                ),
-            )
+            if not isinstance(param, DTensor):
+                placement = weight if pname == "weight" else other
+                sharded = distribute_tensor(param, device_mesh, [placement])
+                mod.register_parameter(
+                    pname, nn.Parameter(sharded, requires_grad=param.requires_grad)
+                )
 
     distribute_module(module, mesh, partition)
 
 
-def _project(module: nn.Module, x: torch.Tensor, conv1d: bool) -> torch.Tensor:
-    """The module's own product on local shards (``Conv1D``: ``addmm`` as transformers does)."""
-    weight, bias = _local(_weight(module)), _local(_tensor(module, "bias"))
+def _project(
+    module: nn.Module, x: torch.Tensor, conv1d: bool, *, bias: bool = True
+) -> torch.Tensor:
+    """The module's own product on local shards (``Conv1D``: ``addmm`` as transformers does),
+    without the bias when ``bias`` is false (a row-parallel layer adds it after the sum)."""
+    weight = _local(_weight(module))
+    b = _local(_tensor(module, "bias")) if bias else None
     if not conv1d:
-        return F.linear(x, weight, bias)
+        return F.linear(x, weight, b)
     flat = x.reshape(-1, x.size(-1))
-    y = flat @ weight if bias is None else torch.addmm(bias, flat, weight)
+    y = flat @ weight if b is None else torch.addmm(b, flat, weight)
     return y.view(*x.shape[:-1], -1)
 
 
@@ -186,34 +248,50 @@ def _exchange(rows: Segments, tp: int, rank: int) -> _Exchange:
     return _Exchange(tuple(send), tuple(send_counts), tuple(recv_counts), c, identity)
 
 
-class _Regroup(torch.autograd.Function):
-    """Forward: this rank's contiguous output rows -> the rows it computes with (all-to-all);
-    backward: the gradient rows back to their owners, summed where several ranks used them
-    (a replicated segment)."""
+def _to_segments(y: torch.Tensor, ex: _Exchange, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's contiguous rows (``y``'s last dimension) -> the rows it computes with."""
+    moved = y.movedim(-1, 0)
+    send = torch.cat([moved.narrow(0, s, n) for s, n in ex.send]).contiguous()
+    recv = send.new_empty((sum(ex.recv_counts), *moved.shape[1:]))
+    dist.all_to_all_single(recv, send, list(ex.recv_counts), list(ex.send_counts), group=group)
+    return recv.movedim(0, -1).contiguous()
 
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, ex: _Exchange, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
-        ctx.ex, ctx.group = ex, group
-        moved = y.movedim(-1, 0)
-        send = torch.cat([moved.narrow(0, s, n) for s, n in ex.send]).contiguous()
-        recv = send.new_empty((sum(ex.recv_counts), *moved.shape[1:]))
-        dist.all_to_all_single(recv, send, list(ex.recv_counts), list(ex.send_counts), group=group)
-        return recv.movedim(0, -1).contiguous()
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: ANN001
-        ex = ctx.ex
-        moved = grad.movedim(-1, 0).contiguous()
-        back = moved.new_empty((sum(ex.send_counts), *moved.shape[1:]))
-        dist.all_to_all_single(
-            back, moved, list(ex.send_counts), list(ex.recv_counts), group=ctx.group
+def _to_contiguous(x: torch.Tensor, ex: _Exchange, group: dist.ProcessGroup) -> torch.Tensor:
+    """The rows this rank computes with -> back to their owners' contiguous rows, summed where
+    several ranks held one (a replicated segment)."""
+    if x.shape[-1] != sum(ex.recv_counts):
+        raise ForgeConfigError(
+            f"a tensor-parallel input of local size {x.shape[-1]} is not this rank's "
+            f"{sum(ex.recv_counts)} rows of its segments (its slice of every part, in order)"
         )
-        out = moved.new_zeros((ex.local_rows, *moved.shape[1:]))
-        pos = 0
-        for s, n in ex.send:
-            out.narrow(0, s, n).add_(back.narrow(0, pos, n))
-            pos += n
-        return out.movedim(0, -1), None, None
+    moved = x.movedim(-1, 0).contiguous()
+    back = moved.new_empty((sum(ex.send_counts), *moved.shape[1:]))
+    dist.all_to_all_single(back, moved, list(ex.send_counts), list(ex.recv_counts), group=group)
+    out = moved.new_zeros((ex.local_rows, *moved.shape[1:]))
+    pos = 0
+    for s, n in ex.send:
+        out.narrow(0, s, n).add_(back.narrow(0, pos, n))
+        pos += n
+    return out.movedim(0, -1)
+
+
+class _Regroup(torch.autograd.Function):
+    """Forward: this rank's contiguous output rows -> the rows it computes with (all-to-all), or
+    the other way with ``inverse``; backward moves the gradient back (contiguous: summed where
+    several ranks used a row, a replicated segment)."""
+
+    @staticmethod
+    def forward(  # noqa: ANN001
+        ctx, x: torch.Tensor, ex: _Exchange, group: dist.ProcessGroup, inverse: bool
+    ) -> torch.Tensor:
+        ctx.args = (ex, group, inverse)
+        return (_to_contiguous if inverse else _to_segments)(x, ex, group).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # noqa: ANN001
+        ex, group, inverse = ctx.args
+        return (_to_segments if inverse else _to_contiguous)(grad, ex, group), None, None, None
 
 
 def _check_rows(rows: Segments, out_features: int, tp: int, path: str) -> None:
@@ -248,7 +326,11 @@ class _ColwiseRows(ParallelStyle):
 
     def _rows(self, module: nn.Module, path: str) -> Segments:
         rows = self._known_rows(module, path)
-        assert rows is not None
+        if rows is None:
+            raise ForgeConfigError(
+                f"'{path}': {type(self).__name__} needs its row segments: give rows=..., or put "
+                "SplitAttentionHeads on the attention module that holds it before it in the plan"
+            )
         return rows
 
     def check(self, module: nn.Module, path: str, tp: int) -> None:
@@ -266,12 +348,12 @@ class _ColwiseRows(ParallelStyle):
         dim = _out_dim(module, path)
         ex = _exchange(self._rows(module, path), tp, device_mesh.get_local_rank())
         conv1d = dim == 1
-        _distribute(module, device_mesh, {"weight": Shard(dim), "bias": Shard(0)})
+        _distribute(module, device_mesh, Shard(dim), Shard(0))
 
         def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-            x = _CopyToParallel.apply(_plain_local(x, device_mesh), group)
+            x = _CopyToParallel.apply(_replicated_local(x), group)
             y = _project(self, x, conv1d)
-            return y if ex.identity else _Regroup.apply(y, ex, group)
+            return y if ex.identity else _Regroup.apply(y, ex, group, False)
 
         module.forward = types.MethodType(forward, module)
         return module
@@ -288,11 +370,7 @@ class ColwiseConv1D(_ColwiseRows):
 
     def check(self, module: nn.Module, path: str, tp: int) -> None:
         """Raise ``ForgeConfigError`` unless ``module`` is a ``Conv1D`` that splits over ``tp``."""
-        if not is_conv1d(module):
-            raise ForgeConfigError(
-                f"'{path}' is a {type(module).__name__}: ColwiseConv1D splits transformers' "
-                "Conv1D only (nn.Linear: ColwiseParallel)"
-            )
+        _check_conv1d(module, path, "ColwiseConv1D", "ColwiseParallel")
         super().check(module, path, tp)
 
 
@@ -326,17 +404,48 @@ class FusedQKVColwise(_ColwiseRows):
     def _known_rows(self, module: nn.Module, path: str) -> Segments | None:
         return self.rows if self.rows is not None else module.__dict__.get(_ROWS_ATTR)
 
-    def _rows(self, module: nn.Module, path: str) -> Segments:
-        rows = self._known_rows(module, path)
-        if rows is None:
-            raise ForgeConfigError(
-                f"'{path}': FusedQKVColwise needs its row segments: give rows=..., or put "
-                "SplitAttentionHeads on the attention module that holds it before it in the plan"
-            )
-        return rows
+
+class _RowwiseRows(ParallelStyle):
+    """Row parallel ``nn.Linear`` / ``Conv1D``: the weight's input dimension a ``Shard`` DTensor,
+    the bias replicated (the unsharded values and names).
+
+    Input: this rank's rows of the input features in the layout ``_known_rows`` gives (one split
+    segment: the plain contiguous slice), moved to the contiguous layout by an all-to-all (its
+    gradient back by another); a DTensor input is taken in torch's contiguous ``Shard(-1)``
+    layout instead. Output: the partial products all-reduced, the bias added once, replicated.
+    """
+
+    def _known_rows(self, module: nn.Module, path: str) -> Segments:
+        return ((_in_features(module, path), True),)
+
+    def check(self, module: nn.Module, path: str, tp: int) -> None:
+        """Raise ``ForgeConfigError`` unless ``module``'s input features split over ``tp``."""
+        features = _in_features(module, path)
+        if features % tp:
+            raise ForgeConfigError(f"'{path}': {features} input features do not split over tp={tp}")
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        path = type(self).__name__
+        tp, group = device_mesh.size(), device_mesh.get_group()
+        self.check(module, path, tp)
+        conv1d = _out_dim(module, path) == 1
+        ex = _exchange(self._known_rows(module, path), tp, device_mesh.get_local_rank())
+        _distribute(module, device_mesh, Shard(0 if conv1d else 1), Replicate())
+
+        def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            if isinstance(x, DTensor):
+                x = x.redistribute(device_mesh, [Shard(x.ndim - 1)]).to_local()
+            elif not ex.identity:
+                x = _Regroup.apply(x, ex, group, True)
+            y = _ReduceFromParallel.apply(_project(self, x, conv1d, bias=False), group)
+            bias = _local(_tensor(self, "bias"))
+            return y if bias is None else y + bias
+
+        module.forward = types.MethodType(forward, module)
+        return module
 
 
-class RowwiseConv1D(ParallelStyle):
+class RowwiseConv1D(_RowwiseRows):
     """Row parallel transformers ``Conv1D`` (GPT-2's ``c_proj``): weight ``[in, out]`` stored as
     a ``Shard(0)`` DTensor, bias replicated (the unsharded values and names).
 
@@ -346,31 +455,8 @@ class RowwiseConv1D(ParallelStyle):
 
     def check(self, module: nn.Module, path: str, tp: int) -> None:
         """Raise ``ForgeConfigError`` unless ``module`` is a ``Conv1D`` that splits over ``tp``."""
-        if not is_conv1d(module):
-            raise ForgeConfigError(
-                f"'{path}' is a {type(module).__name__}: RowwiseConv1D splits transformers' "
-                "Conv1D only (nn.Linear: RowwiseParallel)"
-            )
-        features = _weight(module).shape[0]
-        if features % tp:
-            raise ForgeConfigError(f"'{path}': {features} input features do not split over tp={tp}")
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        tp, group = device_mesh.size(), device_mesh.get_group()
-        self.check(module, type(self).__name__, tp)
-        _distribute(module, device_mesh, {"weight": Shard(0), "bias": Replicate()})
-
-        def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-            if isinstance(x, DTensor):
-                x = x.redistribute(device_mesh, [Shard(x.ndim - 1)]).to_local()
-            flat = x.reshape(-1, x.size(-1))
-            y = _ReduceFromParallel.apply(flat @ _local(_weight(self)), group)
-            bias = _local(_tensor(self, "bias"))
-            y = y if bias is None else y + bias
-            return y.view(*x.shape[:-1], -1)
-
-        module.forward = types.MethodType(forward, module)
-        return module
+        _check_conv1d(module, path, "RowwiseConv1D", "RowwiseParallel")
+        super().check(module, path, tp)
 
 
 class RowwiseParallelInplaceSafe(RowwiseParallel):
@@ -454,12 +540,9 @@ class SplitAttentionHeads(ParallelStyle):
         if plan.heads % tp:
             raise ForgeConfigError(f"'{path}': {plan.heads} heads do not split over tp={tp}")
         if plan.fused is not None:
-            _check_rows(
-                plan.rows,
-                _out_features(module.get_submodule(plan.fused), f"{path}.{plan.fused}"),
-                tp,
-                f"{path}.{plan.fused}",
-            )
+            fused = f"{path}.{plan.fused}"
+            features = _out_features(module.get_submodule(plan.fused), fused)
+            _check_rows(plan.rows, features, tp, fused)
         return plan
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

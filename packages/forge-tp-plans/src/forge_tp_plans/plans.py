@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -94,6 +94,7 @@ def reference_plan(model: nn.Module, ctx: PlanContext) -> dict[str, Style]:
     # subclasses, whose ``config`` and ``layers`` it reads.
     transformer = cast(Transformer, model)
     sp, tied = ctx.sequence_parallel, transformer.config.tie_embeddings
+    residual = Shard(1) if sp else Replicate()  # the layout between blocks
     slots = {name: block.feed_forward for name, block in transformer.layers.items()}
     dense = [name for name, ffn in slots.items() if type(ffn) is FeedForward]
     other = [name for name in slots if name not in dense]
@@ -132,17 +133,15 @@ def reference_plan(model: nn.Module, ctx: PlanContext) -> dict[str, Style]:
         plan["norm"] = SequenceParallel()
     for proj in ("wq", "wk", "wv"):
         plan[f"layers.*.attention.{proj}"] = ColwiseParallel()  # heads split across ranks
-    plan["layers.*.attention.wo"] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+    plan["layers.*.attention.wo"] = RowwiseParallel(output_layouts=residual)
     for prefix in ffn_prefixes:
         plan[f"{prefix}.feed_forward.w1"] = ColwiseParallel()  # hidden dim split
         plan[f"{prefix}.feed_forward.w3"] = ColwiseParallel()
-        plan[f"{prefix}.feed_forward.w2"] = RowwiseParallel(
-            output_layouts=Shard(1) if sp else Replicate()
-        )
+        plan[f"{prefix}.feed_forward.w2"] = RowwiseParallel(output_layouts=residual)
     if getattr(model, "output", None) is not None:
         # Vocab-sharded head: gathered for a plain loss, or kept sharded for loss_parallel.
         plan["output"] = ColwiseParallel(
-            input_layouts=Shard(1) if sp else Replicate(),
+            input_layouts=residual,
             output_layouts=Shard(-1) if ctx.loss_parallel else Replicate(),
             use_local_output=not ctx.loss_parallel,
         )
@@ -215,16 +214,10 @@ def _hf_plan(model: nn.Module) -> dict[str, Style]:
 
 
 def _as_paths(value: object, where: str) -> list[str]:
-    paths = (
-        [value]
-        if isinstance(value, str)
-        else list(value)
-        if isinstance(value, list | tuple)
-        else None
-    )
-    if paths is None or not all(isinstance(p, str) and p for p in paths):
+    paths = [value] if isinstance(value, str) else value
+    if not isinstance(paths, list | tuple) or not all(isinstance(p, str) and p for p in paths):
         raise ForgeConfigError(f"{where} must be a dotted path or a list of them, got {value!r}")
-    return paths
+    return list(paths)
 
 
 def _leaf_style(leaf: nn.Module, column: bool, path: str) -> ParallelStyle:
@@ -304,23 +297,21 @@ def resolve_plan(
     )
 
 
-def _pattern_regex(pattern: str) -> re.Pattern[str]:
-    return re.compile(
+def _matching(pattern: str, names: Iterable[str]) -> list[str]:
+    """The names ``pattern`` matches (``*`` matches one name segment)."""
+    regex = re.compile(
         "^"
         + r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split("."))
         + "$"
     )
+    return [n for n in names if regex.match(n)]
 
 
 def unmatched_patterns(model: nn.Module, plan: Mapping[str, Style]) -> list[str]:
     """The patterns of ``plan`` that match no module of ``model`` (a Hugging Face plan may list
     layers a config leaves out: MLA's ``q_proj`` next to ``q_b_proj``; transformers skips them)."""
     names = [n for n, _ in model.named_modules() if n]
-    return [
-        p
-        for p in plan
-        if isinstance(p, str) and p and not any(_pattern_regex(p).match(n) for n in names)
-    ]
+    return [p for p in plan if isinstance(p, str) and p and not _matching(p, names)]
 
 
 def expand_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, ParallelStyle | None]:
@@ -338,8 +329,7 @@ def expand_plan(model: nn.Module, plan: Mapping[str, Style]) -> dict[str, Parall
             raise ForgeConfigError(
                 f"plan[{pattern!r}] = {style!r}: a style must be a ParallelStyle, a style string or None"
             )
-        regex = _pattern_regex(pattern)
-        matched = [n for n in names if regex.match(n)]
+        matched = _matching(pattern, names)
         if not matched:
             raise ForgeConfigError(
                 f"plan pattern {pattern!r} matches no module of {type(model).__name__}"

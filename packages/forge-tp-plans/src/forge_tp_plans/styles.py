@@ -13,17 +13,14 @@ backward, and the row-parallel bias is added once, after the reduction.
 
 Fused ("packed") Linears, whose output (``packed_colwise``) or input (``packed_rowwise``) is
 ``parts`` tensors laid end to end (``[gate; up]``), get ``PackedColwiseLinear`` and
-``PackedRowwiseLinear``; DeepSeek-V2 style MLA's ``kv_a_proj_with_mqa`` gets
-``MlaKvAProjReplicated`` (see each class).
+``PackedRowwiseLinear`` (built on the row-segment styles of :mod:`forge_tp_plans.fused_styles`);
+DeepSeek-V2 style MLA's ``kv_a_proj_with_mqa`` gets ``MlaKvAProjReplicated`` (see each class).
 """
 
 from __future__ import annotations
 
-import functools
 import types
-from abc import abstractmethod
 from collections.abc import Callable
-from typing import overload
 
 import torch
 import torch.distributed as dist
@@ -32,20 +29,23 @@ import torch.nn.functional as F
 from forge_core.errors import ForgeConfigError, did_you_mean
 from forge_core.torch_compat import swap_parameter
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import (
-    DTensor,
-    Placement,
-    Replicate,
-    Shard,
-    distribute_module,
-    distribute_tensor,
-)
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+)
+
+from .fused_styles import (
+    Segments,
+    _ColwiseRows,
+    _CopyToParallel,
+    _distribute,
+    _local,
+    _ReduceFromParallel,
+    _RowwiseRows,
 )
 
 __all__ = [
@@ -157,43 +157,6 @@ def describe_style(style: ParallelStyle | None) -> str:
     return name
 
 
-class _CopyToParallel(torch.autograd.Function):
-    """Identity forward; all-reduce of the gradient backward (a replicated input feeding shards)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromParallel(torch.autograd.Function):
-    """All-reduce forward (sum of partial outputs); identity backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
-        x = x.contiguous()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
-        return grad, None
-
-
-@overload
-def _local(t: torch.Tensor) -> torch.Tensor: ...
-@overload
-def _local(t: torch.Tensor | None) -> torch.Tensor | None: ...
-def _local(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _check_conv(module: nn.Module, path: str) -> None:
     ok = (
         isinstance(module, nn.Conv2d)
@@ -218,19 +181,7 @@ class _Conv1x1Style(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_conv(module, type(self).__name__)
-
-        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            for pname, param in list(mod.named_parameters(recurse=False)):
-                placement = Shard(self.weight_dim) if pname == "weight" else self.bias_placement
-                mod.register_parameter(
-                    pname,
-                    nn.Parameter(
-                        distribute_tensor(param, mesh, [placement]),
-                        requires_grad=param.requires_grad,
-                    ),
-                )
-
-        distribute_module(module, device_mesh, partition)
+        _distribute(module, device_mesh, Shard(self.weight_dim), self.bias_placement)
         module.forward = types.MethodType(self._forward(device_mesh.get_group()), module)
         return module
 
@@ -316,6 +267,8 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
 # - contiguous (torch's ``Shard``): rank r holds blocks r*parts ... r*parts + parts - 1;
 # - packed (what the model's own code needs, e.g. ``chunk(2, -1)`` into matching gate and up):
 #   rank r holds blocks r, tp + r, 2*tp + r, ... (its slice of every part).
+# The packed layout is the row-segment layout of forge_tp_plans.fused_styles with ``parts``
+# equal segments, each split over tp: the all-to-all between the two is that module's.
 # NOTE (design): the parameters are stored in the contiguous layout, as plain ``Shard`` DTensors,
 # so ``full_tensor()``, the state dict and checkpoints are the unsharded model's, names and values,
 # and FSDP2 composes with them as with ``ColwiseParallel``'s. Only torch's ``_StridedShard``
@@ -330,88 +283,6 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
 # unsharded weight alive). Every number is the one the unsharded layer computes (the same dot
 # products), so parity is exact up to the matmul's own rounding.
 # ---------------------------------------------------------------------------------------------
-
-
-def _owner_and_slot(k: int, packed: bool, parts: int, tp: int) -> tuple[int, int]:
-    """Which rank holds block ``k`` in a layout, and where among its ``parts`` local blocks."""
-    return (k % tp, k // tp) if packed else (k // parts, k % parts)
-
-
-@functools.lru_cache(maxsize=64)
-def _exchange_plan(
-    parts: int, tp: int, rank: int, to_packed: bool
-) -> tuple[list[int], list[int], list[int], list[int]]:
-    """``(send order, blocks sent per rank, blocks received per rank, receive order)`` of one
-    rank's all-to-all from one layout to the other (local block indices)."""
-    blocks = range(parts * tp)
-    src = [k for k in blocks if _owner_and_slot(k, not to_packed, parts, tp)[0] == rank]
-    # Sent by destination rank, each rank's blocks in increasing k; received by source rank,
-    # in increasing k within each source (the order each source sent them in).
-    sent = sorted(src, key=lambda k: (_owner_and_slot(k, to_packed, parts, tp)[0], k))
-    send_order = [_owner_and_slot(k, not to_packed, parts, tp)[1] for k in sent]
-    send_counts = [
-        sum(_owner_and_slot(k, to_packed, parts, tp)[0] == d for k in sent) for d in range(tp)
-    ]
-    mine = [k for k in blocks if _owner_and_slot(k, to_packed, parts, tp)[0] == rank]
-    received = sorted(mine, key=lambda k: (_owner_and_slot(k, not to_packed, parts, tp)[0], k))
-    recv_counts = [
-        sum(_owner_and_slot(k, not to_packed, parts, tp)[0] == s for k in received)
-        for s in range(tp)
-    ]
-    slots = [_owner_and_slot(k, to_packed, parts, tp)[1] for k in received]
-    recv_order = [slots.index(j) for j in range(parts)]
-    return send_order, send_counts, recv_counts, recv_order
-
-
-def _relayout(
-    x: torch.Tensor, dim: int, parts: int, to_packed: bool, group: dist.ProcessGroup
-) -> torch.Tensor:
-    """The local shard of ``x`` along ``dim`` moved from one layout to the other (all-to-all)."""
-    tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    if tp == 1:
-        return x
-    n = x.shape[dim]
-    if n % parts:
-        raise ForgeConfigError(
-            f"a packed tensor-parallel dimension of local size {n} does not split in {parts} parts"
-        )
-    send_order, send_counts, recv_counts, recv_order = _exchange_plan(parts, tp, rank, to_packed)
-    moved = x.movedim(dim, 0)
-    rest = moved.shape[1:]
-    size = n // parts
-    blocks = moved.reshape(parts, size, *rest)
-    send = blocks[torch.tensor(send_order, device=x.device)].reshape(n, *rest).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(
-        recv,
-        send,
-        [c * size for c in recv_counts],
-        [c * size for c in send_counts],
-        group=group,
-    )
-    out = recv.view(parts, size, *rest)[torch.tensor(recv_order, device=x.device)]
-    return out.reshape(n, *rest).movedim(0, dim).contiguous()
-
-
-class _Relayout(torch.autograd.Function):
-    """Contiguous <-> packed layout of a local shard; backward moves the gradient back."""
-
-    @staticmethod
-    def forward(  # noqa: ANN001
-        ctx,
-        x: torch.Tensor,
-        dim: int,
-        parts: int,
-        to_packed: bool,
-        group: dist.ProcessGroup,
-    ) -> torch.Tensor:
-        ctx.args = (dim, parts, to_packed, group)
-        return _relayout(x, dim, parts, to_packed, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
-        dim, parts, to_packed, group = ctx.args
-        return _relayout(grad, dim, parts, not to_packed, group), None, None, None, None
 
 
 def _check_packed(path: str, size: int, what: str, parts: int, tp: int) -> None:
@@ -430,13 +301,9 @@ def _check_linear(module: nn.Module, path: str, style: str) -> None:
         )
 
 
-def _replicated_local(x: torch.Tensor) -> torch.Tensor:
-    return x.full_tensor() if isinstance(x, DTensor) else x
-
-
 class _PackedLinear(ParallelStyle):
     """What the packed Linear styles share: ``parts``, the size check of the packed dimension
-    (``_features``), and their parameters distributed as ``_placement(name)`` says."""
+    (``_features``), and its layout: ``parts`` equal row segments, each split over tp."""
 
     _features: str
 
@@ -451,54 +318,25 @@ class _PackedLinear(ParallelStyle):
         _check_linear(module, path, type(self).__name__)
         _check_packed(path, getattr(module, self._features), self._features, self.parts, tp)
 
-    @abstractmethod
-    def _placement(self, name: str) -> Placement:
-        """The placement of the parameter ``name`` (``weight`` / ``bias``) over tp."""
-
-    def _distribute(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        self.check(module, type(self).__name__, device_mesh.size())
-
-        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            for pname, param in list(mod.named_parameters(recurse=False)):
-                if not isinstance(param, DTensor):
-                    sharded = distribute_tensor(param, mesh, [self._placement(pname)])
-                    mod.register_parameter(
-                        pname, nn.Parameter(sharded, requires_grad=param.requires_grad)
-                    )
-
-        distribute_module(module, device_mesh, partition)
+    def _known_rows(self, module: nn.Module, path: str) -> Segments:
+        return ((getattr(module, self._features) // self.parts, True),) * self.parts
 
 
-class PackedColwiseLinear(_PackedLinear):
+class PackedColwiseLinear(_PackedLinear, _ColwiseRows):
     """Column parallel ``nn.Linear`` whose output is ``parts`` tensors end to end (``[gate; up]``).
 
     Input replicated; output ``[..., out_features / tp]``, local and packed: this rank's slice of
     each part, in order (``[gate_r; up_r]``), so the model's ``chunk(parts, -1)`` on it gives
     matching local pieces. transformers' ``packed_colwise`` on a Linear. Weight and bias are
-    ``Shard(0)`` DTensors of the unsharded values (see the NOTE above ``_owner_and_slot``); the
+    ``Shard(0)`` DTensors of the unsharded values (see the NOTE above ``_check_packed``); the
     output is computed in that contiguous layout and moved to the packed one by an all-to-all.
     The input's gradient is all-reduced over tp (as for any column-parallel layer).
     """
 
     _features = "out_features"
 
-    def _placement(self, name: str) -> Placement:
-        return Shard(0)
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self._distribute(module, device_mesh)
-        group, parts = device_mesh.get_group(), self.parts
-
-        def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-            x = _CopyToParallel.apply(_replicated_local(x), group)
-            y = F.linear(x, _local(self.weight), _local(self.bias))
-            return _Relayout.apply(y, -1, parts, True, group)
-
-        module.forward = types.MethodType(forward, module)
-        return module
-
-
-class PackedRowwiseLinear(_PackedLinear):
+class PackedRowwiseLinear(_PackedLinear, _RowwiseRows):
     """Row parallel ``nn.Linear`` whose input is ``parts`` tensors end to end.
 
     transformers' ``packed_rowwise`` / ``local_packed_rowwise``: the weight's last (input) dim
@@ -506,30 +344,11 @@ class PackedRowwiseLinear(_PackedLinear):
     (``[a_r; b_r]``, e.g. ``cat`` of the outputs of column-parallel layers); a DTensor input
     is taken in torch's contiguous ``Shard(-1)`` layout instead. Output: the partial products
     all-reduced, the bias added once, replicated. The weight is a ``Shard(1)`` DTensor of the
-    unsharded values (see the NOTE above ``_owner_and_slot``); the packed input is moved to that
+    unsharded values (see the NOTE above ``_check_packed``); the packed input is moved to that
     contiguous layout by an all-to-all (its gradient back by another).
     """
 
     _features = "in_features"
-
-    def _placement(self, name: str) -> Placement:
-        return Shard(1) if name == "weight" else Replicate()
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self._distribute(module, device_mesh)
-        group, parts = device_mesh.get_group(), self.parts
-
-        def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-            if isinstance(x, DTensor):
-                x = x.redistribute(device_mesh, [Shard(x.ndim - 1)]).to_local()
-            else:
-                x = _Relayout.apply(x, -1, parts, False, group)
-            y = _ReduceFromParallel.apply(F.linear(x, _local(self.weight)), group)
-            bias = _local(self.bias)
-            return y if bias is None else y + bias
-
-        module.forward = types.MethodType(forward, module)
-        return module
 
 
 # ---------------------------------------------------------------------------------------------
@@ -593,8 +412,8 @@ class MlaKvAProjReplicated(ParallelStyle):
             )
         return MlaKvAProjReplicated(rope_dim=rope)
 
-    def check(self, module: nn.Module, path: str, tp: int) -> None:
-        """Raise ``ForgeConfigError`` unless this style fits ``module``."""
+    def check(self, module: nn.Module, path: str, tp: int) -> int:
+        """Raise ``ForgeConfigError`` unless this style fits ``module``; returns ``rope_dim``."""
         _check_linear(module, path, type(self).__name__)
         assert isinstance(module, nn.Linear)
         rope = self.rope_dim if self.rope_dim is not None else _config_rope_dim(module)
@@ -609,11 +428,10 @@ class MlaKvAProjReplicated(ParallelStyle):
                 f"'{path}': qk_rope_head_dim {rope} must be less than out_features "
                 f"{module.out_features} (kv_lora_rank + qk_rope_head_dim)"
             )
+        return rope
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self.check(module, type(self).__name__, device_mesh.size())
-        rope = self.rope_dim if self.rope_dim is not None else _config_rope_dim(module)
-        assert rope is not None
+        rope = self.check(module, type(self).__name__, device_mesh.size())
         group = device_mesh.get_group()
 
         def hook(mod: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
