@@ -100,8 +100,7 @@ def source_files(source_dir: Path) -> list[Path]:
 
 def find_nvcc() -> Path | None:
     """nvcc from ``$CUDA_HOME``/``$CUDA_PATH``, ``PATH`` or ``/usr/local/cuda``; None if absent."""
-    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
-    for root in roots:
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
         if root and (Path(root) / "bin" / "nvcc").is_file():
             return Path(root) / "bin" / "nvcc"
     if found := shutil.which("nvcc"):
@@ -252,22 +251,15 @@ def _cmake_build(config: BuildConfig, key_dir: Path) -> Path:
     log.write_text("")
 
     torch_prefix = Path(torch.utils.cmake_prefix_path)
-    configure = [
-        str(tools["cmake"]),
-        "-S",
-        str(config.source_dir),
-        "-B",
-        str(build_dir),
-        "-G",
-        "Ninja",
-        f"-DCMAKE_MAKE_PROGRAM={tools['ninja']}",
-        f"-DCMAKE_CXX_COMPILER={tools['c++ compiler']}",
-        "-DCMAKE_BUILD_TYPE=Release",
-        f"-DCMAKE_PREFIX_PATH={torch_prefix}",
-        f"-DTorch_DIR={torch_prefix / 'Torch'}",
-        f"-DFORGE_KERNELS_CUDA={'ON' if config.cuda else 'OFF'}",
-        f"-DFORGE_KERNELS_OUTPUT_DIR={out_dir}",
-    ]
+    defines = {
+        "CMAKE_MAKE_PROGRAM": tools["ninja"],
+        "CMAKE_CXX_COMPILER": tools["c++ compiler"],
+        "CMAKE_BUILD_TYPE": "Release",
+        "CMAKE_PREFIX_PATH": torch_prefix,
+        "Torch_DIR": torch_prefix / "Torch",
+        "FORGE_KERNELS_CUDA": "ON" if config.cuda else "OFF",
+        "FORGE_KERNELS_OUTPUT_DIR": out_dir,
+    }
     env = dict(os.environ)
     if config.cuda:
         nvcc = find_nvcc()
@@ -276,8 +268,10 @@ def _cmake_build(config: BuildConfig, key_dir: Path) -> Path:
                 "FORGE_KERNELS_CUDA asks for the CUDA kernels but no nvcc was found; set "
                 "CUDA_HOME or FORGE_KERNELS_CUDA=0"
             )
-        configure.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
+        defines["CMAKE_CUDA_COMPILER"] = nvcc
         env["TORCH_CUDA_ARCH_LIST"] = config.cuda_archs
+    configure = [str(tools["cmake"]), "-S", str(config.source_dir), "-B", str(build_dir)]
+    configure += ["-G", "Ninja", *(f"-D{name}={value}" for name, value in defines.items())]
     _run(configure, log, env)
     _run([str(tools["cmake"]), "--build", str(build_dir), "-j", str(config.jobs)], log, env)
     built = out_dir / LIBRARY_NAME

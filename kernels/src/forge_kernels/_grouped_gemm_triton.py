@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from typing import Any
 
 import torch
 import triton
@@ -400,8 +401,6 @@ def _autotuned(kernel: str, fp32: bool):
 # Launchers
 # ---------------------------------------------------------------------------------------------
 
-_DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
 
 def _m_bucket(m: int, e: int) -> int:
     """log2 bucket of the average rows per group (autotune key; static, no sync)."""
@@ -429,6 +428,20 @@ def _check_interpreter(t: torch.Tensor) -> None:
             "for a GPU; set TRITON_INTERPRET=1 before forge_kernels' Triton kernels are first "
             "imported to run them on CPU"
         )
+
+
+def _launcher(
+    kernel: str, config: GemmConfig | None, dtype: torch.dtype
+) -> tuple[Any, dict[str, int | bool]]:
+    """``kernel`` ("rows" or "ragged_k") to launch, and its launch options: the jit kernel with
+    ``config``'s (the interpreter's config under the interpreter when ``None``), else the
+    autotuner for ``dtype``'s width, which picks them itself."""
+    if config is None and INTERPRETED:
+        config = INTERPRETER_CONFIG
+    if config is None:
+        return _autotuned(kernel, dtype == torch.float32), {}
+    jit = _gmm_rows_kernel if kernel == "rows" else _gmm_ragged_k_kernel
+    return jit, {**config.meta(), "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
 def gmm_rows(
@@ -461,8 +474,6 @@ def gmm_rows(
         out = torch.empty((m, n), device=a.device, dtype=a.dtype)
     if out.numel() == 0:
         return out
-    if config is None and INTERPRETED:
-        config = INTERPRETER_CONFIG
     args = (
         a, b, out, offs, m, n, k, e,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
@@ -480,16 +491,8 @@ def gmm_rows(
             return (min(tiles, sms),)
         return (tiles,)
 
-    if config is not None:
-        _gmm_rows_kernel[grid](
-            *args,
-            **config.meta(),
-            **consts,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-        )
-    else:
-        _autotuned("rows", a.dtype == torch.float32)[grid](*args, **consts)
+    launcher, options = _launcher("rows", config, a.dtype)
+    launcher[grid](*args, **options, **consts)
     return out
 
 
@@ -526,8 +529,6 @@ def gmm_ragged_k(
         out = torch.empty((e, k, n), device=a.device, dtype=out_dtype or a.dtype)
     if out.numel() == 0:
         return out
-    if config is None and INTERPRETED:
-        config = INTERPRETER_CONFIG
     args = (
         a, b, out, offs, m, n, k, e,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
@@ -538,16 +539,8 @@ def gmm_ragged_k(
     def grid(meta: dict) -> tuple[int]:
         return (e * triton.cdiv(k, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
-    if config is not None:
-        if config.persistent:
-            raise ValueError("gmm_ragged_k has no persistent variant; use persistent=False")
-        _gmm_ragged_k_kernel[grid](
-            *args,
-            **config.meta(),
-            **consts,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-        )
-    else:
-        _autotuned("ragged_k", a.dtype == torch.float32)[grid](*args, **consts)
+    if config is not None and config.persistent:
+        raise ValueError("gmm_ragged_k has no persistent variant; use persistent=False")
+    launcher, options = _launcher("ragged_k", config, a.dtype)
+    launcher[grid](*args, **options, **consts)
     return out

@@ -12,6 +12,8 @@ Provides launchers for:
   tile, k summed in order in fp32 (fp64 for fp64 operands): deterministic, no atomics (also
   ``permute``'s backward).
 - :func:`slot_row_dot`: ``out[s] = <g[s // K], y[scatter[s]]>`` (``combine``'s weight gradient).
+- :func:`combine_backward`: ``combine``'s two gradients from the two launchers above (the
+  signature of :func:`forge_kernels._rows_torch.combine_backward`).
 - :func:`rank_major_to_expert_major_triton`: one scan program, then a branch-free binary search
   per output row over the expert-major block ends.
 
@@ -34,6 +36,9 @@ from typing import ParamSpec, TypeVar
 import torch
 import triton
 import triton.language as tl
+
+from ._rows_torch import _acc
+from .routing import routing_capacity
 
 #: True when this module's kernels were built by the Triton interpreter (CPU tensors allowed).
 INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -134,12 +139,13 @@ def _index_kernel(
 
 @_on_input_device
 def routing_layout_triton(
-    expert_ids: torch.Tensor, num_experts: int, align: int, capacity: int
+    expert_ids: torch.Tensor, num_experts: int, align: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(counts int32 [E], offs int32 [E], gather_idx int64 [capacity], scatter_idx int64 [T*K])."""
     dev = expert_ids.device
     ids = expert_ids.reshape(-1).contiguous()
     n, e = ids.numel(), num_experts
+    capacity = routing_capacity(n, 1, e, align)
     nb = triton.cdiv(n, _BLOCK_S)
     counts = torch.empty(e, dtype=torch.int32, device=dev)
     offs = torch.empty(e, dtype=torch.int32, device=dev)
@@ -166,11 +172,6 @@ def _row_blocks(n_cols: int, interpreted: bool) -> tuple[int, int]:
     block_d = min(triton.next_power_of_2(max(n_cols, 1)), 1024 if interpreted else 512)
     block_r = 64 if interpreted else max(1, 2048 // block_d)
     return block_r, block_d
-
-
-def _acc_fp64(*tensors: torch.Tensor) -> bool:
-    """Accumulate in fp64 when any operand is fp64 (fp32 otherwise)."""
-    return any(t.dtype == torch.float64 for t in tensors)
 
 
 @triton.jit
@@ -243,7 +244,7 @@ def gather_rows(
         src.stride(0),
         out.stride(0),
         HAS_SCALE=scale is not None,
-        ACC_FP64=_acc_fp64(src, out),
+        ACC_FP64=_acc(src, out) == torch.float64,
         BLOCK_R=block_r,
         BLOCK_D=block_d,
     )
@@ -297,7 +298,6 @@ def combine_rows(
     weights: torch.Tensor | None,
     num_tokens: int,
     top_k: int,
-    out_dtype: torch.dtype | None = None,
     dense: bool = False,
 ) -> torch.Tensor:
     """``out[t] = sum_k w[t*K + k] * y[scatter_idx[t*K + k]]`` (w = 1 when None), fp32/fp64 sum.
@@ -306,7 +306,7 @@ def combine_rows(
     """
     y = y if y.stride(-1) == 1 else y.contiguous()
     d = y.shape[1]
-    out = torch.empty((num_tokens, d), dtype=out_dtype or y.dtype, device=y.device)
+    out = torch.empty((num_tokens, d), dtype=y.dtype, device=y.device)
     if num_tokens == 0 or d == 0:
         return out
     block_r, block_d = _row_blocks(d, INTERPRETED)
@@ -323,7 +323,7 @@ def combine_rows(
         y.stride(0),
         out.stride(0),
         HAS_W=weights is not None,
-        ACC_FP64=_acc_fp64(y, out),
+        ACC_FP64=_acc(y, out) == torch.float64,
         BLOCK_T=block_r,
         BLOCK_D=block_d,
     )
@@ -377,12 +377,8 @@ def slot_row_dot(
     scatter_idx: torch.Tensor,
     top_k: int,
     out_dtype: torch.dtype,
-    dense: bool = False,
 ) -> torch.Tensor:
-    """``out[s] = dot(g[s // K], y[scatter_idx[s]])`` in fp32 (fp64 if any is), as ``out_dtype``.
-
-    ``dense`` is ignored (see :func:`gather_rows`).
-    """
+    """``out[s] = dot(g[s // K], y[scatter_idx[s]])`` in fp32 (fp64 if any is), as ``out_dtype``."""
     g = g if g.stride(-1) == 1 else g.contiguous()
     y = y if y.stride(-1) == 1 else y.contiguous()
     n, d = scatter_idx.numel(), y.shape[1]
@@ -404,11 +400,39 @@ def slot_row_dot(
         y.shape[0],
         g.stride(0),
         y.stride(0),
-        ACC_FP64=_acc_fp64(g, y, out),
+        ACC_FP64=_acc(g, y, out) == torch.float64,
         BLOCK_S=block_s,
         BLOCK_D=block_d,
     )
     return out
+
+
+def combine_backward(
+    g: torch.Tensor,
+    y: torch.Tensor,
+    gather_idx: torch.Tensor,
+    scatter_idx: torch.Tensor,
+    weights: torch.Tensor,
+    top_k: int,
+    need_y: bool,
+    need_w: bool,
+    dense: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of :func:`combine_rows` (with weights) as ``(dY, dW)``, each when asked for.
+
+    ``dY[r] = w[gather_idx[r]] * g[gather_idx[r] // K]`` (0 for a row without a slot;
+    :func:`gather_rows` with ``scale``) in ``y``'s dtype and ``dW[s] = <g[s // K],
+    y[scatter_idx[s]]>`` (0 for a dropped slot; :func:`slot_row_dot`) in ``weights``' dtype.
+    ``dense`` is ignored (see :func:`gather_rows`).
+    """
+    grad_y = grad_w = None
+    if need_y:
+        grad_y = gather_rows(
+            g, gather_idx, top_k, weights.numel(), scale=weights, out_dtype=y.dtype
+        )
+    if need_w:
+        grad_w = slot_row_dot(g, y, scatter_idx, top_k, weights.dtype)
+    return grad_y, grad_w
 
 
 # --------------------------------------------------------------------------- rank -> expert major

@@ -1,13 +1,13 @@
 """PyTorch-op versions of the row movers of :mod:`forge_kernels._permute_triton` (private).
 
 :mod:`forge_kernels.permute` runs one set of autograd Functions on both backends: on CUDA they
-call the Triton kernels, elsewhere these functions (same meaning, plus ``dense``). The kernels'
+call the Triton kernels, elsewhere these functions (same meaning, plus ``dense``; the kernels'
+``gather_rows`` also scales rows, which only their ``combine_backward`` uses). The kernels'
 ``slot_row_dot`` has no counterpart here: :func:`combine_backward` computes those dot products
 from a gather it needs anyway. No backward here uses ``index_put_(accumulate=True)`` (what plain
 indexing's autograd would run).
 
-- :func:`gather_rows`: ``out[r] = scale[idx[r]] * src[idx[r] // div]``, or 0 when
-  ``idx[r] >= n_valid``.
+- :func:`gather_rows`: ``out[r] = src[idx[r] // div]``, or 0 when ``idx[r] >= n_valid``.
 - :func:`combine_rows`: ``out[t] = sum_k w[t*K + k] * y[scatter_idx[t*K + k]]`` (w = 1 when
   None), summed in fp32 (fp64 for fp64 operands); a slot with ``scatter_idx >= len(y)`` adds 0.
 
@@ -39,38 +39,15 @@ def _acc(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _take_rows(
-    src: torch.Tensor, rows: torch.Tensor, n_rows: int, dense: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(src[rows] with out-of-range rows clamped, the validity mask or None when dense)``."""
-    if dense:
-        return src.index_select(0, rows), None
-    valid = rows < n_rows
-    if n_rows == 0:  # nothing to read: every row is out of range
-        return src.new_zeros(rows.numel(), src.shape[1]), valid
-    return src.index_select(0, rows.clamp(max=n_rows - 1)), valid
-
-
 def gather_rows(
-    src: torch.Tensor,
-    idx: torch.Tensor,
-    div: int,
-    n_valid: int,
-    scale: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-    dense: bool = False,
+    src: torch.Tensor, idx: torch.Tensor, div: int, n_valid: int, dense: bool = False
 ) -> torch.Tensor:
-    """``out[r] = scale[idx[r]] * src[idx[r] // div]`` if ``idx[r] < n_valid`` else 0."""
-    out_dtype = out_dtype or src.dtype
+    """``out[r] = src[idx[r] // div]`` if ``idx[r] < n_valid`` else 0."""
     if n_valid == 0:  # nothing to read (e.g. no tokens): every row is zero
-        return src.new_zeros(idx.numel(), src.shape[1], dtype=out_dtype)
+        return src.new_zeros(idx.numel(), src.shape[1])
     valid = None if dense else idx < n_valid
     safe = idx if valid is None else idx.clamp(max=n_valid - 1)
     out = src.index_select(0, safe if div == 1 else safe // div)
-    if scale is not None:
-        acc = _acc(src, scale)
-        out = out.to(acc) * scale.index_select(0, safe).to(acc).unsqueeze(1)
-    out = out.to(out_dtype)
     if valid is not None:
         out.masked_fill_(~valid.unsqueeze(1), 0)
     return out
@@ -82,21 +59,17 @@ def combine_rows(
     weights: torch.Tensor | None,
     num_tokens: int,
     top_k: int,
-    out_dtype: torch.dtype | None = None,
     dense: bool = False,
 ) -> torch.Tensor:
     """``out[t] = sum_k w[t*K + k] * y[scatter_idx[t*K + k]]`` (w = 1 when None), fp32/fp64 sum."""
-    out_dtype = out_dtype or y.dtype
     d = y.shape[1]
-    slots, valid = _take_rows(y, scatter_idx, y.shape[0], dense)
-    if valid is not None:
-        slots.masked_fill_(~valid.unsqueeze(1), 0)
-    acc = _acc(y) if weights is None else _acc(y, weights)
+    slots = gather_rows(y, scatter_idx, 1, y.shape[0], dense=dense)
     slots_TKD = slots.view(num_tokens, top_k, d)
     if weights is None:
-        return slots_TKD.sum(1, dtype=acc).to(out_dtype)
+        return slots_TKD.sum(1, dtype=_acc(y)).to(y.dtype)
+    acc = _acc(y, weights)
     w_T1K = weights.reshape(num_tokens, 1, top_k).to(acc)
-    return torch.bmm(w_T1K, slots_TKD.to(acc)).view(num_tokens, d).to(out_dtype)
+    return torch.bmm(w_T1K, slots_TKD.to(acc)).view(num_tokens, d).to(y.dtype)
 
 
 def combine_backward(
@@ -114,30 +87,21 @@ def combine_backward(
 
     ``g_perm[r] = g[gather_idx[r] // K]`` (0 for a row without a slot) is gathered once; then
     ``dW[s] = <g_perm[r], y[r]>`` at ``r = scatter_idx[s]`` (0 for a dropped slot) and
-    ``dY[r] = w[gather_idx[r]] * g_perm[r]``: the same values as the kernels' ``slot_row_dot``
-    and :func:`gather_rows` with ``scale``, in fp32 (fp64 if any operand is), without a gathered
-    copy of ``y``. ``dY`` has ``y``'s dtype, ``dW`` ``weights``' dtype.
+    ``dY[r] = w[gather_idx[r]] * g_perm[r]``: the same values as the kernels'
+    ``combine_backward`` (``slot_row_dot`` and ``gather_rows`` with ``scale``), in fp32 (fp64 if
+    any operand is), without a gathered copy of ``y``. ``dY`` has ``y``'s dtype, ``dW``
+    ``weights``' dtype.
     """
-    rows, num_slots = gather_idx.numel(), weights.numel()
+    rows, num_slots, d = gather_idx.numel(), weights.numel(), y.shape[1]
     acc = _acc(g, y, weights)
     g_perm = gather_rows(g, gather_idx, top_k, num_slots, dense=dense)
     grad_w = None
     if need_w:
-        if rows == 0:
-            grad_w = weights.new_zeros(num_slots)
-        else:
-            d = y.shape[1]
-            dots = torch.bmm(
-                y.contiguous().view(rows, 1, d).to(acc), g_perm.view(rows, d, 1).to(acc)
-            ).view(rows)
-            if dense:
-                grad_w = dots.index_select(0, scatter_idx)
-            else:
-                # NOTE: where, not a product: a row without a slot may hold NaN (its g_perm row
-                # is 0, y's row is whatever the expert GEMM left there).
-                picked = dots.index_select(0, scatter_idx.clamp(max=rows - 1))
-                grad_w = torch.where(scatter_idx < rows, picked, 0)
-            grad_w = grad_w.to(weights.dtype)
+        dots = torch.bmm(y.contiguous().view(rows, 1, d).to(acc), g_perm.view(rows, d, 1).to(acc))
+        # NOTE: the dropped slots' zeros are a fill (gather_rows), not a product: a row without a
+        # slot may hold NaN (its g_perm row is 0, y's row is whatever the expert GEMM left there).
+        grad_w = gather_rows(dots.view(rows, 1), scatter_idx, 1, rows, dense=dense)
+        grad_w = grad_w.view(num_slots).to(weights.dtype)
     grad_y = None
     if need_y:
         safe = gather_idx if dense else gather_idx.clamp(max=max(num_slots - 1, 0))

@@ -194,16 +194,13 @@ def _align(n: int, dtype: torch.dtype) -> int:
 def _aligned(t: torch.Tensor, pads: dict[int, int]) -> torch.Tensor:
     """``t`` zero-padded at the end of the given dims to the given sizes, contiguous, 16-byte
     aligned (returned as is when it already is)."""
-    needs_pad = any(t.shape[d] != size for d, size in pads.items())
-    if not needs_pad and t.is_contiguous() and t.data_ptr() % 16 == 0:
-        return t
+    if all(t.shape[d] == size for d, size in pads.items()):
+        c = t.contiguous()  # ``t`` itself when it is contiguous already
+        return c.clone() if c.data_ptr() % 16 else c
     pad: list[int] = []
     for d in reversed(range(t.dim())):
         pad += [0, pads.get(d, t.shape[d]) - t.shape[d]]
-    if needs_pad:
-        return F.pad(t, pad).contiguous()
-    c = t.contiguous()
-    return c.clone() if c.data_ptr() % 16 else c
+    return F.pad(t, pad).contiguous()
 
 
 def _rows_of(

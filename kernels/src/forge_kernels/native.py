@@ -144,13 +144,9 @@ def implementation(device: torch.device | str = "cpu") -> Literal["native", "pyt
     ``"native"`` needs the library loaded and a kernel for the device type (the CUDA kernel is
     compiled only where nvcc and a GPU were found at build time); otherwise ``"pytorch"``.
     """
-    return "native" if _native_for(torch.device(device)) else "pytorch"
-
-
-def _native_for(device: torch.device) -> bool:
     if not _STATE.attempted:
         load_native()
-    return device.type in _STATE.device_types
+    return "native" if torch.device(device).type in _STATE.device_types else "pytorch"
 
 
 # --------------------------------------------------------------------------- routing layout
@@ -159,11 +155,8 @@ def routing_layout(expert_ids: torch.Tensor, num_experts: int, align: int = 1) -
 
     No host synchronization on either path; outputs are sized from shapes only.
     """
-    if _native_for(expert_ids.device):
-        counts, offs, gather_idx, scatter_idx = torch.ops.forge.routing_layout(
-            expert_ids, num_experts, align
-        )
-        return RoutingLayout(counts, offs, gather_idx, scatter_idx)
+    if implementation(expert_ids.device) == "native":
+        return RoutingLayout(*torch.ops.forge.routing_layout(expert_ids, num_experts, align))
     return routing_layout_reference(expert_ids, num_experts, align)
 
 
@@ -302,10 +295,7 @@ def _routing_layout_fake(
     )
 
 
-def _stage_to_host_fake(src: torch.Tensor, pinned_dst: torch.Tensor) -> None:
-    _check_stage_args(src, pinned_dst)
-
-
 def _register_fakes() -> None:
     torch.library.register_fake("forge::routing_layout", _routing_layout_fake)
-    torch.library.register_fake("forge::stage_to_host", _stage_to_host_fake)
+    # The fake of an op without outputs only checks its arguments.
+    torch.library.register_fake("forge::stage_to_host", _check_stage_args)

@@ -46,13 +46,13 @@ Notable choices:
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from . import _rows_torch
+from .grouped_gemm import _interpreter_requested, _triton_importable
 from .routing import RoutingLayout, check_routing_args, routing_capacity, routing_layout_reference
 
 Backend = Literal["triton", "torch"]
@@ -80,14 +80,6 @@ def _triton_module():
     return _permute_triton
 
 
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def backend_used(device: torch.device | str | torch.Tensor, backend: str | None = None) -> Backend:
     """The path the functions of this module take for tensors on ``device``.
 
@@ -106,7 +98,7 @@ def backend_used(device: torch.device | str | torch.Tensor, backend: str | None 
         raise ValueError("backend='triton' needs the triton package; install it or use 'torch'")
     if dev.type == "cuda":
         return "triton"
-    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+    if dev.type == "cpu" and _interpreter_requested():
         if not _triton_module().INTERPRETED:
             raise ValueError(
                 "backend='triton' on CPU: the kernels were imported before TRITON_INTERPRET=1 "
@@ -138,11 +130,7 @@ def routing_layout(
     check_routing_args(expert_ids, num_experts, align)
     if backend_used(expert_ids, backend) == "torch":
         return routing_layout_reference(expert_ids, num_experts, align)
-    t, k = expert_ids.shape
-    capacity = routing_capacity(t, k, num_experts, align)
-    return RoutingLayout(
-        *_triton_module().routing_layout_triton(expert_ids, num_experts, align, capacity)
-    )
+    return RoutingLayout(*_triton_module().routing_layout_triton(expert_ids, num_experts, align))
 
 
 # --------------------------------------------------------------------------- autograd
@@ -202,7 +190,7 @@ class _CombineFn(torch.autograd.Function):
         t, k = weights.shape
         w_flat = weights.contiguous().view(-1)
         ctx.save_for_backward(y_perm, gather_idx, scatter_idx, w_flat)
-        ctx.top_k, ctx.w_shape, ctx.w_dtype = k, weights.shape, weights.dtype
+        ctx.top_k, ctx.w_shape = k, weights.shape
         ctx.on_triton, ctx.dense = on_triton, dense
         return _row_ops(on_triton).combine_rows(y_perm, scatter_idx, w_flat, t, k, dense=dense)
 
@@ -210,37 +198,18 @@ class _CombineFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         y_perm, gather_idx, scatter_idx, w_flat = ctx.saved_tensors
-        ops, grad_out = _row_ops(ctx.on_triton), grad_out.contiguous()
-        if not ctx.on_triton:
-            grad_y, grad_w = _rows_torch.combine_backward(
-                grad_out,
-                y_perm,
-                gather_idx,
-                scatter_idx,
-                w_flat,
-                ctx.top_k,
-                ctx.needs_input_grad[0],
-                ctx.needs_input_grad[3],
-                dense=ctx.dense,
-            )
-            grad_w = None if grad_w is None else grad_w.view(ctx.w_shape)
-            return grad_y, None, None, grad_w, None, None
-        grad_y = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_y = ops.gather_rows(
-                grad_out,
-                gather_idx,
-                ctx.top_k,
-                w_flat.numel(),
-                scale=w_flat,
-                out_dtype=y_perm.dtype,
-                dense=ctx.dense,
-            )
-        if ctx.needs_input_grad[3]:
-            grad_w = ops.slot_row_dot(
-                grad_out, y_perm, scatter_idx, ctx.top_k, ctx.w_dtype, dense=ctx.dense
-            )
-            grad_w = grad_w.view(ctx.w_shape)
+        grad_y, grad_w = _row_ops(ctx.on_triton).combine_backward(
+            grad_out.contiguous(),
+            y_perm,
+            gather_idx,
+            scatter_idx,
+            w_flat,
+            ctx.top_k,
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[3],
+            dense=ctx.dense,
+        )
+        grad_w = None if grad_w is None else grad_w.view(ctx.w_shape)
         return grad_y, None, None, grad_w, None, None
 
 
