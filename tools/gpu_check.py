@@ -674,15 +674,21 @@ def run_phase(run: Run, name: str, argv: Sequence[str]) -> tuple[bool, list[str]
     return not any(r.bad for r in phase.results), summary
 
 
+#: The phases ``tools/gpu_check`` runs, named on its command line.
+PHASES = ("tests", "bench", "fetch-wheels")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
         prog="tools/gpu_check", description=(__doc__ or "").splitlines()[0]
     )
+    # NOTE: no argparse choices= here: Python 3.11 checks an empty nargs="*" list against them
+    # and refuses it ("invalid choice: []"); the phases are checked below instead.
     parser.add_argument(
         "phases",
         nargs="*",
-        choices=("tests", "bench", "fetch-wheels"),
+        metavar="{" + ",".join(PHASES) + "}",
         help="what to run (default: tests then bench, each with its own budget)",
     )
     parser.add_argument("--cpu-dry-run", action="store_true", help="every step that needs no CUDA")
@@ -703,6 +709,9 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated benchmarks to run (default: %(default)s)",
     )
     args = parser.parse_args(argv)
+    unknown_phases = [p for p in args.phases if p not in PHASES]
+    if unknown_phases:
+        parser.error(f"unknown phase(s) {unknown_phases}; choose from {list(PHASES)}")
     phases = args.phases or ["tests", "bench"]
     if "fetch-wheels" in phases:
         if len(phases) > 1 or args.cpu_dry_run:
