@@ -32,14 +32,9 @@ from forge.train import (
     run_train,
     train_flops_per_token,
 )
-from forge_checkpoint.dcp import (
-    SafeFileSystemReader,
-    find_latest,
-    latest_intact,
-    load_model_weights,
-    read_train_state,
-)
+from forge_checkpoint.dcp import SafeFileSystemReader, load_model_weights
 from forge_checkpoint.export import from_hf_llama, hf_llama_config, load_safetensors
+from forge_checkpoint.files import find_latest, latest_intact, read_train_state
 from forge_core import ForgeConfigError, ModelConfig, Transformer, load_config
 from forge_core.training import forward_backward
 
@@ -149,7 +144,7 @@ _KILLED_SAVE = textwrap.dedent(
     import os, sys, time, torch
     import forge_checkpoint.dcp as fc
     from torch.distributed.checkpoint import FileSystemWriter
-    from forge_checkpoint.dcp import Checkpointer, optimizer_hyperparameters
+    from forge_checkpoint.dcp import Checkpointer
     from forge_core import ModelConfig, Transformer
 
     def save_and_stall(root, phase):
@@ -157,7 +152,7 @@ _KILLED_SAVE = textwrap.dedent(
         model.init_weights(0)
         opt = torch.optim.AdamW(model.parameters())
         ckpt = Checkpointer(root)
-        ckpt.save(2, model, opt, {"step": 2, "param_groups": optimizer_hyperparameters(opt), "world_size": 1})
+        ckpt.save(2, model, opt, {})
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
@@ -181,7 +176,7 @@ _KILLED_SAVE = textwrap.dedent(
             fc.write_manifest = stall
         elif phase == "before the rename":  # manifest written and fsynced, not yet published
             fc.write_manifest = then_stall(fc.write_manifest)
-        ckpt.save(4, model, opt, {"step": 4, "param_groups": optimizer_hyperparameters(opt), "world_size": 1})
+        ckpt.save(4, model, opt, {})
 
     # NOTE: one interpreter imports torch and forge once (seconds), then forks one process per
     # phase (before any tensor work, so no thread pool is forked); each saves into its own root
@@ -261,7 +256,7 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_intact(stalled_sa
     assert (tmp / "manifest.json").is_file() == (phase == "before the rename")
     latest, skipped = latest_intact(root)
     assert latest is not None and latest.name == "step-00000002" and not skipped
-    from forge_checkpoint.dcp import Checkpointer, optimizer_hyperparameters
+    from forge_checkpoint.dcp import Checkpointer
 
     model = Transformer(ModelConfig.preset("debug"))
     model.init_weights(0)
@@ -274,9 +269,7 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_intact(stalled_sa
     for name, value in model.state_dict().items():
         assert torch.equal(value, expected[name]), name  # step 2's weights, not the +1 of step 4
     # The next save clears the leftover.
-    Checkpointer(root).save(
-        6, model, opt, {"step": 6, "param_groups": optimizer_hyperparameters(opt), "world_size": 1}
-    )
+    Checkpointer(root).save(6, model, opt, {})
     assert not list(root.glob(".tmp-*")) and find_latest(root).name == "step-00000006"
 
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 from forge.job import run_build
 from forge.train import run_train
-from forge_checkpoint.dcp import SafeFileSystemReader, read_train_state
+from forge_checkpoint.dcp import SafeFileSystemReader
+from forge_checkpoint.files import read_train_state
 from forge_core import ModelConfig, Transformer
 
 #: 4 blocks so that pp=4 gives each rank one; clipping active (every step's norm is above 1).

@@ -63,30 +63,19 @@ from .files import (
     MANIFEST,
     PREFIX,
     STATE_FILE,
-    CheckpointDamaged,
-    checkpoint_lock,
-    find_latest,
     fsync_dir,
-    latest_intact,
     read_train_state,
     step_dir,
     step_dirs,
-    verify_checkpoint,
     write_manifest,
 )
 
 __all__ = [
-    "CheckpointDamaged",
     "CheckpointIOError",
     "Checkpointer",
     "SafeFileSystemReader",
-    "checkpoint_lock",
-    "find_latest",
-    "latest_intact",
     "load_model_weights",
     "optimizer_hyperparameters",
-    "read_train_state",
-    "verify_checkpoint",
 ]
 
 

@@ -30,7 +30,8 @@ def export_checkpoint(
     stored in the checkpoint and filled from its shards. ``verify=False`` skips checking the
     files against the checkpoint's manifest (for a caller that just did).
     """
-    from forge_checkpoint.dcp import load_model_weights, read_train_state, verify_checkpoint
+    from forge_checkpoint.dcp import load_model_weights
+    from forge_checkpoint.files import read_train_state, verify_checkpoint
 
     from .build import materialize, model_from_config
     from .config import load_config
