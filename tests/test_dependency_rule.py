@@ -7,13 +7,15 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-#: distribution -> its directory; forge-kernels lives in kernels/ and may import no forge layer.
+#: layer (its directory's name) -> its directory; forge-kernels lives in kernels/ and may import
+#: no forge layer.
 DIST_DIRS = {
     p.name: p
     for p in (ROOT / "packages").iterdir()
@@ -21,6 +23,17 @@ DIST_DIRS = {
 } | {"forge-kernels": ROOT / "kernels"}
 LAYERS = sorted(DIST_DIRS)
 FORGE_IMPORTS = {d.replace("-", "_") for d in LAYERS} | {"forge"}
+
+
+def _distribution(directory: Path) -> str:
+    """The distribution name in ``directory``'s pyproject.toml (not the layer's name: see
+    tests/test_distribution_names.py), normalized as installers list it."""
+    name = tomllib.loads((directory / "pyproject.toml").read_text())["project"]["name"]
+    return name.lower().replace("_", "-")
+
+
+#: import name -> the distribution that installs it
+DISTRIBUTION_OF = {d.replace("-", "_"): _distribution(path) for d, path in DIST_DIRS.items()}
 
 
 def _allowed(dist: str) -> set[str]:
@@ -128,10 +141,10 @@ def test_layer_installs_alone_and_loads_no_other_layer(dist, tmp_path):
         text=True,
     ).stdout
     installed = {line.split("==")[0].split(" @ ")[0].lower() for line in listed.splitlines()}
-    forge_dists = {d for d in installed if d.startswith("forge")}
-    allowed_dists = {d.replace("_", "-") for d in _allowed(dist)}
+    forge_dists = {d.replace("_", "-") for d in installed if d.startswith("forge")}
+    allowed_dists = {DISTRIBUTION_OF[name] for name in _allowed(dist)}
     assert forge_dists <= allowed_dists, forge_dists
-    assert dist in forge_dists
+    assert DISTRIBUTION_OF[_import_name(dist)] in forge_dists
     code = (
         "import sys, warnings; warnings.filterwarnings('ignore'); "
         f"import {_import_name(dist)}; "
