@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from forge_checkpoint.export import (
+    HF_FILES,
+    check_output,
     export_hf_llama,
     from_hf_llama,
     hf_llama_config,
@@ -15,7 +19,6 @@ from forge_checkpoint.export import (
     to_hf_llama,
 )
 from forge_core import ForgeConfigError, ModelConfig, Transformer
-from forge_moe_ep.config import MoEModelConfig
 from safetensors import safe_open
 
 transformers = pytest.importorskip("transformers")
@@ -133,8 +136,17 @@ def test_tied_config_refuses_a_head_that_differs_from_the_embedding():
         to_hf_llama(state, TIED)
 
 
+class _MoEShaped(ModelConfig):
+    """A config naming a block whose FFN slot holds another module (as forge-moe-ep's
+    MoEModelConfig does), without importing another layer."""
+
+    @property
+    def custom_ffn_layers(self) -> tuple[int, ...]:
+        return (1,)
+
+
 def test_moe_config_is_refused():
-    moe = MoEModelConfig.preset("debug_moe")
+    moe = _MoEShaped(**dataclasses.asdict(CFG))
     for fn in (lambda: to_hf_llama({}, moe), lambda: from_hf_llama({}, moe)):
         with pytest.raises(ForgeConfigError, match="no MoE layer.*moe_every=0"):
             fn()
@@ -205,3 +217,79 @@ def test_transformers_stays_optional(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
     with pytest.raises(ForgeConfigError, match="pip install 'transformers"):
         hf_llama_config(CFG)
+
+
+# --------------------------------------------------------------------- where an export may go
+
+
+def _read_only_dir(tmp_path: Path) -> Path:
+    """A folder this process cannot create files in: mode 0o555, or for root (whom mode bits do
+    not stop) sysfs, which takes no new files."""
+    if os.geteuid() != 0:
+        folder = tmp_path / "read-only"
+        folder.mkdir()
+        folder.chmod(0o555)
+        return folder
+    if not os.path.ismount("/sys"):
+        pytest.skip("root without /sys mounted: no folder here that refuses root's writes")
+    return Path("/sys")
+
+
+def test_save_safetensors_overwrites_its_own_file_but_not_a_foreign_one(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_safetensors({"w": torch.zeros(2)}, path)
+    save_safetensors({"w": torch.ones(2)}, path)  # forge's own file: replaced
+    assert torch.equal(load_safetensors(path)["w"], torch.ones(2))
+    foreign = tmp_path / "theirs.safetensors"
+    foreign.write_bytes(b"not forge's")
+    with pytest.raises(ForgeConfigError, match="theirs.safetensors' exists and forge did not"):
+        save_safetensors({"w": torch.ones(2)}, foreign)
+    assert foreign.read_bytes() == b"not forge's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "theirs.safetensors"]
+
+
+def test_export_hf_llama_keeps_other_files_and_refuses_files_it_did_not_write(tmp_path):
+    state = _forge(CFG).state_dict()
+    (tmp_path / "README.md").write_text("the user's")
+    export_hf_llama(state, CFG, tmp_path)
+    export_hf_llama(state, CFG, tmp_path)  # its own two files: replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", *sorted(HF_FILES)]
+    assert (tmp_path / "README.md").read_text() == "the user's"
+    config = tmp_path / "config.json"
+    config.write_text(config.read_text() + " ")  # edited since forge wrote it: the user's now
+    with pytest.raises(ForgeConfigError, match="holds 'config.json', which forge did not write"):
+        export_hf_llama(state, CFG, tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "model.safetensors").write_bytes(b"someone else's weights")
+    with pytest.raises(ForgeConfigError, match="holds 'model.safetensors', which forge did not"):
+        export_hf_llama(state, CFG, other)
+    assert (other / "model.safetensors").read_bytes() == b"someone else's weights"
+    assert sorted(p.name for p in other.iterdir()) == ["model.safetensors"]
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["folder for a file", "file for a folder", "file as a parent", "NUL", "long name", "link"],
+)
+def test_check_output_refuses_a_path_that_cannot_take_the_export(tmp_path, case):
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere.safetensors")
+    path, folder, said = {
+        "folder for a file": (tmp_path, False, "is a folder, but the export is one file"),
+        "file for a folder": (tmp_path / "a-file", True, "is a file, but a Hugging Face export"),
+        "file as a parent": (tmp_path / "a-file" / "m.safetensors", False, "is a file, not a"),
+        "NUL": (f"{tmp_path}/m\0.safetensors", False, "contains a NUL byte"),
+        "long name": (tmp_path / ("m" * 300), False, "name of 300 bytes .*, over this filesystem"),
+        "link": (tmp_path / "link", False, "is a symbolic link"),
+    }[case]
+    with pytest.raises(ForgeConfigError, match=f"^--out.*{said}"):
+        check_output(path, folder=folder, name="--out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "link"]
+
+
+def test_check_output_refuses_a_location_it_cannot_write(tmp_path):
+    folder = _read_only_dir(tmp_path)
+    for path, is_folder in [(folder / "m.safetensors", False), (folder / "hf" / "x", True)]:
+        with pytest.raises(ForgeConfigError, match="cannot write in .*choose a writable location"):
+            check_output(path, folder=is_folder, name="--out")

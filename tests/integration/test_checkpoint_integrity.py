@@ -1,4 +1,6 @@
-"""Checkpoint integrity: a manifest written last, verified before a resume or an export.
+"""Checkpoint integrity: a manifest written last, verified before a resume or an export, with
+what a recomputed manifest cannot hide (each shard bound to its checkpoint, the train state's
+fields), no code run from a checkpoint's index, and no directory forge did not write touched.
 
 One real checkpoint directory (2 ranks, FSDP2, steps 1-3 saved) is made once; each case copies
 it, damages step 3 one way, and checks the refusal names the file, that ``resume = "latest"``
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -16,16 +19,19 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from forge.cli import EXIT_CONFIG, EXIT_DAMAGED, _checked_resume, _failure_line
+from forge.cli import EXIT_CONFIG, EXIT_DAMAGED, _checked_resume, _failure_line, main
 from forge.export import export_checkpoint
 from forge.train import run_train
 from forge_checkpoint.files import (
     MANIFEST,
     CheckpointDamaged,
     checkpoint_lock,
+    foreign_dirs,
     latest_intact,
     verify_checkpoint,
+    write_manifest,
 )
+from forge_checkpoint.lock import rank_lock, run_lock
 from forge_core import ForgeConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,6 +90,11 @@ DAMAGE = {
         lambda d: "rng/rank00001.pt is missing",
     ),
     "unreadable manifest": (lambda d: (d / MANIFEST).write_text("{"), lambda d: MANIFEST),
+    "deleted manifest": (lambda d: (d / MANIFEST).unlink(), lambda d: f"{MANIFEST} is missing"),
+    "emptied manifest": (
+        lambda d: (d / MANIFEST).write_text('{"format": 1, "algorithm": "crc32", "files": {}}'),
+        lambda d: f"{MANIFEST} does not list",
+    ),
 }
 
 
@@ -113,13 +124,22 @@ def test_damage_is_named_and_latest_falls_back_to_the_newest_intact(copy: Path, 
     assert len(skipped) == 1 and expected in skipped[0]
 
 
-def test_junk_step_directories_are_skipped_or_ignored(copy: Path):
+def test_junk_step_directories_are_told_apart_from_damaged_checkpoints(copy: Path):
     (copy / "step-abc").mkdir()  # not step-<digits>: ignored
-    (copy / "step-00000099").mkdir()  # looks newest, holds nothing
+    (copy / "step-00000098").mkdir()  # empty: nothing to skip, nothing to lose
+    (copy / "step-00000099").mkdir()  # looks newest, holds someone's file
     (copy / "step-00000099" / "notes.txt").write_text("x")
     chosen, skipped = latest_intact(copy)
     assert chosen == copy / "step-00000003"
-    assert skipped == ["step-00000099: train_state.json is missing (not a complete checkpoint)"]
+    assert skipped == [
+        "step-00000099: not written by forge (no valid .forge-checkpoint); left alone"
+    ]
+    assert foreign_dirs(copy) == [copy / "step-00000099"]
+    (copy / "step-00000003" / MANIFEST).unlink()  # a forge checkpoint, damaged: said as such
+    chosen, skipped = latest_intact(copy)
+    assert chosen == copy / "step-00000002" and skipped[1].startswith(
+        "step-00000003: manifest.json is missing"
+    )
 
 
 def test_resume_latest_picks_the_intact_checkpoint_for_every_rank(copy: Path, capsys):
@@ -151,6 +171,246 @@ def test_export_verifies_the_checkpoint(copy: Path, tmp_path: Path):
     with pytest.raises(CheckpointDamaged, match="changed since it was written"):
         export_checkpoint(copy / "step-00000003", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# ---- what a recomputed manifest cannot hide ------------------------------------------------------
+
+
+def _payload(marker: Path) -> bytes:
+    """A DCP index naming ``torch.distributed.checkpoint.metadata.os.system`` (pickle protocol 4
+    resolves the dotted name as an attribute chain), called to create ``marker``."""
+    module, name, command = (
+        b"torch.distributed.checkpoint.metadata",
+        b"os.system",
+        f"touch {marker}".encode(),
+    )
+    out = b"\x80\x04"
+    for raw in (module, name):
+        out += b"X" + len(raw).to_bytes(4, "little") + raw
+    return out + b"\x93" + pickle.dumps(command.decode(), protocol=3)[2:-1] + b"\x85R."
+
+
+def _plant(step_dir: Path, marker: Path, manifest: str) -> None:
+    (step_dir / ".metadata").write_bytes(_payload(marker))
+    if manifest == "recomputed":
+        write_manifest(step_dir)
+    else:
+        (step_dir / MANIFEST).unlink()
+
+
+@pytest.mark.parametrize("manifest", ["recomputed", "deleted"])
+def test_code_planted_in_the_index_never_runs_on_resume_or_export(
+    copy: Path, tmp_path: Path, manifest: str, capsys
+):
+    marker, step3 = tmp_path / "pwned", copy / "step-00000003"
+    pickle.loads(_payload(marker))  # the payload works: unrestricted, it runs
+    assert marker.exists()
+    marker.unlink()
+    _plant(step3, marker, manifest)
+    refused = {"recomputed": "metadata refers to", "deleted": f"{MANIFEST} is missing"}[manifest]
+    resume = load_config({"checkpoint": {"dir": str(copy), "resume": str(step3)}})
+    with pytest.raises(CheckpointDamaged, match=rf"^step-00000003: .*{refused}"):
+        _checked_resume(resume)  # forge train's launcher, before any rank starts
+    latest = _checked_resume(load_config({"checkpoint": {"dir": str(copy)}}))
+    assert latest.checkpoint.resume == str(copy / "step-00000002")  # step 3 skipped, said why
+    assert "skipping damaged checkpoint step-00000003: " in capsys.readouterr().err
+    for verify in (True, False):
+        with pytest.raises(CheckpointDamaged, match="step-00000003: "):
+            export_checkpoint(step3, tmp_path / "out.safetensors", verify=verify)
+    assert main(["export", str(step3), "--out", str(tmp_path / "o.safetensors")]) == EXIT_DAMAGED
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("forge export: damaged checkpoint: step-00000003")
+    assert not marker.exists() and not (tmp_path / "out.safetensors").exists()
+
+
+def test_code_planted_in_the_index_never_runs_on_the_ranks(run_on_ranks, copy: Path, tmp_path):
+    """Without forge's launcher (torchrun): rank 0 picks the checkpoint, and with
+    ``checkpoint.verify = false`` (what the launcher passes) every rank's load reads the index."""
+    marker, step3 = tmp_path / "pwned", copy / "step-00000003"
+    _plant(step3, marker, "recomputed")
+    base = {
+        "model": {"preset": "debug"},
+        "parallelism": {"tp": 1},
+        "training": {"steps": 4, "out_dir": str(tmp_path / "run"), "seq_len": 16},
+        "checkpoint": {"dir": str(copy), "save_at_end": False},
+    }
+    unverified = {**base, "checkpoint": {**base["checkpoint"], "resume": str(step3)}}
+    unverified["checkpoint"]["verify"] = False
+    for cfg in (base, unverified):
+        outcomes = run_on_ranks(2, _resume_on_ranks, cfg)
+        if cfg is base:  # rank 0 verified: step 3 skipped, step 2 resumed
+            assert [o[:2] for o in outcomes] == [("trained", str(copy / "step-00000002"))] * 2
+        else:
+            assert {o[0] for o in outcomes} == {"CheckpointDamaged"}, outcomes
+            assert outcomes[0][1].startswith("step-00000003: ") and "metadata" in outcomes[0][1]
+    assert not marker.exists()
+
+
+def test_a_truncated_index_is_one_line_in_resume_load_and_export(
+    run_on_ranks, copy: Path, tmp_path: Path
+):
+    step3 = copy / "step-00000003"
+    _truncate(step3 / ".metadata")
+    write_manifest(step3)
+    expected = "step-00000003: .metadata is not a readable DCP index"
+    with pytest.raises(CheckpointDamaged, match=expected):
+        _checked_resume(load_config({"checkpoint": {"dir": str(copy), "resume": str(step3)}}))
+    with pytest.raises(CheckpointDamaged, match=expected):
+        export_checkpoint(step3, tmp_path / "out")
+    cfg = {
+        "model": {"preset": "debug"},
+        "parallelism": {"tp": 1},
+        "training": {"steps": 4, "out_dir": str(tmp_path / "run"), "seq_len": 16},
+        "checkpoint": {"dir": str(copy), "resume": str(step3), "verify": False},
+    }
+    outcomes = run_on_ranks(2, _resume_on_ranks, cfg)
+    assert {o[0] for o in outcomes} == {"CheckpointDamaged"}
+    assert all(o[1].startswith(expected) and "\n" not in o[1] for o in outcomes), outcomes
+
+
+def test_a_shard_copied_from_another_checkpoint_is_refused(
+    run_on_ranks, copy: Path, tmp_path: Path, capsys
+):
+    step2, step3 = copy / "step-00000002", copy / "step-00000003"
+    shard = _shard(step3).name
+    shutil.copy(step2 / shard, step3 / shard)  # same run, same layout: the same offsets
+    write_manifest(step3)  # with its manifest entry
+    verify_checkpoint(step3)  # every CRC matches
+    copied = rf"^step-00000003: {shard} belongs to another checkpoint"
+    with pytest.raises(CheckpointDamaged, match=copied):
+        _checked_resume(load_config({"checkpoint": {"dir": str(copy), "resume": str(step3)}}))
+    latest = _checked_resume(load_config({"checkpoint": {"dir": str(copy)}}))
+    assert latest.checkpoint.resume == str(step2)
+    assert f"skipping damaged checkpoint step-00000003: {shard} belongs" in capsys.readouterr().err
+    with pytest.raises(CheckpointDamaged, match=copied):
+        export_checkpoint(step3, tmp_path / "out")
+    cfg = {  # the ranks' own load, as the launcher passes it (verified: not again)
+        "model": {"preset": "debug"},
+        "parallelism": {"tp": 1},
+        "training": {"steps": 4, "out_dir": str(tmp_path / "run"), "seq_len": 16},
+        "checkpoint": {"dir": str(copy), "resume": str(step3), "verify": False},
+    }
+    outcomes = run_on_ranks(2, _resume_on_ranks, cfg)
+    assert {o[0] for o in outcomes} == {"CheckpointDamaged"}, outcomes
+    assert outcomes[0][1] == outcomes[1][1] and f"{shard} belongs to" in outcomes[0][1]
+
+
+def _edit(step_dir: Path, edit) -> None:
+    state = json.loads((step_dir / "train_state.json").read_text())
+    edit(state)
+    (step_dir / "train_state.json").write_text(json.dumps(state, indent=1))
+    write_manifest(step_dir)  # recomputed: every CRC matches
+
+
+@pytest.mark.parametrize(
+    ("field", "edit", "says"),
+    [
+        ("step", lambda s: s.update(step=5), "has step=5, but the checkpoint is step 3"),
+        (
+            "scheduler.base_lrs",
+            lambda s: s["scheduler"].update(base_lrs=[0.01]),
+            "scheduler.base_lrs=[0.01], but the param groups' initial_lr are [0.001]",
+        ),
+        (
+            "data_position",
+            lambda s: s.update(data_position=0),
+            "data_position=0, but step=3",
+        ),
+        (
+            "scheduler.last_epoch",
+            lambda s: s["scheduler"].update(last_epoch=1),
+            "scheduler.last_epoch=1, but step=3",
+        ),
+        ("mesh", lambda s: s.update(mesh={"dp_shard": 4}), "mesh={'dp_shard': 4}, not a layout"),
+    ],
+)
+def test_an_edited_train_state_is_refused_naming_the_field(
+    copy: Path, field: str, edit, says: str, capsys
+):
+    step3 = copy / "step-00000003"
+    _edit(step3, edit)
+    with pytest.raises(CheckpointDamaged) as err:
+        _checked_resume(load_config({"checkpoint": {"dir": str(copy), "resume": str(step3)}}))
+    assert str(err.value).startswith("step-00000003: ") and says in str(err.value), err.value
+    latest = _checked_resume(load_config({"checkpoint": {"dir": str(copy)}}))
+    assert latest.checkpoint.resume == str(copy / "step-00000002")
+    assert f"skipping damaged checkpoint {err.value}" in capsys.readouterr().err
+
+
+def _foreign(root: Path) -> Path:
+    (root / "step-00000002").mkdir(parents=True)
+    thesis = root / "step-00000002" / "thesis.tex"
+    thesis.write_text("\\chapter{Five years}")
+    return thesis
+
+
+@pytest.mark.parametrize("resume", ["latest", "none"])
+def test_a_directory_forge_did_not_write_is_refused_before_launch_and_kept(
+    tmp_path: Path, resume: str, capsys
+):
+    mydata = tmp_path / "mydata"
+    thesis = _foreign(mydata)
+    sets = ["--set", f"checkpoint.dir='{mydata}'", "--set", f"checkpoint.resume='{resume}'"]
+    sets += ["--set", f"training.out_dir='{tmp_path / 'run'}'"]
+    assert main(["train", "--nproc", "2", *sets]) == EXIT_CONFIG
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("forge train: config error: checkpoint.dir=") and (
+        "step-00000002, not written by forge" in err[0]
+    )
+    assert "move it out of" in err[0] and "resume=none" not in err[0]
+    assert thesis.read_text() == "\\chapter{Five years}"
+
+
+def test_a_directory_forge_did_not_write_is_refused_on_the_ranks(run_on_ranks, tmp_path: Path):
+    """Under torchrun rank 0 checks the directory, whatever checkpoint.resume says."""
+    mydata = tmp_path / "mydata"
+    thesis = _foreign(mydata)
+    cfg = {
+        "model": {"preset": "debug"},
+        "parallelism": {"tp": 1},
+        "training": {"steps": 2, "out_dir": str(tmp_path / "run"), "seq_len": 16},
+        "checkpoint": {"dir": str(mydata), "resume": "none", "every": 1},
+    }
+    outcomes = run_on_ranks(2, _resume_on_ranks, cfg)
+    assert {o[0] for o in outcomes} == {"ForgeConfigError"}
+    assert "not written by forge" in outcomes[0][1] and outcomes[0][1] == outcomes[1][1]
+    assert thesis.is_file() and sorted(p.name for p in mydata.iterdir()) == ["step-00000002"]
+
+
+@pytest.fixture(scope="module")
+def moe_saved(run_on_ranks, tmp_path_factory) -> Path:
+    """A checkpoint of an MoE model whose router has a bias (``model.router_bias = true``)."""
+    out = tmp_path_factory.mktemp("moe")
+    cfg = {
+        "model": {"preset": "debug_moe", "router_bias": True},
+        "parallelism": {"tp": 1},
+        "training": {"steps": 1, "out_dir": str(out), "seq_len": 16},
+        "checkpoint": {"every": 1, "resume": "none", "save_at_end": False},
+    }
+    assert run_on_ranks(2, _train, cfg) == [1, 0]
+    return out / "checkpoints" / "step-00000001"
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"router_bias": False}, "router_bias=True there, False here"),
+        ({"expert_linear_bias": True}, "it lacks 6 tensor(s) of this model"),
+        ({"shared_expert_gate": True}, "shared_expert_gate=False there, True here"),
+    ],
+)
+def test_resume_into_a_model_with_other_tensors_is_refused_before_launch(
+    moe_saved: Path, change: dict, says: str
+):
+    model = {"preset": "debug_moe", "router_bias": True, **change}
+    cfg = load_config({"model": model, "checkpoint": {"resume": str(moe_saved)}})
+    with pytest.raises(ForgeConfigError, match="was saved for another model") as err:
+        _checked_resume(cfg)
+    assert says in str(err.value), err.value
+    same = {"preset": "debug_moe", "router_bias": True}
+    same_cfg = load_config({"model": same, "checkpoint": {"resume": str(moe_saved)}})
+    assert _checked_resume(same_cfg).checkpoint.resume == str(moe_saved)
 
 
 def _forge(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -267,21 +527,68 @@ def test_under_torchrun_rank_0_verifies_and_every_rank_gets_its_verdict(
     assert "saved for another model" in outcomes[0][1]
 
 
-def test_a_second_run_on_a_locked_checkpoint_directory_is_refused(tmp_path: Path):
-    root = tmp_path / "checkpoints"
-    with checkpoint_lock(root):
-        with (
-            pytest.raises(
-                ForgeConfigError, match=rf"in use by another forge train \(pid {os.getpid()}\)"
-            ),
-            checkpoint_lock(root),
-        ):
-            pass  # NOTE: flock is per open file: a second open conflicts even in-process
-        proc = _forge(["train", "--nproc", "2", "--set", f"checkpoint.dir='{root}'"], tmp_path)
-        assert proc.returncode == 2, proc.stderr[-2000:]
-        assert proc.stderr.count("\n") == 1 and "in use by another forge train" in proc.stderr
-    with checkpoint_lock(root):  # released at the end of the first run
+def _refusal(dirs: dict, **kwargs: bool) -> str:
+    """The message of the ForgeConfigError that ``run_lock(dirs)`` raises at once."""
+    with pytest.raises(ForgeConfigError) as refused, run_lock(dirs, **kwargs):
         pass
+    return str(refused.value)
+
+
+def test_a_run_holds_its_directories_until_its_last_process_ends(tmp_path: Path):
+    out, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    dirs = {"training.out_dir": out, "checkpoint.dir": ckpt}
+    pid = os.getpid()  # NOTE: flock is per open file: a second open conflicts even in-process
+    in_use = f"is in use by another forge train (pid {pid}); wait for it to finish, or give"
+    with run_lock(dirs):  # a launcher
+        refused = _refusal({"training.out_dir": out, "checkpoint.dir": tmp_path / "other"})
+        assert refused == f"training.out_dir '{out}' {in_use} this run its own training.out_dir"
+        refused = _refusal({"training.out_dir": tmp_path / "b", "checkpoint.dir": ckpt})
+        assert refused == f"checkpoint.dir '{ckpt}' {in_use} this run its own checkpoint.dir"
+    with rank_lock([out, ckpt]):  # a rank that outlived its launcher
+        assert _refusal(dirs) == (
+            f"training.out_dir '{out}' is still in use by rank(s) of an earlier forge train "
+            f"whose launcher is gone (pid {pid}); wait for them to exit, or kill {pid}"
+        )
+        with run_lock(dirs, check_ranks=False), rank_lock([out, ckpt]):
+            pass  # torchrun's rank 0 beside its own ranks, which share the ranks' lock
+    with run_lock(dirs), checkpoint_lock(tmp_path / "b"):
+        pass  # free again once every process of the run has let go
+
+
+def test_the_run_lock_opens_only_forges_own_files(tmp_path: Path):
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    (root / ".lock").write_text("the user's own notes\n")
+    with checkpoint_lock(root), rank_lock([root]):
+        pass
+    assert (root / ".lock").read_text() == "the user's own notes\n"  # never truncated
+    assert sorted(p.name for p in root.iterdir()) == [
+        ".forge-ranks.lock",
+        ".forge-run.lock",
+        ".lock",
+    ]
+    assert (root / ".forge-run.lock").read_bytes() == b""  # the holders come from /proc/locks
+
+
+def test_forge_train_refuses_a_directory_in_use_before_any_rank_starts(
+    tmp_path, capsys, monkeypatch
+):
+    from forge import cli
+
+    monkeypatch.setattr(cli, "_launch_local", lambda *a, **k: pytest.fail("a rank was started"))
+    out, mine = tmp_path / "run", tmp_path / "mine"
+    train = ["train", "--nproc", "2", "--set", f"training.out_dir='{out}'"]
+    train += ["--set", f"checkpoint.dir='{mine}'"]
+    with run_lock({"training.out_dir": out}):  # another run writes there, to its own checkpoints
+        assert cli.main(train) == EXIT_CONFIG
+    assert capsys.readouterr().err.splitlines() == [
+        f"forge train: config error: training.out_dir '{out}' is in use by another forge train "
+        f"(pid {os.getpid()}); wait for it to finish, or give this run its own training.out_dir"
+    ]
+    with rank_lock([mine]):  # a rank of an earlier run that outlived its launcher
+        assert cli.main(train) == EXIT_CONFIG
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"forge train: config error: checkpoint.dir '{mine}' is still in use")
 
 
 @pytest.mark.slow

@@ -4,9 +4,14 @@
   under ``<root>/step-NNNNNNNN``: each rank writes its shards, a save is atomic (written into a
   temporary directory, renamed when every rank is done), optionally asynchronous, and loads into
   any other layout (FSDP2, TP, EP, one process) (:mod:`forge_checkpoint.dcp`)
-- :func:`verify_checkpoint`, :func:`latest_intact`, :func:`checkpoint_lock`,
-  :class:`CheckpointDamaged`: the manifest (size + CRC-32 of every file, written last), its
-  verification and a one-writer lock, without importing torch (:mod:`forge_checkpoint.files`)
+- :func:`verify_checkpoint`, :func:`latest_intact`, :func:`foreign_dirs`, :func:`checkpoint_lock`,
+  :class:`CheckpointDamaged`: the marker (forge wrote this directory), the manifest (size +
+  CRC-32 of every file, written last), its verification with the train state's own checks, and
+  a one-writer lock, without importing torch (:mod:`forge_checkpoint.files`)
+- :func:`verify_shards`: every rank's shard and RNG file carries its checkpoint's id
+  (:mod:`forge_checkpoint.binding`); :func:`model_shapes`: the tensor shapes a checkpoint's DCP
+  index records, read by an unpickler that admits exact globals only
+  (:mod:`forge_checkpoint.index`)
 - :func:`load_model_weights`: fill a model from a checkpoint's shards in one process
 - :func:`to_hf_llama`, :func:`from_hf_llama`, :func:`export_hf_llama`, :func:`save_safetensors`,
   :func:`load_safetensors`: the reference Transformer <-> Hugging Face Llama, one-file
@@ -21,13 +26,20 @@ from forge_core.lazy import lazy_exports
 
 _EXPORTS = {
     "MANIFEST": "files",
+    "MARKER": "files",
     "STATE_FILE": "files",
     "CheckpointDamaged": "files",
+    "check_train_state": "files",
     "checkpoint_lock": "files",
     "find_latest": "files",
+    "foreign_dirs": "files",
+    "forge_written": "files",
     "latest_intact": "files",
     "read_train_state": "files",
     "verify_checkpoint": "files",
+    "verify_shards": "binding",
+    "RefusedPickle": "index",
+    "model_shapes": "index",
     "CheckpointIOError": "dcp",
     "Checkpointer": "dcp",
     "SafeFileSystemReader": "dcp",
@@ -42,6 +54,7 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
+    from .binding import verify_shards
     from .dcp import (
         Checkpointer,
         CheckpointIOError,
@@ -59,14 +72,19 @@ if TYPE_CHECKING:
     )
     from .files import (
         MANIFEST,
+        MARKER,
         STATE_FILE,
         CheckpointDamaged,
+        check_train_state,
         checkpoint_lock,
         find_latest,
+        foreign_dirs,
+        forge_written,
         latest_intact,
         read_train_state,
         verify_checkpoint,
     )
+    from .index import RefusedPickle, model_shapes
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
@@ -77,19 +95,26 @@ __all__ = [
     "CheckpointIOError",
     "Checkpointer",
     "MANIFEST",
+    "MARKER",
+    "RefusedPickle",
     "STATE_FILE",
     "SafeFileSystemReader",
+    "check_train_state",
     "checkpoint_lock",
     "export_hf_llama",
     "find_latest",
+    "foreign_dirs",
+    "forge_written",
     "from_hf_llama",
     "hf_llama_config",
     "latest_intact",
     "load_model_weights",
     "load_safetensors",
+    "model_shapes",
     "optimizer_hyperparameters",
     "read_train_state",
     "save_safetensors",
     "to_hf_llama",
     "verify_checkpoint",
+    "verify_shards",
 ]

@@ -10,24 +10,37 @@
   tensor are stored once; the other names are recorded in the ``forge.aliases`` metadata and
   restored on load as the same tensor (HF ignores it and re-ties its head itself).
 - :func:`export_hf_llama`: ``model.safetensors`` + ``config.json`` for ``from_pretrained``.
+- :func:`check_output`: whether a path can take an export, decided before any tensor is read:
+  it must be writable, of the right kind (file or folder), and never a file forge did not write.
 
 MoE configs are refused: HF Llama has no MoE block.
+
+Notable choices: every file is written under a temporary name and renamed into place, so an
+interrupted export leaves no half file at the output path. A file forge writes carries
+``forge.writer`` in its safetensors metadata; an HF export's ``model.safetensors`` also records
+the sha256 of the ``config.json`` written beside it. Only a file so marked (and, for
+``config.json``, unchanged since) is overwritten; anything else at an output path is refused.
+torch is imported by the functions that need it, so :func:`check_output` costs no torch import.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-from collections.abc import Mapping
+import uuid
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from forge_core import ForgeConfigError, ModelConfig
-from torch import Tensor
-from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 __all__ = [
+    "HF_FILES",
+    "check_output",
     "export_hf_llama",
     "from_hf_llama",
     "hf_llama_config",
@@ -37,7 +50,11 @@ __all__ = [
 ]
 
 _ALIASES_KEY = "forge.aliases"
-_PACKED = torch.contiguous_format
+#: The safetensors metadata that marks a file as forge's (see the module docstring).
+_WRITER_KEY, _WRITER = "forge.writer", "forge_checkpoint.export"
+_CONFIG_SHA_KEY = "forge.config_sha256"
+#: What :func:`export_hf_llama` writes into its folder (and nothing else).
+HF_FILES = ("model.safetensors", "config.json")
 _EMBED = ("tok_embeddings.weight", "model.embed_tokens.weight")
 _HEAD = ("output.weight", "lm_head.weight")
 _BLOCK = (  # forge suffix, HF suffix, within block i
@@ -76,6 +93,8 @@ def _name_table(config: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
 
 def _rename(sd: Mapping[str, Tensor], config: ModelConfig, src: int) -> dict[str, Tensor]:
     """Rename ``sd`` from side ``src`` (0 forge, 1 HF) to the other side, checking every key."""
+    import torch
+
     _check_dense(config)
     dst, side = 1 - src, ("forge", "Hugging Face Llama")[src]
     table = _name_table(config)
@@ -171,16 +190,21 @@ def save_safetensors(
     """Write ``state_dict`` to one ``.safetensors`` file (tensors moved to CPU, contiguous).
 
     Entries that are the same tensor (same storage, offset, shape, stride, dtype) are written
-    once and recorded as aliases; other views into shared storage are copied.
+    once and recorded as aliases; other views into shared storage are copied. ``path`` is
+    checked first (:func:`check_output`): a file forge did not write there is refused.
     """
+    import torch
     from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+
+    path = check_output(path, folder=False)
 
     tensors: dict[str, Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple[Any, ...], str] = {}
     storages: set[tuple[str, int]] = set()
     for name, t in state_dict.items():
-        if not isinstance(t, Tensor) or isinstance(t, DTensor) or t.is_meta:
+        if not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or t.is_meta:
             raise ForgeConfigError(
                 f"{name} is a {type(t).__name__} on {getattr(t, 'device', None)}, not a plain "
                 "tensor with data: save a full state dict, e.g. from get_model_state_dict(model, "
@@ -196,12 +220,14 @@ def save_safetensors(
         # A contiguous tensor owning its whole storage is written as is; anything else is packed.
         whole = t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
         t = t.cpu()
-        tensors[name] = t if whole and ptr not in storages else t.clone(memory_format=_PACKED)
+        keep = whole and ptr not in storages
+        tensors[name] = t if keep else t.clone(memory_format=torch.contiguous_format)
         storages.add(ptr)
-    meta = {**(metadata or {}), "format": "pt"}
+    meta = {**(metadata or {}), "format": "pt", _WRITER_KEY: _WRITER}
     if aliases:
         meta[_ALIASES_KEY] = json.dumps(aliases)
-    save_file(tensors, os.fspath(path), metadata=meta)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_then_rename(path, lambda tmp: save_file(tensors, os.fspath(tmp), metadata=meta))
 
 
 def load_safetensors(path: str | os.PathLike[str]) -> dict[str, Tensor]:
@@ -220,15 +246,161 @@ def export_hf_llama(
     state_dict: Mapping[str, Tensor], config: ModelConfig, out_dir: str | os.PathLike[str]
 ) -> Path:
     """Write ``out_dir/model.safetensors`` (HF names) and ``out_dir/config.json``, loadable with
-    ``transformers.LlamaForCausalLM.from_pretrained(out_dir)``; returns ``out_dir``."""
+    ``transformers.LlamaForCausalLM.from_pretrained(out_dir)``; returns ``out_dir``.
+
+    ``out_dir`` may exist: its other files are left alone, and a ``model.safetensors`` or
+    ``config.json`` there that forge did not write is refused (:func:`check_output`)."""
+    out = check_output(out_dir, folder=True)
     hf_state = to_hf_llama(state_dict, config)
     hf_config = hf_llama_config(config)
     # Record the weights' dtype so from_pretrained's default dtype="auto" keeps it (the field is
     # ``dtype`` in transformers 5, ``torch_dtype`` before).
     dtype_field = "dtype" if "dtype" in hf_config.to_dict() else "torch_dtype"
     setattr(hf_config, dtype_field, hf_state[_EMBED[1]].dtype)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_safetensors(hf_state, out / "model.safetensors")
-    hf_config.save_pretrained(out)
+    # NOTE: what save_pretrained writes, written here so that its hash can mark it as forge's.
+    config_json = hf_config.to_json_string(use_diff=True).encode()
+    sha = hashlib.sha256(config_json).hexdigest()
+    save_safetensors(hf_state, out / HF_FILES[0], metadata={_CONFIG_SHA_KEY: sha})
+    _write_then_rename(out / HF_FILES[1], lambda tmp: tmp.write_bytes(config_json))
     return out
+
+
+def _write_then_rename(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(tmp)`` a temporary file beside ``path``, then rename it to ``path``; the temporary
+    file (forge's own) is removed if writing fails."""
+    # NOTE: a short fixed-length name: ``path``'s own name may already be at NAME_MAX.
+    tmp = path.with_name(f".forge-export-{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _safetensors_metadata(path: Path) -> dict[str, Any] | None:
+    """The ``__metadata__`` of a safetensors file's JSON header; None if ``path`` is not one.
+    Reads the header only (8-byte length, then JSON): nothing in it can run code."""
+    try:
+        with path.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= 100 * 2**20:
+                return None
+            header = json.loads(f.read(size))
+    except (OSError, ValueError):
+        return None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return meta if isinstance(meta, dict) else None
+
+
+def _forge_wrote(path: Path) -> bool:
+    """Whether ``path`` is a file forge wrote (and, for an HF ``config.json``, has not changed)."""
+    if path.name == HF_FILES[1]:
+        meta = _safetensors_metadata(path.with_name(HF_FILES[0])) or {}
+        try:
+            return meta.get(_CONFIG_SHA_KEY) == hashlib.sha256(path.read_bytes()).hexdigest()
+        except OSError:
+            return False
+    meta = _safetensors_metadata(path) or {}
+    # NOTE: ``forge_step`` marks the files forge export wrote before ``forge.writer`` existed.
+    return meta.get(_WRITER_KEY) == _WRITER or "forge_step" in meta
+
+
+def _check_path_text(path: Path, name: str) -> None:
+    """No NUL byte, no component over the filesystem's name limit, not over PATH_MAX."""
+    raw = os.fsencode(path)
+    if b"\0" in raw:
+        raise ForgeConfigError(f"{name} {str(path)!r} contains a NUL byte: give a path without one")
+    try:
+        name_max = os.pathconf(_existing_ancestor(path), "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    for part in path.parts:
+        if len(os.fsencode(part)) > name_max:
+            raise ForgeConfigError(
+                f"{name} has a name of {len(os.fsencode(part))} bytes ({part[:24]!r}...), over "
+                f"this filesystem's limit of {name_max}: give a shorter name"
+            )
+    if len(raw) >= 4096:
+        raise ForgeConfigError(f"{name} is {len(raw)} bytes long, over 4095: give a shorter path")
+
+
+def _existing_ancestor(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists (the current directory at worst)."""
+    path = Path(os.path.abspath(path))
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _check_writable(path: Path, name: str) -> None:
+    """``path`` can be created (or replaced): its nearest existing ancestor is a writable folder.
+
+    NOTE: probed by creating (and removing) a file there, which also catches what mode bits do
+    not show: a read-only mount, or a root user refused by the filesystem.
+    """
+    base = _existing_ancestor(path.parent if not path.is_dir() else path)
+    if not base.is_dir():
+        raise ForgeConfigError(
+            f"{name} {str(path)!r}: {str(base)!r} is a file, not a folder: choose another path"
+        )
+    probe = base / f".forge-export-{uuid.uuid4().hex[:12]}.probe"
+    try:
+        probe.touch(exist_ok=False)
+        probe.unlink()
+    except OSError as e:
+        raise ForgeConfigError(
+            f"{name} {str(path)!r}: cannot write in {str(base)!r} ({e.strerror}): choose a "
+            "writable location"
+        ) from None
+
+
+def check_output(path: str | os.PathLike[str], *, folder: bool, name: str = "output") -> Path:
+    """``path`` as a :class:`Path` if an export can be written there; else ForgeConfigError
+    naming ``name`` (e.g. ``"--out"``), the path and the fix. Reads no tensor and imports no
+    torch, so a caller can check before the expensive part.
+
+    ``folder=False``: one file; refused if it is a folder or an existing file forge did not
+    write. ``folder=True``: a folder for :data:`HF_FILES`; refused if it is a file, or holds one
+    of those files that forge did not write (its other files are never touched). Both: refused
+    for a NUL byte, an over-long name, a symbolic link, or a location that cannot be written.
+    """
+    path = Path(os.fspath(path))
+    _check_path_text(path, name)
+    try:
+        _check_kind(path, folder, name)
+    except OSError as e:  # NOTE: stat refused, e.g. a parent folder without search permission
+        raise ForgeConfigError(
+            f"{name} {str(path)!r} cannot be looked at ({e.strerror}): choose a location you can "
+            "read and write"
+        ) from None
+    _check_writable(path, name)
+    return path
+
+
+def _check_kind(path: Path, folder: bool, name: str) -> None:
+    """The checks of :func:`check_output` on what is at ``path`` already."""
+    shown = str(path)
+    if path.is_symlink():
+        raise ForgeConfigError(
+            f"{name} {shown!r} is a symbolic link: give the path it points to, or a new one"
+        )
+    if folder and path.exists() and not path.is_dir():
+        raise ForgeConfigError(
+            f"{name} {shown!r} is a file, but a Hugging Face export is a folder: give a folder "
+            "path (new, or one forge exported to before)"
+        )
+    if not folder and path.is_dir():
+        raise ForgeConfigError(
+            f"{name} {shown!r} is a folder, but the export is one file: give a file path such "
+            f"as {str(path / 'model.safetensors')!r}"
+        )
+    targets = [path / f for f in HF_FILES] if folder else [path]
+    for target in targets:
+        if os.path.lexists(target) and (not target.is_file() or not _forge_wrote(target)):
+            what = f"holds {target.name!r}, which forge did not write"
+            if target == path:
+                what = "exists and forge did not write it"
+            raise ForgeConfigError(
+                f"{name} {shown!r} {what} (forge overwrites only its own exports): choose "
+                "another path, or move that file away"
+            )

@@ -9,9 +9,9 @@ traceback deep in a layer. Where versions differ, the function says which needs 
 Provides :func:`unflatten_mesh_dim`, :func:`flatten_mesh`, :func:`mesh_group_ranks`,
 :func:`fsdp_param_groups`, :func:`fsdp_reshards_root_after_forward`, :func:`in_backward_pass`,
 :func:`assert_on_device`, :func:`checkpoint_wrapper`, :func:`is_checkpoint_wrapper`,
-:func:`inductor_cache_dir`, :func:`launch_config`, :func:`compiled_original`, :func:`is_compiled`,
+:func:`inductor_cache_dir`, :func:`compiled_original`, :func:`is_compiled`,
 :func:`non_persistent_buffer_names`, :func:`local_shape_and_offset`, :func:`strided_shard_type`,
-:func:`overload_name`, :func:`dcp_metadata_path` and :class:`TorchDispatchMode` (the base of
+:func:`overload_name`, :func:`dcp_metadata_path`, :func:`dcp_index_globals` and :class:`TorchDispatchMode` (the base of
 forge's sync guard).
 Modules that are slow to import are imported when first used. (``forge_kernels`` depends on
 torch alone and calls ``torch._grouped_mm`` itself.)
@@ -31,6 +31,7 @@ __all__ = [
     "assert_on_device",
     "checkpoint_wrapper",
     "compiled_original",
+    "dcp_index_globals",
     "dcp_metadata_path",
     "flatten_mesh",
     "fsdp_param_groups",
@@ -39,7 +40,6 @@ __all__ = [
     "inductor_cache_dir",
     "is_checkpoint_wrapper",
     "is_compiled",
-    "launch_config",
     "local_shape_and_offset",
     "mesh_group_ranks",
     "non_persistent_buffer_names",
@@ -122,22 +122,6 @@ def is_checkpoint_wrapper(module: nn.Module) -> bool:
     return isinstance(module, CheckpointWrapper)
 
 
-def launch_config(*, shutdown_timeout: int, **fields: Any) -> Any:
-    """``torch.distributed.launcher.api.LaunchConfig(**fields)`` with a shutdown grace period.
-
-    NOTE: ``shutdown_timeout`` (seconds between passing SIGTERM to the ranks and killing them)
-    is a LaunchConfig field in torch 2.15; torch 2.11 has no such field and always waits 30 s,
-    so there it is left out and the ranks get 30 s.
-    """
-    import dataclasses
-
-    from torch.distributed.launcher.api import LaunchConfig
-
-    if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:
-        fields["shutdown_timeout"] = shutdown_timeout
-    return LaunchConfig(**fields)
-
-
 def inductor_cache_dir() -> str:
     """Inductor's default on-disk cache folder (where ``TORCHINDUCTOR_CACHE_DIR`` points)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
@@ -193,6 +177,28 @@ def dcp_metadata_path(reader: Any, rank: int | None = None) -> Any:
     """Where a DCP ``FileSystemReader`` reads its ``.metadata`` (per-rank when ``rank`` is given
     on torch releases that write one per rank)."""
     return reader._get_metadata_path(rank)
+
+
+def dcp_index_globals() -> dict[tuple[str, str], Any]:
+    """DCP's private globals that a checkpoint index (``.metadata``, a pickle) names, by the
+    ``(module, name)`` the pickle spells: its storage record ``_StorageInfo``, its memory-format
+    enum ``_MEM_FORMAT_ENCODING`` (where this torch has it) and the layout lookup
+    ``torch.serialization._get_layout`` (a pickled ``torch.strided``). forge_checkpoint's
+    restricted unpickler admits exactly these besides DCP's public classes.
+    """
+    import torch.distributed.checkpoint.filesystem as fs
+    import torch.distributed.checkpoint.metadata as md
+    import torch.serialization as ser
+
+    found = {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): fs._StorageInfo,
+        ("torch.serialization", "_get_layout"): ser._get_layout,
+    }
+    if hasattr(md, "_MEM_FORMAT_ENCODING"):
+        found[("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")] = (
+            md._MEM_FORMAT_ENCODING
+        )
+    return found
 
 
 def swap_parameter(module: nn.Module, name: str, value: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """``forge export``: consolidate a ``forge train`` checkpoint into one safetensors file or a
-Hugging Face Llama folder. The file formats and name maps are forge-checkpoint's
-(:mod:`forge_checkpoint.export`); this module rebuilds the model from the stored config.
+Hugging Face Llama folder. The file formats, name maps and what an output path may be are
+forge-checkpoint's (:mod:`forge_checkpoint.export`); this module rebuilds the model from the
+stored config. Importing it imports no torch, so :func:`check_export_out` answers at once.
 """
 
 from __future__ import annotations
@@ -9,10 +10,38 @@ import json
 import os
 from pathlib import Path
 
-from forge_checkpoint.export import export_hf_llama, save_safetensors
+from forge_checkpoint.export import check_output, export_hf_llama, save_safetensors
 from forge_core import ForgeConfigError
 
-__all__ = ["export_checkpoint"]
+__all__ = ["check_export_out", "export_checkpoint"]
+
+LAYOUTS = ("safetensors", "hf")
+
+
+def check_export_out(
+    checkpoint: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    layout: str = "safetensors",
+    *,
+    name: str = "out",
+) -> Path:
+    """``out`` as a Path if ``layout`` can be exported there from ``checkpoint``; else
+    ForgeConfigError naming ``name`` (``--out`` for the CLI). Reads neither the checkpoint nor
+    ``out``'s tensors: what an output may be is :func:`forge_checkpoint.export.check_output`'s
+    rule (writable, the right kind, no file forge did not write); this adds only that the export
+    does not go into the checkpoint itself (it would change what its manifest covers)."""
+    if layout not in LAYOUTS:
+        raise ForgeConfigError(f"layout={layout!r}: choose 'safetensors' or 'hf'")
+    if "\0" in os.fsdecode(checkpoint):
+        raise ForgeConfigError(f"checkpoint path {os.fsdecode(checkpoint)!r} contains a NUL byte")
+    path = check_output(out, folder=layout == "hf", name=name)
+    inside = Path(os.path.abspath(path)).is_relative_to(os.path.abspath(checkpoint))
+    if inside and Path(checkpoint).is_dir():
+        raise ForgeConfigError(
+            f"{name} {str(path)!r} is inside the checkpoint {os.fsdecode(checkpoint)!r}: write the "
+            "export outside it"
+        )
+    return path
 
 
 def export_checkpoint(
@@ -28,7 +57,8 @@ def export_checkpoint(
     in its metadata). ``layout="hf"``: a Hugging Face Llama folder ``out`` (dense reference
     models only). No process group is needed; the model is rebuilt on the CPU from the config
     stored in the checkpoint and filled from its shards. ``verify=False`` skips checking the
-    files against the checkpoint's manifest (for a caller that just did).
+    files against the checkpoint's manifest (for a caller that just did). ``out`` is checked
+    first (:func:`check_export_out`): nothing forge did not write is overwritten.
     """
     from forge_checkpoint.dcp import load_model_weights
     from forge_checkpoint.files import read_train_state, verify_checkpoint
@@ -36,8 +66,7 @@ def export_checkpoint(
     from .build import materialize, model_from_config
     from .config import load_config
 
-    if layout not in ("safetensors", "hf"):
-        raise ForgeConfigError(f"layout={layout!r}: choose 'safetensors' or 'hf'")
+    path = check_export_out(checkpoint, out, layout)
     state = read_train_state(checkpoint)
     if verify:  # NOTE: a flipped byte in a shard would otherwise load silently
         verify_checkpoint(checkpoint)
@@ -51,9 +80,7 @@ def export_checkpoint(
     load_model_weights(checkpoint, model)
     weights = model.state_dict()
     if layout == "hf":
-        return export_hf_llama(weights, cfg.model, out)
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
+        return export_hf_llama(weights, cfg.model, path)
     save_safetensors(
         weights,
         path,
