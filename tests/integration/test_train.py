@@ -393,22 +393,53 @@ def _train_until_divergence(cfg: dict) -> str:
     return "no divergence"
 
 
+@pytest.mark.parametrize("async_save", [False, True])
 def test_a_diverging_run_stops_before_the_bad_step_and_publishes_only_finite_checkpoints(
-    run_on_ranks, tmp_path
+    run_on_ranks, tmp_path, async_save
 ):
     """lr 1e36 (no clipping): step 1 is finite (huge weights), step 2's loss is NaN. The run
     stops before step 2's optimizer step; the only checkpoint is step 1, finite throughout (a
-    resume=latest would load a usable model)."""
+    resume=latest would load a usable model). Written asynchronously, it is still published
+    before the run stops, and the message names it."""
     cfg = _cfg(tmp_path, steps=6, training={"lr": 1e36, "max_grad_norm": 0.0, "warmup_steps": 0})
-    cfg["checkpoint"].update(every=1, keep=10)
+    cfg["checkpoint"].update(every=1, keep=10, async_save=async_save)
     message = run_on_ranks(2, _train_until_divergence, cfg)[0]
     assert message.startswith("loss is nan at step 2; stopped before the optimizer step"), message
     root = tmp_path / "checkpoints"
+    assert message.endswith(f"; the last checkpoint is {root / 'step-00000001'}"), message
     assert sorted(p.name for p in root.iterdir()) == ["step-00000001"]
     model = Transformer(ModelConfig.preset("debug"))
     load_model_weights(root / "step-00000001", model)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert max(p.abs().max() for p in model.parameters()) > 1e30  # it did blow up
+
+
+def _train_with_nan_router_biases(cfg: dict) -> str:
+    """run_train whose MoE balancing update turns the routers' ``expert_bias`` buffers into
+    NaN (as ``model.moe_bias_update_rate = inf`` did): the parameters stay finite."""
+    from forge_moe_ep.moe import MoE
+
+    update = MoE.forge_after_optimizer_step
+
+    def poisoned(self: MoE) -> None:
+        update(self)
+        self.router.expert_bias.fill_(float("nan"))
+
+    MoE.forge_after_optimizer_step = poisoned  # type: ignore[method-assign]
+    try:
+        return _train_until_divergence(cfg)
+    finally:
+        MoE.forge_after_optimizer_step = update  # type: ignore[method-assign]
+
+
+def test_a_checkpoint_with_non_finite_buffers_is_never_written(run_on_ranks, tmp_path):
+    cfg = _cfg(tmp_path, steps=3, model={"preset": "debug_moe"})
+    cfg["checkpoint"].update(every=1)
+    message = run_on_ranks(2, _train_with_nan_router_biases, cfg)[0]
+    assert message.startswith("step 1: non-finite values (NaN/inf): "), message
+    assert "(first: model.layers.0.feed_forward.router.expert_bias)" in message
+    assert message.endswith("; no checkpoint was saved"), message
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
 
 
 def test_nonfinite_values_counts_parameters_and_optimizer_state():
@@ -487,8 +518,7 @@ def test_clip_grad_norm_p_norms_of_sharded_gradients(run_on_ranks):
 
 
 def test_sigterm_is_noted_quietly_and_ctrl_c_is_acknowledged(capsys, monkeypatch):
-    # SIGTERM is also how the launcher stops the surviving ranks after one failed: no line
-    # promising a save may then sit beside the failure line (CI caught that race once).
+    # SIGTERM (a scheduler's preemption) is noted without a line: the report names it.
     quiet = _StopFlag()
     quiet(signal.SIGTERM, None)
     quiet(signal.SIGINT, None)  # a second signal changes nothing
@@ -498,6 +528,14 @@ def test_sigterm_is_noted_quietly_and_ctrl_c_is_acknowledged(capsys, monkeypatch
     loud(signal.SIGINT, None)
     assert loud.signal == "SIGINT"
     assert capsys.readouterr().err == "[rank 0] SIGINT: finishing this step, then saving\n"
+
+
+def test_the_stop_names_the_signal_and_the_rank_that_got_it():
+    # every rank's vote is its signal number (0: none); the run stops when any rank has one
+    flag = _StopFlag()
+    assert flag.stopped_by([0, int(signal.SIGTERM), int(signal.SIGINT)]) == "SIGTERM on rank 1"
+    flag(signal.SIGTERM, None)  # this rank got one too: its own is named
+    assert flag.signum == signal.SIGTERM and flag.stopped_by([15, int(signal.SIGINT)]) == "SIGTERM"
 
 
 def test_flops_per_token_and_no_mfu_on_cpu():

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from forge_checkpoint.dcp import Checkpointer
+from forge_checkpoint.dcp import Checkpointer, CheckpointIOError, count_nonfinite
 from forge_checkpoint.files import CheckpointDamaged
 from forge_core import (
     ForgeConfigError,
@@ -58,8 +58,8 @@ from forge_core.training import (
 )
 from forge_domain import domain_group, shard_spatial, sync_domain_gradients
 from forge_mesh import mesh_layout
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from .build import ParallelPlan, model_from_config
 from .config import ForgeConfig, load_config
@@ -122,20 +122,22 @@ def _peak_memory(device: torch.device) -> int:
 
 
 class _StopFlag:
-    """Notes SIGTERM / SIGINT instead of dying; the loop stops after the step it is in."""
+    """Notes SIGTERM / SIGINT instead of dying; the loop stops after the step it is in, on
+    every rank: each step's all-gather carries every rank's :attr:`signum` (its vote)."""
 
     def __init__(self) -> None:
         self.signal: str | None = None
+        self.signum = 0  # 0: no signal
 
     def __call__(self, signum: int, frame: object) -> None:
-        # NOTE: a launcher that got Ctrl-C passes the signal on, so a rank may see it twice;
-        # stopping is already under way, and the launcher kills after its shutdown timeout.
-        # Only Ctrl-C (SIGINT: someone is watching) is acknowledged at once. SIGTERM is also
-        # how the launcher stops the surviving ranks when one rank fails; a "then saving" line
-        # there would promise a save that never comes, next to the failure line. A SIGTERM
-        # that does stop the run is named in the final report ("stopped by SIGTERM").
+        # NOTE: forge's launcher passes a signal it gets on to the ranks, and Ctrl-C also
+        # reaches them from the terminal, so a rank may see one twice; stopping is already under
+        # way (the launcher kills after its shutdown grace, or at a second signal of its own).
+        # Only Ctrl-C (SIGINT: someone is watching) is acknowledged at once; SIGTERM (SLURM
+        # preemption, a scheduler) quietly. A signal that stops the run is named in the final
+        # report and the launcher's status line ("stopped by SIGTERM", "... on rank 1").
         if self.signal is None:
-            self.signal = signal.Signals(signum).name
+            self.signal, self.signum = signal.Signals(signum).name, signum
             if signum != signal.SIGINT:
                 return
             print(
@@ -143,6 +145,14 @@ class _StopFlag:
                 file=sys.stderr,
                 flush=True,
             )
+
+    def stopped_by(self, votes: list[int]) -> str:
+        """What stopped the run, given every rank's vote: this rank's signal, else the first
+        rank's that got one (``"SIGTERM on rank 1"``)."""
+        if self.signal is not None:
+            return self.signal
+        rank, signum = next((r, v) for r, v in enumerate(votes) if v)
+        return f"{signal.Signals(signum).name} on rank {rank}"
 
     @contextmanager
     def installed(self) -> Iterator[_StopFlag]:
@@ -230,15 +240,39 @@ def _field_step(
 
 
 def _nonfinite_values(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """How many NaN/inf values this rank holds in its parameters and optimizer state tensors."""
-    tensors = [p for p in model.parameters()]
-    tensors += [v for state in optimizer.state.values() for v in state.values()]
-    counts = [
-        (~torch.isfinite(t.to_local() if isinstance(t, DTensor) else t)).sum().cpu()
-        for t in tensors
-        if isinstance(t, torch.Tensor) and t.is_floating_point()
-    ]
-    return int(torch.stack(counts).sum()) if counts else 0
+    """How many NaN/inf values this rank holds in what a checkpoint saves of the model
+    (parameters, persistent buffers) and the optimizer state. ``Checkpointer.save`` runs the
+    same count (:func:`forge_checkpoint.dcp.count_nonfinite`) and refuses to save any."""
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optimizer)["state"],
+    }
+    return count_nonfinite(state)[0]
+
+
+@contextmanager
+def _published_before_failure(checkpointer: Checkpointer, summary: TrainSummary) -> Iterator[None]:
+    """On a diverged run (``FloatingPointError``: a non-finite loss or gradient norm, or state
+    a save refused), publish the asynchronous save still pending, then say which checkpoint is
+    the last one.
+
+    NOTE: every rank raises these together (the loss and gradient norm are reduced over all
+    ranks, the save guard agrees over the checkpoint group), so every rank can take part in
+    finishing the pending save; other errors may be one rank's, and are left to the launcher.
+    """
+    try:
+        yield
+    except FloatingPointError as err:
+        try:
+            checkpointer.wait()
+        except CheckpointIOError as lost:
+            raise FloatingPointError(
+                f"{err}; and the pending checkpoint {summary.last_checkpoint} failed: {lost}"
+            ) from None
+        last = summary.last_checkpoint or summary.resumed_from
+        raise FloatingPointError(
+            f"{err}; the last checkpoint is {last}" if last else f"{err}; no checkpoint was saved"
+        ) from None
 
 
 def _gloo_group() -> dist.ProcessGroup:
@@ -359,16 +393,9 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
 
     def save(step: int) -> None:
         nonlocal last_saved
-        # NOTE: finite loss and gradients can still overflow a parameter (a huge lr); count the
-        # non-finite values of every rank's shards first, and write nothing if there are any.
-        bad = torch.tensor([_nonfinite_values(model, optimizer)], dtype=torch.int64)
-        dist.all_reduce(bad, group=control)
-        if int(bad):
-            raise FloatingPointError(
-                f"{int(bad)} non-finite values in the parameters or optimizer state at step "
-                f"{step}; not saving that checkpoint (the last one written is intact; lower "
-                f"training.lr={t.lr})"
-            )
+        # NOTE: finite loss and gradients can still overflow a parameter (a huge lr) or a
+        # buffer (the MoE routers' balancing bias): Checkpointer.save counts the non-finite
+        # values of every rank's state and raises FloatingPointError before writing anything.
         train_state = {
             "data_position": step,  # the data is indexed by step: resume reads batch `step` next
             "scheduler": scheduler.state_dict(),
@@ -376,10 +403,20 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
             "run_id": run_id,
             "config": asdict(cfg),
         }
-        summary.last_checkpoint = str(checkpointer.save(step, model, optimizer, train_state))
+        try:
+            summary.last_checkpoint = str(checkpointer.save(step, model, optimizer, train_state))
+        except FloatingPointError as err:
+            raise FloatingPointError(
+                f"step {step}: {err} (lower training.lr={t.lr}, raise training.warmup_steps or "
+                "set training.max_grad_norm)"
+            ) from None
         last_saved = step
 
-    with stop.installed(), warnings.catch_warnings():
+    with (
+        stop.installed(),
+        warnings.catch_warnings(),
+        _published_before_failure(checkpointer, summary),
+    ):
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
         for step in range(summary.start_step, t.steps):
             begin = time.perf_counter()
@@ -414,11 +451,11 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
             optimizer.zero_grad(set_to_none=True)
             elapsed = time.perf_counter() - begin
             # One host-side collective per step: every rank's peak memory and its stop vote.
-            mine = torch.tensor([_peak_memory(device), 1 if stop.signal else 0], dtype=torch.int64)
+            mine = torch.tensor([_peak_memory(device), stop.signum], dtype=torch.int64)
             everyone = [torch.zeros_like(mine) for _ in range(world_size)]
             dist.all_gather(everyone, mine, group=control)
             memory = [int(m[0]) for m in everyone]
-            stop_voted = any(int(m[1]) for m in everyone)
+            votes = [int(m[1]) for m in everyone]
             done = finished = step + 1
             if rank == 0:
                 assert metrics is not None and progress is not None  # rank 0 made both above
@@ -448,8 +485,8 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
                 progress.update(text, done, t.steps)
             if ck.every and done % ck.every == 0:
                 save(done)
-            if stop_voted:
-                summary.stopped_by = stop.signal or "a signal on another rank"
+            if any(votes):
+                summary.stopped_by = stop.stopped_by(votes)
                 break
         if (summary.stopped_by or ck.save_at_end) and last_saved != finished:
             save(finished)
@@ -513,7 +550,8 @@ def _report(
     if s.resumed_from and not s.steps:
         lines.append(
             f"nothing to train: the checkpoint is at step {s.start_step} and training.steps="
-            f"{t.steps}; raise training.steps (or set checkpoint.resume=none to start over)"
+            f"{t.steps}; raise training.steps, or give a fresh run its own checkpoint.dir (a new "
+            "run with checkpoint.resume=none would save over these checkpoints)"
         )
     if s.stopped_by:
         lines.append(f"stopped by {s.stopped_by} after step {finished}")
