@@ -207,3 +207,94 @@ def test_ep_minus_one_picks_the_largest_degree_dividing_dp_shard_and_the_experts
     assert ParallelismConfig(ep=-1, tp=2).resolve(8, num_experts=6).ep == 2
     assert ParallelismConfig(ep=-1).resolve(4, num_experts=0).ep == 1  # dense model
     assert ParallelismConfig(ep=-1, data="ddp").resolve(4, num_experts=8).ep == 1
+
+
+#: 2**40: more than any size, count or rank degree forge takes.
+HUGE = 2**40
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        (["training.lr=inf"], r"^training\.lr=inf must be a finite number > 0$"),
+        (["training.lr=nan"], r"^training\.lr=nan must be a finite number > 0$"),
+        (["training.lr=1e39"], r"^training\.lr=1e\+39 must be a finite number > 0: .*float32"),
+        (["training.min_lr_ratio=nan"], r"^training\.min_lr_ratio=nan must be .* in \[0, 1\]"),
+        (["training.weight_decay=inf"], r"^training\.weight_decay=inf must be a finite number"),
+        (["training.max_grad_norm=-inf"], r"^training\.max_grad_norm=-inf must be a finite"),
+        (
+            ["training.lr=0.5", "training.weight_decay=3.0"],
+            r"^training\.weight_decay=3\.0 with training\.lr=0\.5: .* 1 - lr x weight_decay",
+        ),
+        (["model.norm_eps=-1"], r"^model\.norm_eps=-1 must be a finite number in \(0, 1\)"),
+        (["model.norm_eps=0"], r"^model\.norm_eps=0 must be a finite number in \(0, 1\)"),
+        (["model.rope_theta=0"], r"^model\.rope_theta=0 must be a finite number > 1"),
+        (["model.rope_theta=nan"], r"^model\.rope_theta=nan must be a finite number > 1"),
+        (["model.ffn_dim=0"], r"^model\.ffn_dim=0 must be a positive integer$"),
+        (["model.ffn_dim=-64"], r"^model\.ffn_dim=-64 must be a positive integer$"),
+        ([f"model.dim={HUGE}"], rf"^model\.dim={HUGE} is too large: it must be at most 2147483647"),
+        ([f"model.vocab_size={HUGE}"], rf"^model\.vocab_size={HUGE} is too large"),
+        (["model.n_layers=100000"], r"^model\.n_layers=100000 is too large: .* 65536 \(2\*\*16"),
+        (
+            ["model.dim=16777216", "model.n_heads=4", "model.n_kv_heads=4"],
+            r"^model has \d\.\d+e\+15 parameters \(vocab_size=256, dim=16777216, n_layers=2, "
+            r"ffn_dim=128\), more than 2\*\*50",
+        ),
+        (
+            ["model.max_seq_len=1000000000"],
+            r"^model\.max_seq_len=1000000000 x head dim 16 = 16000000000 rotary-table entries",
+        ),
+        (
+            [f"training.global_batch_size={HUGE}"],
+            rf"^training\.global_batch_size={HUGE} is too large",
+        ),
+        (
+            ["training.global_batch_size=100000000"],
+            r"^training\.global_batch_size=100000000 x \(training\.seq_len \+ 1\) = 3300000000 "
+            r"tokens per step, more than 2\*\*31 - 1",
+        ),
+        ([f"training.steps={HUGE}"], rf"^training\.steps={HUGE} is too large"),
+        (
+            ["training.seed=18446744073709551616"],
+            r"^training\.seed=18446744073709551616 is too large: it must be at most 4294967295",
+        ),
+        (["training.seed=-1"], r"^training\.seed=-1 must be an integer >= 0$"),
+        ([f"checkpoint.every={HUGE}"], rf"^checkpoint\.every={HUGE} is too large"),
+        ([f"pp.microbatches={HUGE}"], rf"^pp\.microbatches={HUGE} is too large"),
+        ([f"parallelism.tp={HUGE}"], rf"^parallelism\.tp={HUGE} is too large: .* 1048576"),
+        (
+            ["model.preset=debug_vlm", "vision.norm_eps=nan"],
+            r"^vision\.norm_eps=nan must be a finite number in \(0, 1\)",
+        ),
+        (
+            ["model.preset=debug_vlm", "vision.dim=1048576", "vision.n_layers=1024"],
+            r"^the vision encoder has \d\.\d+e\+15 parameters \(dim=1048576",
+        ),
+        (["model.preset=debug_vlm", f"vlm.image_token_id={HUGE}"], r"^vlm\.image_token_id="),
+        (
+            ["model.preset=debug_field", "field.height=1000000", "field.width=1000000"],
+            r"^field\.height=1000000 x field\.width=1000000 x 16 channels",
+        ),
+    ],
+)
+def test_numbers_are_finite_and_in_a_range_the_code_can_use(overrides, pattern):
+    """Each refusal is one line naming the field (nan, inf and 2**40 were accepted and failed
+    on the ranks, or silently trained to NaN)."""
+    with pytest.raises(ForgeConfigError, match=pattern) as err:
+        load_config(None, overrides)
+    assert "\n" not in str(err.value)
+
+
+def test_the_python_api_refuses_non_finite_model_numbers():
+    base = {"vocab_size": 32, "dim": 64, "n_layers": 2, "n_heads": 4}
+    with pytest.raises(ForgeConfigError, match=r"model\.norm_eps=nan"):
+        ModelConfig(**base, norm_eps=float("nan"))
+    with pytest.raises(ForgeConfigError, match=r"model\.rope_theta=-inf"):
+        ModelConfig(**base, rope_theta=float("-inf"))
+    assert ModelConfig(**base, rope_theta=500000.0, norm_eps=1e-6).rope_theta == 500000.0
+
+
+def test_a_world_size_beyond_any_machine_is_refused_at_once():
+    """Resolving 2**40 ranks once listed the divisors of 2**40 for the ep message: a hang."""
+    with pytest.raises(ForgeConfigError, match=r"^world_size=1099511627776 is too large"):
+        ParallelismConfig(ep=3).resolve(HUGE)

@@ -272,14 +272,53 @@ def test_no_host_sync_catches_a_planted_item_in_the_moe_forward(monkeypatch):
         moe(torch.randn(1, 8, D))
 
 
+@pytest.mark.parametrize(
+    ("fields", "pattern"),
+    [
+        ({"moe_bias_update_rate": float("inf")}, r"^model\.moe_bias_update_rate=inf must be a"),
+        ({"moe_bias_update_rate": 1e300}, r"^model\.moe_bias_update_rate=1e\+300 .* \[0, 1\]"),
+        ({"moe_aux_loss_coef": float("nan")}, r"^model\.moe_aux_loss_coef=nan .* \[0, 1\]"),
+        ({"capacity_factor": float("inf")}, r"^model\.capacity_factor=inf must be a finite"),
+        (
+            {"moe_dispatch": "capacity", "capacity_factor": 1e300},
+            r"^model\.capacity_factor=1e\+300 .* in \(0, 8\]",
+        ),
+        (
+            {"moe_dispatch": "capacity", "capacity_factor": 9.0},
+            r"^model\.capacity_factor=9\.0 .* in \(0, 8\]",
+        ),
+        ({"router_scale": float("inf")}, r"^model\.router_scale=inf must be a finite number"),
+        ({"expert_act_limit": float("nan")}, r"^model\.expert_act_limit=nan must be a finite"),
+        ({"num_experts": 2**40}, r"^model\.num_experts=1099511627776 is too large"),
+        (
+            {"num_experts": 2**22, "moe_ffn_dim": 2**20},
+            r"^model has \d\.\d+e\+1\d parameters \(.*num_experts=4194304, moe_ffn_dim=1048576",
+        ),
+    ],
+)
+def test_moe_numbers_are_finite_and_in_range(fields, pattern):
+    """inf or 1e300 as the bias update rate once made every router bias NaN at the first step;
+    a capacity beyond num_experts only allocates rows no token can use."""
+    with pytest.raises(ForgeConfigError, match=pattern) as err:
+        MoEModelConfig.preset("debug_moe", **fields)
+    assert "\n" not in str(err.value)
+    # refused on a dense config too: a wrong number is wrong before a block uses it
+    if "moe_bias_update_rate" in fields:
+        with pytest.raises(ForgeConfigError, match=r"moe_bias_update_rate"):
+            MoEModelConfig.preset("debug", **fields)
+
+
 def test_model_config_refuses_bad_moe_fields_with_the_fix():
     cases = [
         ({"num_experts": 0}, r"num_experts=0; set num_experts >= 1"),
         ({"top_k": 9}, r"model\.top_k=9 must be in \[1, num_experts=8\]"),
         ({"router": "softmx"}, r"model\.router='softmx'.*did you mean 'softmax'"),
         ({"moe_dispatch": "capcity"}, r"did you mean 'capacity'"),
-        ({"capacity_factor": 0.0}, r"capacity_factor=0.0 must be > 0"),
-        ({"moe_bias_update_rate": -1.0}, r"moe_bias_update_rate=-1.0 must be a non-negative"),
+        ({"capacity_factor": 0.0}, r"capacity_factor=0.0 must be a finite number > 0"),
+        (
+            {"moe_bias_update_rate": -1.0},
+            r"moe_bias_update_rate=-1.0 must be a finite number in \[0, 1\]",
+        ),
     ]
     for fields, pattern in cases:
         with pytest.raises(ForgeConfigError, match=pattern):

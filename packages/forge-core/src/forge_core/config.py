@@ -17,12 +17,15 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import ForgeConfigError, check_field_types, did_you_mean
+from .errors import MAX_RANKS, ForgeConfigError, check_field_types, check_int, did_you_mean
 
 __all__ = ["DATA_MODES", "ParallelismConfig", "load_config"]
 
 DATA_MODES = ("fsdp2", "ddp", "none")
 _AXIS_FIELDS = ("dp_replicate", "dp_shard", "cp", "tp", "ep", "pp", "domain")
+
+#: NOTE: MAX_RANKS says why: no machine has more ranks, and resolve() lists divisors of these.
+_RANKS_WHY = "2**20, more ranks than any machine has"
 
 
 def _check_positive_int(name: str, value: Any, *, allow_infer: bool = False) -> None:
@@ -38,6 +41,7 @@ def _check_positive_int(name: str, value: Any, *, allow_infer: bool = False) -> 
             else "a positive integer"
         )
         raise ForgeConfigError(f"parallelism.{name}={value!r} is invalid: it must be {allowed}")
+    check_int(f"parallelism.{name}", value, -1, MAX_RANKS, why=_RANKS_WHY)
 
 
 @dataclass(frozen=True)
@@ -135,8 +139,7 @@ class ParallelismConfig:
     def resolve(self, world_size: int, num_experts: int = 0) -> ParallelismConfig:
         """Infer ``dp_shard`` (and ``ep=-1`` from ``num_experts``, 0 = dense model) and check
         every product against ``world_size``."""
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ForgeConfigError(f"world_size={world_size!r} must be a positive integer")
+        check_int("world_size", world_size, 1, MAX_RANKS, why=_RANKS_WHY)
         fixed = self.dp_replicate * self.cp * self.tp * self.pp * self.domain
         # NOTE: a CREDIT-style dict ({data, tensor, domain}) hears about its own key names.
         tp = "tensor" if getattr(self, "_credit", False) else "tp"

@@ -11,7 +11,16 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Any, Self, cast
 
-from .errors import ForgeConfigError, check_field_types, did_you_mean
+from .errors import (
+    MAX_SIZE,
+    ForgeConfigError,
+    check_blocks,
+    check_field_types,
+    check_int,
+    check_number,
+    did_you_mean,
+    params_problem,
+)
 
 __all__ = ["PRESETS", "ModelConfig"]
 
@@ -40,11 +49,36 @@ class ModelConfig:
     tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
+        self._check_fields()
+        self._check_sizes()
+
+    def _check_fields(self) -> None:
+        """Each field alone and the dense shape's divisibility rules; a subclass extends it
+        (calling this first) with its own fields, before :meth:`_check_sizes` runs."""
         check_field_types(self, "model")
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ForgeConfigError(f"model.{name}={v!r} must be a positive integer")
+        for name in ("vocab_size", "dim", "n_heads", "max_seq_len"):
+            check_int(f"model.{name}", getattr(self, name))
+        check_blocks("model.n_layers", self.n_layers)
+        if self.ffn_dim is not None:
+            check_int("model.ffn_dim", self.ffn_dim)
+        check_number(
+            "model.norm_eps",
+            self.norm_eps,
+            0,
+            1,
+            lo_open=True,
+            hi_open=True,
+            why="RMSNorm divides by sqrt(mean square + eps): 0 or less gives inf or NaN, 1 or "
+            "more swamps the activations (1e-5 and 1e-6 are usual)",
+        )
+        check_number(
+            "model.rope_theta",
+            self.rope_theta,
+            1,
+            lo_open=True,
+            why="the rotary frequencies theta**(-2i/head_dim) must fall with i; 0 or less gives "
+            "inf or NaN (Llama 2: 10000, Llama 3: 500000)",
+        )
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.ffn_dim is None:
@@ -66,6 +100,26 @@ class ModelConfig:
             raise ForgeConfigError(
                 f"head dim dim/n_heads={self.head_dim} must be even for rotary embeddings"
             )
+
+    def _check_sizes(self) -> None:
+        """What the sizes give together: the rotary tables every rank holds and the parameter
+        count (:data:`~forge_core.errors.MAX_PARAMS`), both below what any machine can hold."""
+        entries = self.max_seq_len * self.head_dim
+        if entries > MAX_SIZE:
+            raise ForgeConfigError(
+                f"model.max_seq_len={self.max_seq_len} x head dim {self.head_dim} = {entries} "
+                "rotary-table entries, more than 2**31 - 1 (every rank holds these tables in "
+                "float32); lower model.max_seq_len"
+            )
+        sizes = ", ".join(f"{name}={getattr(self, name)}" for name in self.size_fields)
+        too_many = params_problem("model", self.num_params(), sizes)
+        if too_many:
+            raise ForgeConfigError(too_many)
+
+    @property
+    def size_fields(self) -> tuple[str, ...]:
+        """The size fields a too-large parameter count names (a subclass adds its own)."""
+        return ("vocab_size", "dim", "n_layers", "ffn_dim")
 
     @property
     def custom_ffn_layers(self) -> tuple[int, ...]:

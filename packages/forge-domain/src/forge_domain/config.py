@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from forge_core.errors import ForgeConfigError, check_field_types
+from forge_core.errors import (
+    MAX_SIZE,
+    ForgeConfigError,
+    check_blocks,
+    check_field_types,
+    check_int,
+)
 
 __all__ = ["FIELD_PRESETS", "FieldConfig"]
 
@@ -30,10 +36,17 @@ class FieldConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self, "field")
-        for name in ("channels", "hidden", "height", "width", "n_blocks", "groups"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ForgeConfigError(f"field.{name}={v!r} must be a positive integer")
+        for name in ("channels", "hidden", "height", "width", "groups"):
+            check_int(f"field.{name}", getattr(self, name))
+        check_blocks("field.n_blocks", self.n_blocks)
+        per_sample = max(self.channels, self.hidden) * self.height * self.width
+        if per_sample > MAX_SIZE:
+            raise ForgeConfigError(
+                f"field.height={self.height} x field.width={self.width} x "
+                f"{max(self.channels, self.hidden)} channels = {per_sample} values per sample "
+                "in one activation, more than 2**31 - 1 (conv kernels index them in 32 bits); "
+                "lower the sizes"
+            )
         if self.hidden % self.groups:
             raise ForgeConfigError(
                 f"field.groups={self.groups} must divide field.hidden={self.hidden} (GroupNorm)"

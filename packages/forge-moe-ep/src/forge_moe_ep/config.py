@@ -8,10 +8,11 @@ which blocks hold an MoE through ``ModelConfig.custom_ffn_layers``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from forge_core.errors import ForgeConfigError, did_you_mean
+from forge_core.errors import ForgeConfigError, check_int, check_number, did_you_mean
 from forge_core.model_config import PRESETS, ModelConfig
 
 __all__ = [
@@ -88,21 +89,15 @@ class MoEModelConfig(ModelConfig):
     expert_linear_bias: bool = False
     shared_expert_gate: bool = False
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-
-        def non_negative_int(name: str) -> int:
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ForgeConfigError(f"model.{name}={v!r} must be a non-negative integer")
-            return v
-
+    def _check_fields(self) -> None:
+        super()._check_fields()
         for name in ("moe_every", "num_experts", "num_shared_experts", "top_k"):
-            non_negative_int(name)
+            check_int(f"model.{name}", getattr(self, name), 0)
         for name in ("router_groups", "router_topk_groups", "router_group_top"):
-            if non_negative_int(name) < 1:
-                raise ForgeConfigError(f"model.{name}=0 must be >= 1 (1: no group limit)")
-        if self.moe_ffn_dim is None:
+            check_int(f"model.{name}", getattr(self, name), 1)
+        if self.moe_ffn_dim is not None:
+            check_int("model.moe_ffn_dim", self.moe_ffn_dim)
+        else:
             object.__setattr__(self, "moe_ffn_dim", self.ffn_dim)
         for name, allowed in (
             ("router", MOE_ROUTERS),
@@ -115,8 +110,43 @@ class MoEModelConfig(ModelConfig):
                     f"model.{name}={v!r} is invalid: choose one of {list(allowed)}"
                     + did_you_mean(str(v), allowed)
                 )
-        if not self.moe_every:
-            return
+        if self.moe_every:
+            self._check_moe_shape()
+        self._check_numbers()
+
+    def _check_numbers(self) -> None:
+        """The MoE numbers: finite, in the range where they mean something (on a dense config
+        too: a wrong value is wrong before an MoE block uses it)."""
+        rate_why = (
+            "the expert bias moves by up to this much per step and is added to routing scores "
+            "in [0, 1] (DeepSeek-V3: 1e-3; 0 turns the update off)"
+        )
+        check_number("model.moe_bias_update_rate", self.moe_bias_update_rate, 0, 1, why=rate_why)
+        check_number(
+            "model.moe_aux_loss_coef",
+            self.moe_aux_loss_coef,
+            0,
+            1,
+            why="the balancing loss's weight next to the language-model loss (1e-3 to 1e-2 "
+            "in practice; 0 turns it off)",
+        )
+        capacity = self.moe_every and self.moe_dispatch == "capacity"
+        experts = max(self.num_experts, 1) if capacity else math.inf
+        check_number(
+            "model.capacity_factor",
+            self.capacity_factor,
+            0,
+            experts,
+            lo_open=True,
+            why="in the capacity mode 1.0 = each expert takes its even share of a sequence's "
+            "tokens; at num_experts every expert has room for all of them, more only adds "
+            "empty rows",
+        )
+        for name in ("router_scale", "expert_act_alpha", "expert_act_limit"):
+            check_number(f"model.{name}", getattr(self, name), 0)
+
+    def _check_moe_shape(self) -> None:
+        """The MoE blocks' shape: experts, top-k and the router groups fit together."""
         if self.num_experts < 1:
             raise ForgeConfigError(
                 f"model.moe_every={self.moe_every} asks for MoE blocks but model.num_experts="
@@ -137,24 +167,11 @@ class MoEModelConfig(ModelConfig):
                 f"model.top_k={self.top_k} is more than the {chosen} chosen groups of "
                 f"{self.num_experts // groups} experts hold; raise router_topk_groups"
             )
-        if not isinstance(self.moe_ffn_dim, int) or self.moe_ffn_dim < 1:
-            raise ForgeConfigError(f"model.moe_ffn_dim={self.moe_ffn_dim!r} must be >= 1")
-        for name in (
-            "capacity_factor",
-            "moe_bias_update_rate",
-            "moe_aux_loss_coef",
-            "router_scale",
-            "expert_act_alpha",
-            "expert_act_limit",
-        ):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
-                raise ForgeConfigError(f"model.{name}={v!r} must be a non-negative number")
-        if self.capacity_factor <= 0:
-            raise ForgeConfigError(
-                f"model.capacity_factor={self.capacity_factor} must be > 0 (1.0 = each expert "
-                "takes its even share of a sequence's tokens)"
-            )
+
+    @property
+    def size_fields(self) -> tuple[str, ...]:
+        moe = ("num_experts", "moe_ffn_dim", "num_shared_experts") if self.moe_every else ()
+        return (*super().size_fields, *moe)
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether block ``layer_id`` holds an MoE layer in its FFN slot."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from forge_core.errors import ForgeConfigError, check_field_types, did_you_mean
+from forge_core.errors import ForgeConfigError, check_field_types, check_int, did_you_mean
 
 __all__ = ["SCHEDULES", "PPConfig", "ScheduleInfo"]
 
@@ -69,6 +69,7 @@ class PPConfig:
                 raise ForgeConfigError(
                     f"pp.{name}={getattr(self, name)} must be >= 0 (0 picks the default)"
                 )
+            check_int(f"pp.{name}", getattr(self, name), 0)
 
     @property
     def info(self) -> ScheduleInfo:

@@ -18,8 +18,12 @@ from forge_core.errors import (
     ForgeConfigError,
     auto_flag,
     check_auto_flag,
+    check_blocks,
     check_field_types,
+    check_int,
+    check_number,
     did_you_mean,
+    params_problem,
 )
 
 __all__ = [
@@ -45,9 +49,7 @@ AC_SCOPES = ("all", "language", "vision")
 
 
 def _positive_int(section: str, obj: object, name: str) -> None:
-    v = getattr(obj, name)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ForgeConfigError(f"{section}.{name}={v!r} must be a positive integer")
+    check_int(f"{section}.{name}", getattr(obj, name))
 
 
 def _choice(key: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -79,11 +81,22 @@ class VisionEncoderConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self, "vision")
-        for name in ("image_size", "patch_size", "in_channels", "dim", "n_layers", "n_heads"):
+        for name in ("image_size", "patch_size", "in_channels", "dim", "n_heads"):
             _positive_int("vision", self, name)
+        check_blocks("vision.n_layers", self.n_layers)
         if self.mlp_dim is None:
             object.__setattr__(self, "mlp_dim", 4 * self.dim)
         _positive_int("vision", self, "mlp_dim")
+        check_number(
+            "vision.norm_eps",
+            self.norm_eps,
+            0,
+            1,
+            lo_open=True,
+            hi_open=True,
+            why="LayerNorm divides by sqrt(variance + eps): 0 or less gives inf or NaN, 1 or "
+            "more swamps the activations (1e-6 is usual)",
+        )
         _choice("vision.backend", self.backend, VISION_BACKENDS)
         if self.image_size % self.patch_size:
             raise ForgeConfigError(
@@ -95,6 +108,17 @@ class VisionEncoderConfig:
             raise ForgeConfigError(
                 f"vision.dim={self.dim} is not divisible by vision.n_heads={self.n_heads}"
             )
+        sizes = f"dim={self.dim}, n_layers={self.n_layers}, mlp_dim={self.mlp_dim}"
+        too_many = params_problem("the vision encoder", self.num_params(), sizes)
+        if too_many:
+            raise ForgeConfigError(too_many)
+
+    def num_params(self) -> int:
+        """About the encoder's parameter count: patch embedding, positions, blocks (attention
+        and MLP weights). NOTE: for the size check only: biases and norms are left out."""
+        assert self.mlp_dim is not None  # NOTE: __post_init__ fills it
+        d, patch = self.dim, self.in_channels * self.patch_size**2 * self.dim
+        return patch + self.num_patches * d + self.n_layers * (4 * d * d + 2 * d * self.mlp_dim)
 
     @property
     def grid(self) -> int:
@@ -166,14 +190,8 @@ class VLMConfig:
         for name in ("freeze_encoder", "encoder_tp"):
             if not isinstance(getattr(self, name), bool):
                 raise ForgeConfigError(f"vlm.{name}={getattr(self, name)!r} must be true or false")
-        if self.image_token_id is not None and (
-            not isinstance(self.image_token_id, int)
-            or isinstance(self.image_token_id, bool)
-            or self.image_token_id < 0
-        ):
-            raise ForgeConfigError(
-                f"vlm.image_token_id={self.image_token_id!r} must be a token id >= 0 (or unset)"
-            )
+        if self.image_token_id is not None:
+            check_int("vlm.image_token_id", self.image_token_id, 0)
         if self.encoder_tp_plan is not None and not isinstance(self.encoder_tp_plan, str):
             raise ForgeConfigError(
                 f"vlm.encoder_tp_plan={self.encoder_tp_plan!r} must be an import path "

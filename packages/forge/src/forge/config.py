@@ -24,13 +24,23 @@ from pathlib import Path
 from typing import Any
 
 from forge_core.config import ParallelismConfig
-from forge_core.errors import ForgeConfigError, check_field_types, did_you_mean, parse_bool_word
+from forge_core.errors import (
+    MAX_SIZE,
+    ForgeConfigError,
+    check_field_types,
+    check_int,
+    check_number,
+    did_you_mean,
+    parse_bool_word,
+)
 from forge_domain.config import FIELD_PRESETS, FieldConfig
 from forge_float8.config import Float8Config
 from forge_moe_ep.config import MoEModelConfig
 from forge_pp.config import PPConfig
 from forge_tp_plans.config import TPConfig
 from forge_vlm.config import VLM_PRESETS, AdapterConfig, VisionEncoderConfig, VLMConfig
+
+from .paths import read_toml
 
 __all__ = [
     "COMPILE_SCOPES",
@@ -47,6 +57,13 @@ __all__ = [
 
 #: Where ``torch.compile`` applies (``training.compile_scope``, ``ParallelPlan.compile_scope``).
 COMPILE_SCOPES = ("blocks", "model")
+
+
+#: The largest ``training.seed``: 2**32 - 1. NOTE: seeds reach torch.manual_seed, which takes
+#: at most 2**64 - 1, combined with step numbers ((seed + k) x 1_000_003 + step); a 32-bit seed
+#: (NumPy's range too) keeps every combination inside it.
+MAX_SEED = 2**32 - 1
+_SEED_WHY = "a 32-bit seed: forge derives torch.manual_seed's 64-bit seeds from it per step"
 
 
 @dataclass(frozen=True)
@@ -85,34 +102,45 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         check_field_types(self, "training")
         for name in ("steps", "global_batch_size", "seq_len", "grad_accum", "log_every"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ForgeConfigError(f"training.{name}={v!r} must be a positive integer")
+            check_int(f"training.{name}", getattr(self, name))
+        check_int("training.warmup_steps", self.warmup_steps, 0)
+        check_int("training.seed", self.seed, 0, MAX_SEED, why=_SEED_WHY)
+        tokens = self.global_batch_size * (self.seq_len + 1)
+        if tokens > MAX_SIZE:
+            raise ForgeConfigError(
+                f"training.global_batch_size={self.global_batch_size} x (training.seq_len + 1) "
+                f"= {tokens} tokens per step, more than 2**31 - 1: a step's token ids are one "
+                "tensor (made whole on every rank for synthetic data); lower them"
+            )
         if self.param_dtype not in ("float32", "bfloat16", "float16"):
             raise ForgeConfigError(
                 f"training.param_dtype={self.param_dtype!r}: choose float32, bfloat16 or float16"
             )
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
-            raise ForgeConfigError(f"training.lr={self.lr!r} must be a positive number")
         if self.compile_scope not in COMPILE_SCOPES:
             raise ForgeConfigError(
                 f"training.compile_scope={self.compile_scope!r} is invalid: choose one of "
                 f"{list(COMPILE_SCOPES)}" + did_you_mean(str(self.compile_scope), COMPILE_SCOPES)
             )
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+        self._check_optimizer_numbers()
+
+    def _check_optimizer_numbers(self) -> None:
+        """The learning rate, its schedule, weight decay and clipping: finite, in range."""
+        check_number("training.lr", self.lr, 0, lo_open=True)
+        check_number(
+            "training.min_lr_ratio",
+            self.min_lr_ratio,
+            0,
+            1,
+            why="the cosine schedule ends at lr x min_lr_ratio",
+        )
+        check_number("training.max_grad_norm", self.max_grad_norm, 0, why="0 turns clipping off")
+        check_number("training.weight_decay", self.weight_decay, 0)
+        if self.lr * self.weight_decay > 1:
             raise ForgeConfigError(
-                f"training.warmup_steps={self.warmup_steps!r} must be an integer >= 0"
+                f"training.weight_decay={self.weight_decay} with training.lr={self.lr}: AdamW "
+                "multiplies every weight by 1 - lr x weight_decay each step, so lr x "
+                "weight_decay must be at most 1; lower weight_decay (0.1 is usual) or lr"
             )
-        for name, high in (("min_lr_ratio", 1.0), ("weight_decay", None), ("max_grad_norm", None)):
-            v = getattr(self, name)
-            if (
-                not isinstance(v, int | float)
-                or isinstance(v, bool)
-                or v < 0
-                or (high and v > high)
-            ):
-                bound = f"in [0, {high}]" if high else ">= 0"
-                raise ForgeConfigError(f"training.{name}={v!r} must be a number {bound}")
 
 
 TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
@@ -166,10 +194,8 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self, "checkpoint")
-        if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 0:
-            raise ForgeConfigError(f"checkpoint.every={self.every!r} must be an integer >= 0")
-        if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 1:
-            raise ForgeConfigError(f"checkpoint.keep={self.keep!r} must be a positive integer")
+        check_int("checkpoint.every", self.every, 0)
+        check_int("checkpoint.keep", self.keep)
         if not isinstance(self.resume, str) or not self.resume:
             raise ForgeConfigError(
                 f"checkpoint.resume={self.resume!r}: use 'latest', 'none' or a checkpoint path"
@@ -344,7 +370,9 @@ def load_config(
 
     ``[model]`` takes ``preset = "debug"`` plus any ``MoEModelConfig`` field to override the preset.
     Missing sections take their defaults; unknown sections and keys are errors. With no path or
-    dict, the start is :data:`EMBEDDED_DEFAULT` (what ``forge build`` runs by default).
+    dict, the start is :data:`EMBEDDED_DEFAULT` (what ``forge build`` runs by default). A file
+    is read by :func:`forge.paths.read_toml`: UTF-8 with or without a byte-order mark, and it
+    may not set ``tp.allow_import`` (a dict or an override may).
     """
     if path_or_dict is None:
         raw: dict[str, Any] = {k: dict(v) for k, v in EMBEDDED_DEFAULT.items()}
@@ -358,13 +386,7 @@ def load_config(
     elif isinstance(path_or_dict, Mapping):
         raw = {k: dict(v) if isinstance(v, Mapping) else v for k, v in path_or_dict.items()}
     else:
-        path = Path(path_or_dict)
-        if not path.is_file():
-            raise ForgeConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            raw = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ForgeConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+        raw = read_toml(Path(path_or_dict))
     raw = {k: v for k, v in raw.items() if v is not None}  # absent VLM parts of a dumped config
     for section, values in raw.items():
         if section not in _SECTIONS:

@@ -34,7 +34,9 @@ __all__ = [
     "SyntheticData",
     "SyntheticFields",
     "TokenFile",
+    "data_problems",
     "make_data",
+    "token_file_problems",
 ]
 
 
@@ -136,20 +138,11 @@ class TokenFile(StepData[Batch]):
         if not os.path.isfile(path):
             raise ForgeConfigError(f"data.path={path!r} does not exist or is not a file")
         self.dtype = getattr(torch, dtype)
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        size = os.path.getsize(path)
-        if size % itemsize:
-            raise ForgeConfigError(
-                f"data.path={path!r} has {size} bytes, not a multiple of {itemsize} "
-                f"(data.dtype={dtype!r}); is data.dtype right?"
-            )
-        n_tokens = size // itemsize
+        problem = _length_problem(path, dtype, seq_len)
+        if problem:
+            raise ForgeConfigError(problem)
+        n_tokens = os.path.getsize(path) // _WIDTH[dtype]
         self.n_windows = (n_tokens - 1) // seq_len
-        if self.n_windows < 1:
-            raise ForgeConfigError(
-                f"data.path={path!r} holds {n_tokens} tokens, fewer than one sample of "
-                f"training.seq_len + 1 = {seq_len + 1}"
-            )
         with open(path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self.tokens = torch.frombuffer(self._map, dtype=self.dtype, count=n_tokens)
@@ -171,6 +164,8 @@ class TokenFile(StepData[Batch]):
             rows.append(self.tokens[start : start + self.seq_len + 1].to(torch.long))
         tokens = torch.stack(rows)
         top = int(tokens.max())
+        # NOTE: the launcher scanned the whole file (token_file_problems); this catches a file
+        # changed since, or a TokenFile made without the launcher, at the step that reads it.
         if top >= self.vocab_size or int(tokens.min()) < 0:
             raise ForgeConfigError(
                 f"data.path={self.path!r} holds token id {top} at step {step}, outside "
@@ -210,6 +205,12 @@ class SyntheticFields(StepData[FieldBatch]):
         return FieldBatch(x, 0.6 * torch.roll(x, 1, dims=-1) + 0.4 * diffused)
 
 
+_VLM_TOKEN_FILE = (
+    "data.path with a vision-language model: a token file holds no images; leave data.path "
+    "unset (synthetic image-text data)"
+)
+
+
 def make_data(
     cfg: ForgeConfig,
     dp_rank: int,
@@ -232,10 +233,7 @@ def make_data(
             cfg, dp_rank, dp_size, image_token_id=image_token_id, image_tokens=image_tokens
         )
     if cfg.is_vlm:
-        raise ForgeConfigError(
-            "data.path with a vision-language model: a token file holds no images; leave "
-            "data.path unset (synthetic image-text data)"
-        )
+        raise ForgeConfigError(_VLM_TOKEN_FILE)
     return TokenFile(
         cfg.data.path,
         cfg.data.dtype,
@@ -246,3 +244,139 @@ def make_data(
         dp_rank=dp_rank,
         dp_size=dp_size,
     )
+
+
+# --------------------------------------------------------------------------- pre-launch check
+#: Bytes per token id of each ``data.dtype``.
+_WIDTH = {"uint16": 2, "uint32": 4, "int32": 4, "int64": 8}
+#: The signed torch dtype each is read as (torch 2.11 reduces no unsigned type but uint8), and
+#: for an unsigned one its sign bit: flipping it maps unsigned order onto signed order.
+_READ_AS = {
+    "uint16": (torch.int16, 1 << 15),
+    "uint32": (torch.int32, 1 << 31),
+    "int32": (torch.int32, 0),
+    "int64": (torch.int64, 0),
+}
+#: One dtype per width, for the "is data.dtype right?" guesses (int32 and uint32 read alike
+#: below 2**31, and no vocabulary comes near that).
+_GUESSES = {2: "uint16", 4: "int32", 8: "int64"}
+_CHUNK_BYTES = 1 << 24  # NOTE: 16 MiB per read: fast to reduce, small beside a rank's memory
+
+
+def _length_problem(path: str, dtype: str, seq_len: int) -> str | None:
+    """The token file's size against ``data.dtype`` and one sample of ``seq_len + 1`` tokens."""
+    size, width = os.path.getsize(path), _WIDTH[dtype]
+    if size % width:
+        fits = [name for w, name in _GUESSES.items() if size % w == 0]
+        return (
+            f"data.path={path!r} has {size} bytes, not a multiple of {width} "
+            f"(data.dtype={dtype!r}); is data.dtype right?"
+            + (f" (the size fits {' or '.join(fits)})" if fits else " (no token dtype fits it)")
+        )
+    if size // width < seq_len + 1:
+        return (
+            f"data.path={path!r} holds {size // width} tokens of data.dtype={dtype!r}, fewer "
+            f"than one sample of training.seq_len + 1 = {seq_len + 1}"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class _Scan:
+    """A token file read as one dtype: the first id outside the vocabulary (its index and
+    value; index None: all inside) and whether any id is not 0."""
+
+    bad_index: int | None
+    bad_id: int
+    nonzero: bool
+
+
+def _scan(path: str, dtype: str, vocab_size: int) -> _Scan:
+    """Read ``path`` whole as ``dtype`` in chunks, stopping at the first id outside
+    ``[0, vocab_size)``.
+
+    NOTE: one min/max pass over each chunk as stored (GB/s); an unsigned dtype is read signed
+    with its sign bit flipped (``x ^ sign`` keeps the unsigned order), so the upper half of its
+    ids (uint16 ids over 32767) costs one more pass, not a widening copy. Ids are widened to
+    int64 only to find where the first bad one is.
+    """
+    width, (read_as, sign) = _WIDTH[dtype], _READ_AS[dtype]
+    buffer, first, nonzero = bytearray(_CHUNK_BYTES), 0, False
+    with open(path, "rb") as f:
+        while n := f.readinto(buffer):
+            stored = torch.frombuffer(memoryview(buffer)[: n - n % width], dtype=read_as)
+            lo, hi = (int(v) + sign for v in torch.aminmax(stored ^ -sign if sign else stored))
+            if lo < 0 or hi >= vocab_size:
+                ids = stored.to(torch.int64) & (2 * sign - 1 if sign else -1)
+                at = int(((ids < 0) | (ids >= vocab_size)).nonzero()[0, 0])
+                return _Scan(first + at, int(ids[at]), True)
+            nonzero = nonzero or hi > 0
+            first += stored.numel()
+    return _Scan(None, 0, nonzero)
+
+
+def _likely_dtype(path: str, vocab_size: int, widths: list[int]) -> str | None:
+    """The widest of ``widths`` in which ``path`` reads as ids that all fit the vocabulary and
+    are not all 0 (its guess of :data:`_GUESSES`), else None. NOTE: read narrower than written,
+    real ids still fit (the high parts come out as 0), so the widest fitting one is the one
+    written; read wider, they come out huge, and the scan stops at the first chunk."""
+    size = os.path.getsize(path)
+    for width in sorted(widths, reverse=True):
+        if size % width == 0:
+            found = _scan(path, _GUESSES[width], vocab_size)
+            if found.bad_index is None and found.nonzero:
+                return _GUESSES[width]
+    return None
+
+
+def token_file_problems(path: str, dtype: str, *, seq_len: int, vocab_size: int) -> list[str]:
+    """What is wrong with token file ``path`` for ``data.dtype``, before launch (empty: fine).
+
+    Its size against the dtype, at least one sample of ``seq_len + 1`` tokens, every id in
+    ``[0, vocab_size)`` (the whole file, read in chunks), and the dtype itself: a file that
+    also reads as ids that all fit in a wider dtype (not all 0) is almost certainly that wider
+    dtype (real ids read narrower than written come out as ids and zeros); a file read wider
+    than written gives huge ids, and the range refusal names the dtype in which they fit.
+    """
+    problem = _length_problem(path, dtype, seq_len)
+    if problem:
+        return [problem]
+    width = _WIDTH[dtype]
+    found = _scan(path, dtype, vocab_size)
+    if found.bad_index is not None:
+        guess = _likely_dtype(path, vocab_size, [w for w in _GUESSES if w != width])
+        fix = (
+            f"read as {guess} every id fits: set data.dtype = {guess!r}"
+            if guess
+            else "set model.vocab_size to the tokenizer's vocabulary size, or data.dtype to "
+            "the dtype the file was written in"
+        )
+        return [
+            f"data.path={path!r} holds token id {found.bad_id} at token {found.bad_index} "
+            f"(data.dtype={dtype!r}), outside model.vocab_size={vocab_size}; {fix}"
+        ]
+    guess = _likely_dtype(path, vocab_size, [w for w in _GUESSES if w > width])
+    if guess:
+        return [
+            f"data.path={path!r} reads as {guess} ids that all fit model.vocab_size="
+            f"{vocab_size}: it was almost certainly written as {guess}, and read as "
+            f"data.dtype={dtype!r} each id comes out as {_WIDTH[guess] // width} ids, the "
+            f"extra ones 0; set data.dtype = {guess!r}"
+        ]
+    return []
+
+
+def data_problems(cfg: ForgeConfig) -> list[str]:
+    """What the launcher says of ``cfg``'s training data before any rank starts: the token file
+    at ``data.path`` (:func:`token_file_problems`); nothing to say of synthetic data."""
+    if cfg.data.path is None or cfg.is_field:  # NOTE: config_problems refuses a field model's
+        return []
+    if cfg.is_vlm:
+        return [_VLM_TOKEN_FILE]
+    path, t = cfg.data.path, cfg.training
+    try:
+        return token_file_problems(
+            path, cfg.data.dtype, seq_len=t.seq_len, vocab_size=cfg.model.vocab_size
+        )
+    except OSError as e:  # NOTE: checked readable a moment ago; an I/O error while reading
+        return [f"data.path={path!r} cannot be read: {e.strerror}"]
