@@ -124,3 +124,38 @@ def test_too_long_sequence_is_a_clear_error():
         ForgeConfigError, match=r"sequence length 129 exceeds model\.max_seq_len=128"
     ):
         _model()(torch.zeros(1, 129, dtype=torch.long))
+
+
+def test_given_positions_beyond_the_rotary_tables_is_a_clear_error_not_an_index_error():
+    tokens = torch.zeros(1, 129, dtype=torch.long)
+    with pytest.raises(ForgeConfigError, match=r"sequence length 129 exceeds model\.max_seq_len"):
+        _model()(tokens, positions=torch.arange(129))
+
+
+def test_a_model_built_on_the_cpu_computes_its_rotary_tables_at_construction():
+    built = Transformer(CFG)  # no init_weights: the tables must not be torch.empty's leftovers
+    reference = _model()
+    assert torch.equal(built.rope_cos, reference.rope_cos)
+    assert torch.equal(built.rope_sin, reference.rope_sin)
+
+
+@pytest.mark.parametrize("fresh", ["built on the cpu", "to_empty from meta"])
+def test_saved_weights_loaded_into_a_fresh_model_give_the_saved_logits(tmp_path, fresh):
+    from safetensors.torch import load_file, save_file
+
+    saved = _model(seed=3)
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in saved.state_dict().items()}, path)
+    if fresh == "built on the cpu":
+        model = Transformer(CFG)
+    else:
+        with torch.device("meta"):
+            model = Transformer(CFG)
+        model.to_empty(device="cpu")  # the tables hold whatever memory torch.empty found
+        model.rope_cos.fill_(float("nan"))
+    missing, unexpected = model.load_state_dict(load_file(path), strict=False)
+    assert missing == [] and unexpected == []  # the tables are not in a checkpoint
+    tokens = torch.randint(0, CFG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = model(tokens)
+    assert torch.isfinite(logits).all()
+    assert torch.equal(logits, saved(tokens))

@@ -136,3 +136,54 @@ def order_and_refusals() -> dict[str, str]:
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small))
     attempt("hugging_face", lambda: apply_context_parallel(hf, mesh))
     return said
+
+
+def capacity_refusal() -> str:
+    """What a cp=2 plan says of an MoE with the capacity dispatch (2 ranks)."""
+    from forge_core import ForgeConfigError
+
+    mesh = build_device_mesh({"cp": 2}, "cpu")
+    capacity, _ = meta_model(True, moe_dispatch="capacity")
+    try:
+        ParallelPlan(mesh, param_dtype=torch.float32).parallelize(capacity, device="cpu", seed=0)
+    except ForgeConfigError as e:
+        return str(e)
+    return "built"
+
+
+def too_long_refusal() -> str:
+    """What a cp=2 model says of sequences longer than its rotary tables (2 ranks)."""
+    from forge_core.training import forward_backward
+
+    mesh = build_device_mesh({"cp": 2}, "cpu")
+    short, cfg = meta_model(False, max_seq_len=32)
+    model = ParallelPlan(mesh, param_dtype=torch.float32).parallelize(short, device="cpu", seed=0)
+    tokens = synthetic_tokens(0, 1, 2, 48, cfg.vocab_size)[0]  # 48 > 32 tokens per sequence
+    try:
+        forward_backward(model, tokens, mesh=mesh)
+    except Exception as e:  # noqa: BLE001 - the type and the words are what the test checks
+        return f"{type(e).__name__}: {e}"
+    return "ran"
+
+
+def cp_on_pipeline_stages() -> dict[str, str]:
+    """What a plan with pp=2 x cp=2 and apply_context_parallel on a pipeline stage say (4 ranks)."""
+    from forge_core import ForgeConfigError
+    from forge_cp import apply_context_parallel
+    from forge_pp import PPConfig, pipeline_split
+
+    mesh = build_device_mesh({"pp": 2, "cp": 2}, "cpu")
+    said: dict[str, str] = {}
+    try:
+        ParallelPlan(mesh, param_dtype=torch.float32)
+        said["plan"] = "made"
+    except ForgeConfigError as e:
+        said["plan"] = str(e)
+    model, _ = meta_model(False, n_layers=4)
+    stage = pipeline_split(model, mesh, PPConfig()).stages[0]
+    try:
+        apply_context_parallel(stage, mesh)
+        said["stage"] = "applied"
+    except ForgeConfigError as e:
+        said["stage"] = str(e)
+    return said

@@ -102,3 +102,27 @@ def vlm_pipeline_parity(
     return compare_runs(
         train_steps(reference, tokens, **common), train_steps(parallel, tokens, mesh=mesh, **common)
     )
+
+
+def api_refusals(schedule: str, stages_per_rank: int) -> dict[str, Any]:
+    """What ParallelPlan says of ``[pp]`` settings, and pipeline_split of a model that holds
+    values (2 ranks, pp=2); whether that model still has all its blocks afterwards."""
+    from forge_core import ForgeConfigError
+    from forge_pp import pipeline_split
+
+    mesh = build_device_mesh({"pp": 2}, "cpu")
+    pp = PPConfig(schedule=schedule, stages_per_rank=stages_per_rank)
+    said: dict[str, Any] = {}
+    try:
+        ParallelPlan(mesh, param_dtype=torch.float32, pp=pp)
+        said["plan"] = "made"
+    except ForgeConfigError as e:
+        said["plan"] = str(e)
+    model = Transformer(ModelConfig.preset("debug", n_layers=4))  # on the CPU: holds values
+    try:
+        pipeline_split(model, mesh, PPConfig())
+        said["split"] = "cut"
+    except ForgeConfigError as e:
+        said["split"] = str(e)
+    said["blocks"] = sorted(model.layers.keys())
+    return said

@@ -10,6 +10,8 @@ from forge.checks import config_problems, import_problems
 from forge.config import load_config
 from forge.layout import resolve_layout
 
+from tests.pp.jobs import api_refusals
+
 #: pp=2 on the default 4 ranks, without the default tp=2: pp=2 x dp_shard=2.
 PP2 = ["parallelism.pp=2", "parallelism.tp=1"]
 
@@ -117,3 +119,25 @@ def test_a_schedule_this_torch_lacks_is_refused_in_the_import_phase(capsys, monk
     assert "has no ScheduleGPipe" in err and err.count("\n") == 1, err
     # not asked for without a pipeline
     assert import_problems(load_config(None, ["pp.schedule=gpipe"]), 4) == []
+
+
+def test_the_plan_refuses_the_schedules_stage_counts_in_the_configs_words(run_on_ranks):
+    (line,) = _problems([*PP2, "pp.schedule=Interleaved1F1B", "pp.stages_per_rank=1"])
+    assert line == (
+        "pp.schedule='Interleaved1F1B' interleaves several stages per rank, but "
+        "pp.stages_per_rank=1; set stages_per_rank >= 2, or use 1F1B / GPipe"
+    )
+    for said in run_on_ranks(2, api_refusals, "Interleaved1F1B", 1):
+        assert said["plan"] == line
+
+
+def test_pipeline_split_refuses_a_model_that_holds_values_and_leaves_it_whole(run_on_ranks):
+    for said in run_on_ranks(2, api_refusals, "1F1B", 1):
+        assert said["plan"] == "made"
+        assert said["split"] == (
+            "pipeline parallelism cuts a model on the meta device, but this Transformer holds "
+            "values (41 parameters or buffers are not on meta; cutting would delete this rank's "
+            "other blocks from it); build the model under torch.device('meta') and let "
+            "ParallelPlan.parallelize(model, device=..., seed=...) materialize each stage"
+        )
+        assert said["blocks"] == ["0", "1", "2", "3"]  # nothing was pruned

@@ -26,10 +26,13 @@ remaining names. A pipeline stage is a copy holding some blocks, with ``tok_embe
 first stage) or ``norm`` and ``output`` (not the last) set to None: it then takes hidden states
 ``[B, S, dim]`` instead of tokens, or returns them instead of logits (``forge_pipeline_parts``
 names these parts for forge-pp). Attention takes its local head count from the projection's output width, so a
-column-sharded ``wq`` needs no change here. RoPE tables are non-persistent buffers recomputed by
-:meth:`Transformer.init_weights`, which also fills every parameter deterministically (same values
-sharded or not; see :mod:`forge_core.init`). Build it on the meta device, parallelize, then
-``to_empty`` + ``init_weights``.
+column-sharded ``wq`` needs no change here. RoPE tables are non-persistent buffers (never in a
+checkpoint): computed at construction off the meta device, and again by
+:meth:`Transformer.init_weights` and after every ``load_state_dict`` (so ``to_empty`` + a load,
+or a model built on the CPU and loaded from safetensors, computes with them, never with
+``torch.empty``'s leftovers). ``init_weights`` also fills every parameter deterministically (same
+values sharded or not; see :mod:`forge_core.init`). Build it on the meta device, parallelize,
+then ``to_empty`` + ``init_weights`` (or a load).
 """
 
 from __future__ import annotations
@@ -55,8 +58,21 @@ __all__ = [
     "ModelConfig",
     "Transformer",
     "TransformerBlock",
+    "check_sequence_length",
     "insert_embeddings",
 ]
+
+
+def check_sequence_length(seq_len: int, max_seq_len: int) -> None:
+    """Refuse sequences longer than the rotary tables (``model.max_seq_len``) with one line,
+    instead of an IndexError deep in RoPE. The model's forward and a context-parallel rank's
+    sequence shard (which alone sees the whole sequence's length) both ask here."""
+    if seq_len > max_seq_len:
+        raise ForgeConfigError(
+            f"sequence length {seq_len} exceeds model.max_seq_len={max_seq_len} (the length of "
+            f"the rotary tables); feed sequences of at most {max_seq_len} tokens "
+            "(training.seq_len) or raise model.max_seq_len"
+        )
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -175,6 +191,13 @@ def insert_embeddings(
     return torch.where(mask_BS[..., None], picked.to(h_BSD.dtype), h_BSD)
 
 
+def _recompute_rope(module: nn.Module, incompatible_keys: object) -> None:
+    """``load_state_dict`` post-hook of :class:`Transformer`: recompute the rotary tables."""
+    assert isinstance(module, Transformer)
+    if not module.rope_cos.is_meta:
+        module.reset_rope()
+
+
 def _trunc_normal(std: float) -> Callable[[torch.Tensor, torch.Generator], torch.Tensor]:
     """An init function: normal(0, std) truncated at 3 std."""
     return lambda t, g: nn.init.trunc_normal_(t, 0.0, std, -3 * std, 3 * std, generator=g)
@@ -223,6 +246,11 @@ class Transformer(nn.Module):
         self.register_buffer(
             "rope_sin", torch.empty(config.max_seq_len, config.head_dim), persistent=False
         )
+        if not self.rope_cos.is_meta:  # NOTE: on meta, to_empty + init_weights (or a load) do it
+            self.reset_rope()
+        # NOTE: non-persistent: a load never fills them, so it recomputes them (after to_empty
+        # they hold whatever memory torch.empty found).
+        self.register_load_state_dict_post_hook(_recompute_rope)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -252,10 +280,11 @@ class Transformer(nn.Module):
         ``cast_forward_inputs`` casts them to the decoder's compute dtype.
         """
         S = tokens.shape[1]
-        if positions is None and self.config.max_seq_len < S:
-            raise ForgeConfigError(
-                f"sequence length {S} exceeds model.max_seq_len={self.config.max_seq_len}"
-            )
+        # NOTE: given positions, only their number is checked (their values would wait for the
+        # device); a context-parallel rank's sequence shard has checked the whole length.
+        check_sequence_length(
+            S if positions is None else positions.shape[-1], self.config.max_seq_len
+        )
         # NOTE: a pipeline stage after the first has no embedding and gets hidden states.
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         if (insert_embeds is None) != (insert_mask is None):

@@ -11,7 +11,8 @@ and reduces the loss over the cp ranks; FSDP2 shards the parameters over ``dp_sh
 - :class:`ContextParallelAttention`: the exact attention kernel (:mod:`forge_cp.attention`)
 - :func:`shard_sequence`, :func:`gather_sequence`, :func:`sequence_positions`,
   :func:`chunk_order`: the layout (:mod:`forge_cp.sequence`)
-- :func:`cp_problems`: pre-launch checks (:mod:`forge_cp.checks`, no torch import)
+- :func:`cp_problems`, :func:`cp_pipeline_problems`: pre-launch checks (:mod:`forge_cp.checks`,
+  no torch import; ``apply_context_parallel`` says the pipeline one's words too)
 
 Order: PP split -> TP -> **CP** -> EP -> Float8 -> domain -> AC -> compile -> FSDP2 (or DDP).
 Depends on forge_core and torch.
@@ -25,6 +26,7 @@ _EXPORTS = {
     "LoadBalancedShard": "apply",
     "apply_context_parallel": "apply",
     "ContextParallelAttention": "attention",
+    "cp_pipeline_problems": "checks",
     "cp_problems": "checks",
     "seq_len_choices": "checks",
     "chunk_order": "sequence",
@@ -36,7 +38,7 @@ _EXPORTS = {
 if TYPE_CHECKING:
     from .apply import LoadBalancedShard, apply_context_parallel
     from .attention import ContextParallelAttention
-    from .checks import cp_problems, seq_len_choices
+    from .checks import cp_pipeline_problems, cp_problems, seq_len_choices
     from .sequence import chunk_order, gather_sequence, sequence_positions, shard_sequence
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
@@ -48,6 +50,7 @@ __all__ = [
     "LoadBalancedShard",
     "apply_context_parallel",
     "chunk_order",
+    "cp_pipeline_problems",
     "cp_problems",
     "gather_sequence",
     "seq_len_choices",

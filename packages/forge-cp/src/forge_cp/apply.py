@@ -27,12 +27,14 @@ from forge_core.contracts import (
     set_attention_kernel,
     set_sequence_shard,
 )
-from forge_core.errors import ForgeConfigError
+from forge_core.errors import ForgeConfigError, refuse
 from forge_core.mesh_dims import axis_size, sub_mesh
+from forge_core.model import check_sequence_length
 from forge_core.stages import stage, unwrap
 from torch.distributed.device_mesh import DeviceMesh
 
 from .attention import ContextParallelAttention
+from .checks import cp_pipeline_problems
 from .sequence import shard_sequence
 
 __all__ = ["LoadBalancedShard", "apply_context_parallel"]
@@ -40,16 +42,19 @@ __all__ = ["LoadBalancedShard", "apply_context_parallel"]
 
 class LoadBalancedShard:
     """``shard(x [B, S, ...]) -> [B, S / cp, ...]``: rank ``rank``'s two chunks of each row
-    (:func:`forge_cp.sequence.shard_sequence`)."""
+    (:func:`forge_cp.sequence.shard_sequence`). With ``max_seq_len`` (the model's rotary tables'
+    length) a longer ``S`` is refused in one line: only here is the whole length known."""
 
-    def __init__(self, cp: int, rank: int) -> None:
-        self.cp, self.rank = cp, rank
+    def __init__(self, cp: int, rank: int, max_seq_len: int | None = None) -> None:
+        self.cp, self.rank, self.max_seq_len = cp, rank, max_seq_len
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.max_seq_len is not None:
+            check_sequence_length(x.shape[1], self.max_seq_len)
         return shard_sequence(x, self.cp, self.rank, dim=1)
 
     def __repr__(self) -> str:
-        return f"LoadBalancedShard(cp={self.cp}, rank={self.rank})"
+        return f"LoadBalancedShard(cp={self.cp}, rank={self.rank}, max_seq_len={self.max_seq_len})"
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -64,7 +69,9 @@ def apply_context_parallel(model: nn.Module, device_mesh: DeviceMesh) -> nn.Modu
     token, for RoPE) and its attention must go through forge_core's attention contract:
     forge's Transformer and MoE transformer do. Refused, with the reason: a model made of
     components (a vision-language model), one without such attention modules (e.g. a Hugging
-    Face model), a mesh without cp.
+    Face model), a mesh without cp, a pipeline stage (the config check's words:
+    :func:`forge_cp.checks.cp_pipeline_problems`). A model whose ``config.max_seq_len`` is set
+    refuses longer sequences in one line (:class:`LoadBalancedShard`).
     """
     cp = axis_size(device_mesh, "cp")
     if cp <= 1:
@@ -73,6 +80,7 @@ def apply_context_parallel(model: nn.Module, device_mesh: DeviceMesh) -> nn.Modu
         )
     inner = unwrap(model)
     name = type(inner).__name__
+    refuse(cp_pipeline_problems(cp, axis_size(device_mesh, "pp")))
     if declared_components(inner):
         raise ForgeConfigError(
             f"context parallelism on {name}, a model made of components (vision-language), is "
@@ -101,5 +109,7 @@ def apply_context_parallel(model: nn.Module, device_mesh: DeviceMesh) -> nn.Modu
             # the block's other parts and runs the attention module eagerly (forge_core's
             # "left out of torch.compile" contract).
             module.__dict__["forge_no_compile"] = True
-        set_sequence_shard(inner, LoadBalancedShard(cp, rank))
+        max_seq_len = getattr(getattr(inner, "config", None), "max_seq_len", None)
+        limit = max_seq_len if isinstance(max_seq_len, int) else None
+        set_sequence_shard(inner, LoadBalancedShard(cp, rank, limit))
     return model

@@ -5,7 +5,9 @@ Each returns one-line messages naming the field and the fix (empty: fine).
 
 from __future__ import annotations
 
-__all__ = ["cp_problems", "seq_len_choices"]
+from collections.abc import Collection
+
+__all__ = ["cp_pipeline_problems", "cp_problems", "seq_len_choices"]
 
 
 def seq_len_choices(seq_len: int, cp: int) -> tuple[int, int]:
@@ -15,33 +17,48 @@ def seq_len_choices(seq_len: int, cp: int) -> tuple[int, int]:
     return below, (seq_len // step + 1) * step
 
 
+def cp_pipeline_problems(cp: int, pp: int) -> list[str]:
+    """``[message]`` for context parallelism inside pipeline stages (``cp > 1`` and ``pp > 1``):
+    the config check and ``apply_context_parallel`` on a pipeline stage say these words."""
+    if cp <= 1 or pp <= 1:
+        return []
+    return [
+        f"parallelism.cp={cp} with parallelism.pp={pp}: context parallelism inside pipeline "
+        "stages is not supported yet; set cp=1 or pp=1"
+    ]
+
+
 def cp_problems(
     cp: int,
     seq_len: int,
     *,
     pp: int = 1,
     model_kind: str = "transformer",
+    fitting_cp: Collection[int] | None = None,
 ) -> list[str]:
     """What is wrong with ``parallelism.cp=cp`` for sequences of ``seq_len`` tokens.
 
     ``model_kind``: ``"transformer"`` (forge's, dense or MoE), ``"vlm"`` or ``"field"``.
+    ``fitting_cp``: the cp degrees that fit the world size with the other degrees (forge passes
+    them); a suggested cp degree is one of them, and splits ``seq_len`` (None: not known, only
+    the split is asked of a suggestion).
     """
     if cp <= 1:
         return []
     problems = []
     if seq_len % (2 * cp):
         below, above = seq_len_choices(seq_len, cp)
-        fits = [c for c in range(2, seq_len // 2 + 1) if seq_len % (2 * c) == 0][:8]
+        fits = [
+            c
+            for c in range(2, seq_len // 2 + 1)
+            if seq_len % (2 * c) == 0 and (fitting_cp is None or c in fitting_cp)
+        ][:8]
         problems.append(
             f"training.seq_len={seq_len} is not divisible by 2 x parallelism.cp = {2 * cp} (each "
             f"cp rank holds two equal chunks of every sequence); set training.seq_len={below} or "
             f"{above}" + (f", or parallelism.cp to one of {fits}" if fits else "")
         )
-    if pp > 1:
-        problems.append(
-            f"parallelism.cp={cp} with parallelism.pp={pp}: context parallelism inside pipeline "
-            "stages is not supported yet; set cp=1 or pp=1"
-        )
+    problems += cp_pipeline_problems(cp, pp)
     if model_kind == "vlm":
         problems.append(
             f"parallelism.cp={cp} on a vision-language model: not supported (its image tokens "

@@ -10,6 +10,9 @@ The last stages of forge's order (TP -> CP -> EP -> Float8 -> domain -> AC -> co
 - :func:`apply_ddp` replicates with DistributedDataParallel
 - :func:`enable_autocast` low-precision compute for DDP / single-device models
 - :func:`unshard_fsdp2_model` gathers full parameters for a while (eval, export)
+- :func:`reshard` reshards every FSDP2 unit: what to call before building an optimizer after a
+  forward that no backward followed (an optimizer holding FSDP2's unsharded copies is stopped at
+  its first step with that advice; :mod:`forge_fsdp_wrap.copies`)
 
 Every ``apply_*`` goes through forge_core's stage-order contract. Gradient accumulation:
 ``forge_core.training.set_gradient_sync(model, False)`` for all micro-batches but the last.
@@ -34,6 +37,7 @@ _EXPORTS = {
     "enable_autocast": "data_parallel",
     "frozen_bytes_rule": "data_parallel",
     "unshard_fsdp2_model": "data_parallel",
+    "reshard": "copies",
 }
 
 if TYPE_CHECKING:
@@ -41,6 +45,7 @@ if TYPE_CHECKING:
     from .blocks import find_block_container, find_blocks
     from .checks import AC_MODES, check_ac_mode
     from .compile import apply_compile
+    from .copies import reshard
     from .data_parallel import (
         apply_ddp,
         apply_fsdp2,
@@ -65,5 +70,6 @@ __all__ = [
     "find_block_container",
     "find_blocks",
     "frozen_bytes_rule",
+    "reshard",
     "unshard_fsdp2_model",
 ]

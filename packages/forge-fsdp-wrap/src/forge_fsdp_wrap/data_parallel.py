@@ -10,7 +10,9 @@ data-parallel mesh with their gradients divided by the full data-parallel degree
 other child (attention, the MoE's router and shared expert), then the block for its norms. So
 a block's reduce-scatter never runs between the all-to-alls of its MoE backward (which could
 deadlock when ranks issue collectives on two groups in different orders). Parameters become DTensors; ``to_empty`` +
-``init_weights`` materialize them afterwards (see ``forge.build_parallel_model``).
+``init_weights`` materialize them afterwards (see ``forge.build_parallel_model``). An optimizer
+that captured FSDP2's unsharded copies (built after a forward that no backward followed) is
+stopped at its first step (:mod:`forge_fsdp_wrap.copies`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from .blocks import Block, component_blocks
+from .copies import mark_copies, watch_for_copies
 
 __all__ = [
     "apply_ddp",
@@ -168,9 +171,12 @@ def apply_fsdp2(
         parts = component_blocks(model, required=False)  # no blocks: the root is the one unit
         with_blocks = [blocks for _, _, blocks in parts if blocks]
         replicated: list[nn.Parameter] = []
+        replicated_parts: list[nn.Module] = []
+        kept: list[nn.Module] = []  # units that keep their parameters after forward
         for name, part, blocks in parts:
             if name and _keep_frozen_replicated(model, part, dp_mesh.size(), shard_frozen):
                 replicated.extend(part.parameters())
+                replicated_parts.append(part)
                 _compute_in(part, kwargs["mp_policy"].param_dtype)
                 continue
             for i, (_, _, block) in enumerate(blocks):
@@ -178,6 +184,8 @@ def apply_fsdp2(
                 # forward would only make FSDP all-gather the same parameters again immediately.
                 last = bool(with_blocks) and blocks is with_blocks[-1] and i == len(blocks) - 1
                 reshard = False if last else reshard_after_forward
+                if reshard is not True:
+                    kept.append(block)
                 experts = expert_parallel_modules(block)
                 if experts:
                     _shard_expert_parallel_block(block, experts, device_mesh, reshard, kwargs)
@@ -186,11 +194,17 @@ def apply_fsdp2(
             if name and _has_own_parameters(part, blocks):
                 # a component's own unit for what its blocks leave (embeddings, norms)
                 fully_shard(part, reshard_after_forward=reshard_after_forward, **kwargs)
+                if reshard_after_forward is not True:
+                    kept.append(part)
         fully_shard(
             model,
             reshard_after_forward=reshard_after_forward,
             ignored_params=set(replicated) or None,
             **kwargs,
+        )
+        # NOTE: after fully_shard(model): its forward hook runs after FSDP2's post-forward.
+        watch_for_copies(
+            model, kept if reshard_after_forward is True else [model], replicated_parts
         )
     return model
 
@@ -308,6 +322,7 @@ def unshard_fsdp2_model(model: nn.Module) -> Iterator[None]:
     try:
         for unit in units:
             unit.unshard()
+        mark_copies(model, [model])  # an optimizer built in here would hold them
         yield
     finally:
         for unit in units:

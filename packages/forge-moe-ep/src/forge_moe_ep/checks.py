@@ -1,13 +1,13 @@
 """Pure checks of an expert-parallel layout (no torch import: a launcher runs them on the config
 before any rank starts; :func:`forge_moe_ep.apply_expert_parallel` runs them on the model).
-:func:`expert_parallel_problems` returns the problems as one-line messages (empty: fine);
-:func:`check_expert_parallel` raises the first."""
+:func:`expert_parallel_problems` and :func:`dispatch_cp_problems` return the problems as one-line
+messages (empty: fine); :func:`check_expert_parallel` raises the first."""
 
 from __future__ import annotations
 
 from forge_core.errors import refuse
 
-__all__ = ["check_expert_parallel", "expert_parallel_problems"]
+__all__ = ["check_expert_parallel", "dispatch_cp_problems", "expert_parallel_problems"]
 
 
 def expert_parallel_problems(num_experts: int, ep: int) -> list[str]:
@@ -25,3 +25,22 @@ def expert_parallel_problems(num_experts: int, ep: int) -> list[str]:
 def check_expert_parallel(num_experts: int, ep: int) -> None:
     """Pure check that ``ep`` ranks can split ``num_experts`` experts (run before any launch)."""
     refuse(expert_parallel_problems(num_experts, ep))
+
+
+def dispatch_cp_problems(moe_dispatch: str, cp: int) -> list[str]:
+    """``[message]`` for the capacity dispatch under context parallelism (``cp > 1``).
+
+    NOTE: refused, not approximated: the capacity is counted per sequence (``ceil(capacity_factor
+    x S x K / E)``, earlier positions win), and a context-parallel rank holds ``S / cp`` tokens of
+    each sequence in a load-balanced order (an early and a late chunk), so it would keep and drop
+    other tokens than the single-device model (parity: loss 1.2e-4 off after 3 steps).
+    Making it exact needs every cp rank's routing of the whole sequence in each MoE layer.
+    """
+    if cp <= 1 or moe_dispatch != "capacity":
+        return []
+    return [
+        f"model.moe_dispatch='capacity' with parallelism.cp={cp}: the capacity is counted per "
+        "sequence and a context-parallel rank holds only slices of each sequence, so it would "
+        "drop other tokens than one device does; set model.moe_dispatch='dropless' (or "
+        "parallelism.cp=1)"
+    ]

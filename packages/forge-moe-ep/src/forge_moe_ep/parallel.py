@@ -39,14 +39,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from forge_core.contracts import mark_expert_parallel
-from forge_core.errors import ForgeConfigError
-from forge_core.mesh_dims import get_dp_group_mesh, get_ep_mesh
+from forge_core.errors import ForgeConfigError, refuse
+from forge_core.mesh_dims import axis_size, get_dp_group_mesh, get_ep_mesh
 from forge_core.stages import stage
 from forge_kernels.native import StagedSplits
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from .checks import check_expert_parallel
+from .checks import check_expert_parallel, dispatch_cp_problems
 from .dispatch import (
     SendBack,
     dispatch_equal_rows,
@@ -192,7 +192,9 @@ def apply_expert_parallel(model: nn.Module, device_mesh: DeviceMesh | None) -> n
     an ``ep`` axis the experts stay whole on every rank; either way each MoE layer gets a load
     hook summing its token counts over the data-parallel ranks (aux-loss-free balancing). The
     layers themselves hold no process group. Order: after TP, before Float8 / AC / compile /
-    FSDP2 (enforced). Works on meta-device or materialized models.
+    FSDP2 (enforced). Works on meta-device or materialized models. Refused, with the fix: an
+    ``ep`` that does not divide a layer's experts; the capacity dispatch on a mesh with a ``cp``
+    axis (:func:`forge_moe_ep.checks.dispatch_cp_problems`).
     """
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     if not moes:
@@ -202,8 +204,10 @@ def apply_expert_parallel(model: nn.Module, device_mesh: DeviceMesh | None) -> n
         )
     ep_mesh = get_ep_mesh(device_mesh)
     ep = 1 if ep_mesh is None else ep_mesh.size()
+    cp = axis_size(device_mesh, "cp")
     for moe in moes:
         check_expert_parallel(moe.num_experts, ep)
+        refuse(dispatch_cp_problems(moe.config.moe_dispatch, cp))
     count_mesh = get_dp_group_mesh(device_mesh)
     with stage(model, "ep"):
         for moe in moes:

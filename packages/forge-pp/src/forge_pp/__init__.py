@@ -2,8 +2,8 @@
 
 - :class:`PPConfig` (``[pp]``) and :data:`SCHEDULES`: schedule, micro-batches, stages per rank,
   split points (:mod:`forge_pp.config`, no torch import)
-- :func:`pp_problems`, :func:`schedule_problems`, :func:`check_pp`: pre-launch checks
-  (:mod:`forge_pp.checks`)
+- :func:`pp_problems`, :func:`stages_per_rank_problems`, :func:`schedule_problems`,
+  :func:`check_pp`: pre-launch checks (:mod:`forge_pp.checks`)
 - :func:`pipeline_split`: cut a model on meta into this rank's stages (the rank model keeps the
   unsplit parameter names); :func:`balanced_blocks`, :func:`stage_indices`: which blocks and
   stages go where
@@ -28,6 +28,7 @@ _EXPORTS = {
     "pp_problems": "checks",
     "schedule_problems": "checks",
     "stage_count": "checks",
+    "stages_per_rank_problems": "checks",
     "PipelineSplit": "split",
     "balanced_blocks": "split",
     "pipeline_split": "split",
@@ -42,7 +43,13 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from .checks import check_pp, pp_problems, schedule_problems, stage_count
+    from .checks import (
+        check_pp,
+        pp_problems,
+        schedule_problems,
+        stage_count,
+        stages_per_rank_problems,
+    )
     from .config import SCHEDULES, PPConfig, ScheduleInfo
     from .schedule import attach_schedule, pipeline_stages, share_buffers
     from .split import PipelineSplit, balanced_blocks, pipeline_split, split_model, stage_indices
@@ -71,4 +78,5 @@ __all__ = [
     "split_model",
     "stage_count",
     "stage_indices",
+    "stages_per_rank_problems",
 ]

@@ -11,12 +11,41 @@ from forge_core.errors import refuse
 
 from .config import SCHEDULES, PPConfig
 
-__all__ = ["check_pp", "pp_problems", "schedule_problems", "stage_count"]
+__all__ = [
+    "check_pp",
+    "pp_problems",
+    "schedule_problems",
+    "stage_count",
+    "stages_per_rank_problems",
+]
 
 
 def stage_count(pp_cfg: PPConfig, pp: int) -> int:
     """Pipeline stages in all: ``pp x stages_per_rank``."""
     return pp * pp_cfg.local_stages()
+
+
+def stages_per_rank_problems(pp_cfg: PPConfig) -> list[str]:
+    """``[message]`` when ``pp.stages_per_rank`` is not what ``pp.schedule`` runs (pure): the
+    config check and ``pipeline_split`` (so ``ParallelPlan``) say these words."""
+    info, spr = pp_cfg.info, pp_cfg.local_stages()
+    if info.stages_per_rank == "one" and spr != 1:
+        return [
+            f"pp.schedule={pp_cfg.schedule!r} runs one stage per rank, but pp.stages_per_rank="
+            f"{spr}; set stages_per_rank=1, or pick an interleaved schedule (Interleaved1F1B, "
+            "InterleavedZeroBubble, LoopedBFS)"
+        ]
+    if info.stages_per_rank == "several" and spr < 2:
+        return [
+            f"pp.schedule={pp_cfg.schedule!r} interleaves several stages per rank, but "
+            "pp.stages_per_rank=1; set stages_per_rank >= 2, or use 1F1B / GPipe"
+        ]
+    if info.stages_per_rank == "two" and spr != 2:
+        return [
+            f"pp.schedule={pp_cfg.schedule!r} places exactly two stages per rank (a V), but "
+            f"pp.stages_per_rank={spr}; set stages_per_rank=2 (or 0)"
+        ]
+    return []
 
 
 def pp_problems(
@@ -36,23 +65,7 @@ def pp_problems(
     if pp <= 1:
         return []
     info, spr = pp_cfg.info, pp_cfg.local_stages()
-    problems = []
-    if info.stages_per_rank == "one" and spr != 1:
-        problems.append(
-            f"pp.schedule={pp_cfg.schedule!r} runs one stage per rank, but pp.stages_per_rank="
-            f"{spr}; set stages_per_rank=1, or pick an interleaved schedule (Interleaved1F1B, "
-            "InterleavedZeroBubble, LoopedBFS)"
-        )
-    if info.stages_per_rank == "several" and spr < 2:
-        problems.append(
-            f"pp.schedule={pp_cfg.schedule!r} interleaves several stages per rank, but "
-            "pp.stages_per_rank=1; set stages_per_rank >= 2, or use 1F1B / GPipe"
-        )
-    if info.stages_per_rank == "two" and spr != 2:
-        problems.append(
-            f"pp.schedule={pp_cfg.schedule!r} places exactly two stages per rank (a V), but "
-            f"pp.stages_per_rank={spr}; set stages_per_rank=2 (or 0)"
-        )
+    problems = stages_per_rank_problems(pp_cfg)
     stages = pp * spr
     if stages > n_layers:
         problems.append(

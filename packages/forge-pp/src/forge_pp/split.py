@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.nn as nn
-from forge_core.errors import ForgeConfigError
+from forge_core.errors import ForgeConfigError, refuse
 from forge_core.stages import check_stage, record_stage
 from torch.distributed.device_mesh import DeviceMesh
 
+from .checks import stages_per_rank_problems
 from .config import PPConfig
 
 __all__ = ["PipelineSplit", "balanced_blocks", "pipeline_split", "split_model", "stage_indices"]
@@ -172,8 +173,10 @@ def split_model(
     """Prune ``model`` (on meta) in place to pipeline rank ``pp_rank``'s stages and build them.
 
     Buffers are shared with the stage modules as registered; once the stages are materialized,
-    :func:`forge_pp.share_buffers` gives the rank model theirs.
+    :func:`forge_pp.share_buffers` gives the rank model theirs. A model that holds values (not
+    on meta) is refused before anything is pruned.
     """
+    _check_on_meta(model)
     parts = _parts(model)
     blocks = model.get_submodule(parts["blocks"])
     assert isinstance(blocks, nn.ModuleDict)
@@ -196,6 +199,22 @@ def split_model(
     return PipelineSplit(model, stages, local, n_stages, _view_paths(parts))
 
 
+def _check_on_meta(model: nn.Module) -> None:
+    """Refuse a materialized model: the stages are parallelized, then materialized from a seed.
+
+    NOTE: checked before pruning, which deletes this rank's other blocks from the model in place.
+    """
+    held = sum(not t.is_meta for t in (*model.parameters(), *model.buffers()))
+    if held:
+        raise ForgeConfigError(
+            f"pipeline parallelism cuts a model on the meta device, but this "
+            f"{type(model).__name__} holds values ({held} parameters or buffers are not on meta; "
+            "cutting would delete this rank's other blocks from it); build the model under "
+            "torch.device('meta') and let ParallelPlan.parallelize(model, device=..., seed=...) "
+            "materialize each stage"
+        )
+
+
 def pipeline_split(
     model: nn.Module, device_mesh: DeviceMesh, pp_cfg: PPConfig, *, pp_rank: int | None = None
 ) -> PipelineSplit:
@@ -204,6 +223,7 @@ def pipeline_split(
     in one process) as ``pp_cfg`` says, and record ``pp`` on the rank model and every stage
     module (TP, EP, Float8, AC, compile and FSDP2 then apply to each stage module)."""
     check_stage(model, "pp")
+    refuse(stages_per_rank_problems(pp_cfg))
     pp_mesh = device_mesh["pp"]
     split = split_model(
         model,

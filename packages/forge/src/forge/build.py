@@ -38,10 +38,11 @@ import torch.nn as nn
 from forge_core import ForgeConfigError, ModelConfig, applied_stages
 from forge_core.config import ParallelismConfig
 from forge_core.contracts import declare_components, declared_components, model_components
-from forge_core.errors import did_you_mean
+from forge_core.errors import did_you_mean, refuse
 from forge_core.mesh_dims import axis_size, get_dp_mesh, has_dp_mesh
 from forge_core.torch_compat import is_compiled, non_persistent_buffer_names
 from forge_cp import apply_context_parallel
+from forge_cp.checks import cp_pipeline_problems
 from forge_domain import FieldNet, apply_domain_parallel
 from forge_float8 import apply_float8
 from forge_float8.config import Float8Config
@@ -57,6 +58,7 @@ from forge_fsdp_wrap.blocks import find_block_container
 from forge_moe_ep import MoE, apply_expert_parallel, moe_transformer
 from forge_moe_ep.hf import HF_MOE_BLOCKS, convert_hf_moe
 from forge_pp import PipelineSplit, attach_schedule, pipeline_split, share_buffers
+from forge_pp.checks import stages_per_rank_problems
 from forge_pp.config import PPConfig
 from forge_tp_plans import apply_tensor_parallel
 from forge_vlm import (
@@ -229,6 +231,9 @@ class ParallelPlan:
                 raise ForgeConfigError(
                     f"ParallelPlan({name}={value!r}): pass a {kind.__module__}.{kind.__name__}"
                 )
+        if sizes["pp"] > 1:  # the config's own checks (forge_cp, forge_pp), in its words
+            refuse(cp_pipeline_problems(sizes["cp"], sizes["pp"]))
+            refuse(stages_per_rank_problems(self.pp))
 
     @classmethod
     def from_config(

@@ -74,8 +74,10 @@ def train_steps(
     """
     # NOTE: an FSDP2 unit left gathered by an earlier forward (one without backward: an
     # evaluation; forge's last block keeps its parameters after forward) exposes its unsharded
-    # parameters through parameters(): an optimizer built then would step those copies, not
-    # the shards. Reshard first.
+    # parameters through parameters(): an optimizer built then would hold those copies, and
+    # forge_fsdp_wrap stops it at its first step with the advice to reshard first, which this
+    # does (what forge_fsdp_wrap.reshard does; forge_core imports no layer). The units of other
+    # FSDP2 roots (a pipeline rank model's stage modules) are not reached: there the stop stands.
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
