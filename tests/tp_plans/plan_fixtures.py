@@ -34,3 +34,13 @@ def raises_inside(model, ctx):
 UNKNOWN_STYLE = {"layers.*.feed_forward.w1": "colwize"}
 MATCHES_NOTHING = {"layers.*.mlp.up_proj": "colwise"}
 COLWISE_ON_A_NORM = {"layers.*.attention_norm": "colwise"}
+
+
+def records_its_call():
+    """A zero-argument plan function that leaves a mark when called: the launcher's check must
+    import its module but never call it (tests/integration/test_plan_checks.py)."""
+    import os
+    from pathlib import Path
+
+    Path(os.environ["FORGE_TEST_CALLED_MARK"]).write_text("called")
+    return dict(FFN_ONLY)

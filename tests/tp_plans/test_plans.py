@@ -173,7 +173,7 @@ def test_explicit_and_imported_plans(run_on_ranks):
     assert "imports are off by default" in out["other_prefix"]
     assert "importing 'tests.tp_plans.nope' failed: ModuleNotFoundError" in out["missing"]
     assert "must look like 'package.module:NAME'" in out["bad_path"]
-    assert "gave a list; it must be a dict" in out["wrong_type"]
+    assert "is a list; a plan is a dict of module pattern -> style" in out["wrong_type"]
     assert "plan pattern 'layers.*.mlp.up' matches no module of Transformer" in out["no_match"]
     assert "a style must be a ParallelStyle, a style string or None" in out["bad_style"]
     assert "plan must be a dict or an import path string, got list" in out["plan_type"]

@@ -6,6 +6,8 @@ and any model that opts in with class attributes.
 - :func:`check_tensor_parallel` runs every check of that choice without a mesh (a launcher
   checks a plan on a meta-device model before any rank starts)
 - :func:`translate_parallel_style` maps transformers 4.x / 5.x style strings to torch styles
+- :func:`load_plan_object` imports the plan an import path names, calling nothing (a launcher's
+  check before any rank starts)
 - :func:`register_tp_plan` adds a plan for a model class
 - :class:`TPConfig` (``[tp]``): plan import path, sequence/loss parallel choices
 - :mod:`forge_tp_plans.checks`: the pure size and import-path checks (no torch import)
@@ -30,6 +32,7 @@ _EXPORTS = {
     "check_transformer_tp": "checks",
     "TPConfig": "config",
     "PlanContext": "plans",
+    "load_plan_object": "plans",
     "reference_plan": "plans",
     "register_tp_plan": "plans",
     "ColwiseConv1x1": "styles",
@@ -58,7 +61,7 @@ if TYPE_CHECKING:
     from .config import TPConfig
     from .debug import tp_gradient_mismatches
     from .fused_styles import ColwiseConv1D, FusedQKVColwise, RowwiseConv1D, SplitAttentionHeads
-    from .plans import PlanContext, reference_plan, register_tp_plan
+    from .plans import PlanContext, load_plan_object, reference_plan, register_tp_plan
     from .styles import (
         ColwiseConv1x1,
         MlaKvAProjReplicated,
@@ -93,6 +96,7 @@ __all__ = [
     "check_tensor_parallel",
     "check_transformer_tp",
     "describe_tp_plan",
+    "load_plan_object",
     "reference_plan",
     "register_tp_plan",
     "translate_parallel_style",

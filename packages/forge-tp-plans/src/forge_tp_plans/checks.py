@@ -110,7 +110,8 @@ def plan_import_problems(path: str, allow_import: bool | Sequence[str]) -> list[
     if not allowed:
         return [
             f"plan={path!r}: importing '{module_name}' runs its code, and imports are off by default; "
-            "allow it with allow_import=True (Python) or list the module prefix in tp.allow_import (config)"
+            f"allow it with allow_import=['{module_name}'] (Python) or --allow-import "
+            f"{module_name} (forge's command line)"
         ]
     return []
 

@@ -21,7 +21,8 @@ class TPConfig:
 
     ``plan``: an import path ``"package.module:NAME"`` of a plan dict or function; None chooses
     automatically. Importing runs code, so it happens only for modules listed in
-    ``allow_import`` (module prefixes) — a config file cannot make forge import anything else.
+    ``allow_import`` (module prefixes), which the person running forge grants (forge's
+    ``--allow-import``, or a dict passed to ``load_config``): a config file cannot set it.
     ``sequence_parallel``: ``"auto"`` (on for registered plans unless embeddings are tied),
     true or false. ``loss_parallel``: keep logits vocab-sharded through the loss.
     """

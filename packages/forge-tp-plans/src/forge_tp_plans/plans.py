@@ -46,6 +46,7 @@ __all__ = [
     "PlanContext",
     "PlanFn",
     "expand_plan",
+    "load_plan_object",
     "unmatched_patterns",
     "reference_plan",
     "register_tp_plan",
@@ -161,9 +162,17 @@ def registered_plan_fn(model: nn.Module) -> PlanFn | None:
     return None
 
 
-def _import_plan(
-    path: str, allow_import: bool | Sequence[str], ctx: PlanContext, model: nn.Module
-) -> Mapping[str, Style]:
+def load_plan_object(
+    path: str, allow_import: bool | Sequence[str]
+) -> Mapping[str, Style] | Callable[..., Mapping[str, Style]]:
+    """Import ``"package.module:NAME"`` (only where ``allow_import`` permits) and return the plan
+    dict or plan function it names, calling nothing.
+
+    NOTE: a launcher checks a plan before any rank starts with this: importing is granted by
+    the person who runs forge, but the check must not run what the module names (a zero-argument
+    ``os:abort`` would end the launcher). A plan function is a Python function taking
+    ``(model, ctx)`` or nothing; builtins, classes and other callables are refused.
+    """
     module_name = check_plan_import(path, allow_import)
     attr = path.partition(":")[2]
     try:
@@ -175,20 +184,23 @@ def _import_plan(
     if not hasattr(module, attr):
         raise ForgeConfigError(f"plan={path!r}: module '{module_name}' has no name '{attr}'")
     obj = getattr(module, attr)
-    if callable(obj) and not isinstance(obj, Mapping):
-        # A plan function takes (model, ctx) or nothing; decided by its signature so that a
-        # TypeError raised inside it is not mistaken for a signature mismatch.
-        try:
-            n_params = len(inspect.signature(obj).parameters)
-        except (TypeError, ValueError):
-            n_params = 2
-        if n_params == 1:
-            raise ForgeConfigError(
-                f"plan={path!r} is a function of one argument; a plan function takes "
-                "(model, ctx) or nothing"
-            )
-        try:
-            obj = obj(model, ctx) if n_params >= 2 else obj()
+    arity = len(inspect.signature(obj).parameters) if inspect.isfunction(obj) else None
+    if not isinstance(obj, Mapping) and arity not in (0, 2):
+        kind = type(obj).__name__ if arity is None else f"function of {arity} argument(s)"
+        raise ForgeConfigError(
+            f"plan={path!r} is a {kind}; a plan is a dict of module pattern -> style or a "
+            "Python function taking (model, ctx) or nothing"
+        )
+    return obj
+
+
+def _import_plan(
+    path: str, allow_import: bool | Sequence[str], ctx: PlanContext, model: nn.Module
+) -> Mapping[str, Style]:
+    obj = load_plan_object(path, allow_import)
+    if not isinstance(obj, Mapping):
+        try:  # NOTE: load_plan_object checked the arity: a TypeError here is the function's own
+            obj = obj(model, ctx) if inspect.signature(obj).parameters else obj()
         except Exception as e:  # noqa: BLE001 -- the user's plan function failed
             raise ForgeConfigError(f"plan={path!r} raised {type(e).__name__}: {e}") from None
     if not isinstance(obj, Mapping):

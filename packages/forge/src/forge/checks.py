@@ -19,19 +19,23 @@ own pure checks (``<layer>.checks``); this module only composes them for forge's
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from forge_core.errors import ForgeConfigError, refuse
 from forge_cp.checks import cp_problems
 from forge_float8.checks import check_float8, float8_problems, torchao_problems
 from forge_fsdp_wrap.checks import ac_mode_problems
-from forge_moe_ep.checks import expert_parallel_problems
+from forge_moe_ep.checks import dispatch_cp_problems, expert_parallel_problems
 from forge_pp.checks import pp_problems, schedule_problems
 from forge_tp_plans.checks import plan_import_problems, transformer_tp_problems
 from forge_vlm.checks import ac_scope_problems, vlm_problems
 
 from .layout import Layout, resolve_layout
+from .paths import dir_problems, regular_file_problem
 
 if TYPE_CHECKING:
     from forge_core.config import ParallelismConfig
@@ -46,6 +50,7 @@ __all__ = [
     "check_plan",
     "config_problems",
     "import_problems",
+    "path_problems",
     "plan_problems",
 ]
 
@@ -112,6 +117,8 @@ def config_problems(cfg: ForgeConfig, world_size: int) -> list[str]:
         )
     elif par.ep > 1:
         problems += expert_parallel_problems(m.num_experts, par.ep)
+    if m.moe_layers:
+        problems += dispatch_cp_problems(m.moe_dispatch, par.cp)
     if cfg.tp.plan is not None:
         problems += _importable_problems("tp.plan", cfg.tp.plan, cfg.tp.allow_import)
     if cfg.vision is not None and cfg.adapter is not None and cfg.vlm is not None:
@@ -122,7 +129,8 @@ def config_problems(cfg: ForgeConfig, world_size: int) -> list[str]:
             plan, allow = vlm.encoder_tp_plan, cfg.tp.allow_import
             problems += _importable_problems("vlm.encoder_tp_plan", plan, allow)
     kind = "field" if cfg.field is not None else "vlm" if cfg.is_vlm else "transformer"
-    problems += cp_problems(par.cp, t.seq_len, pp=par.pp, model_kind=kind)
+    fitting = _fitting_cp(cfg, world_size) if par.cp > 1 else None
+    problems += cp_problems(par.cp, t.seq_len, pp=par.pp, model_kind=kind, fitting_cp=fitting)
     if par.tp > 1:
         sp = layout.sequence_parallel
         # NOTE: under cp, sequence parallelism splits each rank's S / cp tokens over tp
@@ -155,6 +163,8 @@ def import_problems(cfg: ForgeConfig, world_size: int) -> list[str]:
         problems += schedule_problems(cfg.pp)
     if cfg.tp.plan is not None and par.tp > 1:
         problems += _explicit_plan_problems(cfg, par.tp, pipelined=par.pp > 1)
+    if par.tp > 1:
+        problems += _encoder_plan_problems(cfg)
     return problems
 
 
@@ -174,6 +184,20 @@ def check_config_imports(cfg: ForgeConfig, world_size: int) -> None:
     """The checks that import what the config names (torch, torchao, a tp.plan module); run
     after :func:`check_config_values`. Raises the first of :func:`import_problems`."""
     refuse(import_problems(cfg, world_size))
+
+
+def _fitting_cp(cfg: ForgeConfig, world_size: int) -> list[int]:
+    """The cp degrees (> 1) with which the config's other degrees still fit ``world_size``, by
+    :func:`resolve_layout`'s own rule (what forge_cp may suggest instead of ``parallelism.cp``)."""
+    fitting = []
+    for cp in (c for c in range(2, world_size + 1) if world_size % c == 0):
+        other = dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, cp=cp))
+        try:
+            resolve_layout(other, world_size)
+        except ForgeConfigError:
+            continue
+        fitting.append(cp)
+    return fitting
 
 
 def _field_problems(cfg: ForgeConfig, par: ParallelismConfig) -> list[str]:
@@ -236,14 +260,24 @@ def _pipeline_problems(cfg: ForgeConfig, layout: Layout) -> list[str]:
 
 
 def _explicit_plan_problems(cfg: ForgeConfig, tp: int, *, pipelined: bool = False) -> list[str]:
-    """Import ``tp.plan`` here and check it against a meta-device copy of the model, so that a
-    wrong plan is one line before launch instead of a traceback from every rank. Under pp the
-    plan is checked as a stage gets it: without sequence or loss parallelism."""
+    """Import ``tp.plan`` here and check a plan dict against a meta-device copy of the model, so
+    that a wrong plan is one line before launch instead of a traceback from every rank. Under pp
+    the plan is checked as a stage gets it: without sequence or loss parallelism.
+
+    NOTE: nothing the path names is called here: a plan *function* is only checked for its
+    signature, and runs on the ranks (which report its failure in one line)."""
     from forge_core.contracts import model_components
-    from forge_tp_plans import check_tensor_parallel
+    from forge_tp_plans import check_tensor_parallel, load_plan_object
 
     from .build import model_from_config
 
+    assert cfg.tp.plan is not None  # import_problems calls this only for an explicit plan
+    try:
+        plan = load_plan_object(cfg.tp.plan, cfg.tp.allow_import)
+    except ForgeConfigError as err:
+        return [f"tp.plan: {err}"]
+    if not isinstance(plan, Mapping):
+        return []
     try:
         model = model_from_config(cfg)
     except ForgeConfigError as err:
@@ -253,13 +287,26 @@ def _explicit_plan_problems(cfg: ForgeConfig, tp: int, *, pipelined: bool = Fals
         check_tensor_parallel(
             decoder,
             tp,
-            plan=cfg.tp.plan,
+            plan=plan,
             sequence_parallel=False if pipelined else cfg.tp.sequence_parallel_flag,
             loss_parallel=cfg.tp.loss_parallel and not pipelined,
-            allow_import=cfg.tp.allow_import,
         )
     except ForgeConfigError as err:
         return [f"tp.plan: {err}"]
+    return []
+
+
+def _encoder_plan_problems(cfg: ForgeConfig) -> list[str]:
+    """Import ``vlm.encoder_tp_plan`` here (calling nothing), so that a missing module or name is
+    one line before launch, as for ``tp.plan``."""
+    from forge_tp_plans import load_plan_object
+
+    if cfg.vlm is None or cfg.vlm.encoder_tp_plan is None:
+        return []
+    try:
+        load_plan_object(cfg.vlm.encoder_tp_plan, cfg.tp.allow_import)
+    except ForgeConfigError as err:
+        return [f"vlm.encoder_tp_plan: {err}"]
     return []
 
 
@@ -267,5 +314,35 @@ def _importable_problems(key: str, path: str, allow_import: tuple[str, ...]) -> 
     problems = plan_import_problems(path, allow_import)
     module_name = path.partition(":")[0]
     if not problems and importlib.util.find_spec(module_name.split(".")[0]) is None:
-        problems.append(f"{key}={path!r}: module '{module_name}' is not importable from here")
+        problems.append(
+            f"{key}={path!r}: module '{module_name}' is not importable from here (the working "
+            f"directory {os.getcwd()!r} and PYTHONPATH are searched); run forge where it lives "
+            "or add its folder to PYTHONPATH"
+        )
+    return problems
+
+
+def path_problems(cfg: ForgeConfig, command: str, *, rank_logs: bool = True) -> list[str]:
+    """What is wrong with the paths ``forge <command>`` will write and read (no torch import):
+    ``training.out_dir`` (train's metrics; with ``rank_logs``, forge's launcher writes the ranks'
+    logs there for build too), and for ``train`` the checkpoint directory
+    (:func:`forge.paths.dir_problems`), ``checkpoint.resume`` and ``data.path`` (a readable
+    regular file). One line each, naming the field; the token file's contents are
+    :func:`forge.data.token_file_problems`'."""
+    t, c = cfg.training, cfg.checkpoint
+    writes_out_dir = command == "train" or rank_logs
+    problems = dir_problems("training.out_dir", t.out_dir) if writes_out_dir else []
+    if command != "train":
+        return problems
+    if c.dir is not None:
+        problems += dir_problems("checkpoint.dir", c.dir)
+    elif not problems:  # NOTE: the default is inside out_dir: its problem is said once
+        problems += dir_problems(
+            "checkpoint.dir (default <out_dir>/checkpoints)", str(cfg.checkpoint_dir)
+        )
+    if "\0" in c.resume:
+        problems.append(f"checkpoint.resume={c.resume!r} holds a NUL character, which no path can")
+    if cfg.data.path is not None:
+        problem = regular_file_problem(f"data.path={cfg.data.path!r}", cfg.data.path)
+        problems += [problem] if problem else []
     return problems

@@ -3,8 +3,10 @@
 ``forge build [CONFIG] [--nproc N] [--device cpu|cuda] [--set key=value ...]`` builds the mesh
 and the parallel model, trains a few steps on synthetic tokens, checks parity against the
 single-device model and prints a report. With no arguments it runs the embedded default: the
-``debug`` model on 4 local CPU ranks as dp_shard 2 x tp 2 (sequence parallel, FSDP2 on dp). Outside torchrun/SLURM it starts the local
-ranks itself through torch's elastic launcher; under torchrun/SLURM it uses their ranks.
+``debug`` model on 4 local CPU ranks as dp_shard 2 x tp 2 (sequence parallel, FSDP2 on dp).
+Outside torchrun/SLURM it starts the local ranks itself (:mod:`forge.launch`); under
+torchrun/SLURM it uses their ranks. ``forge train`` holds its ``training.out_dir`` and
+``checkpoint.dir`` while any process of the run lives (:mod:`forge_checkpoint.lock`).
 
 Exit status: 0 PASS, 1 FAIL (parity or a rank error), 2 bad config or arguments, 3 a damaged
 checkpoint (train, export).
@@ -15,30 +17,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import logging
-import multiprocessing
+import errno
 import os
 import re
-import signal
-import socket
 import sys
 import time
-import uuid
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .launch import Interrupted as _Interrupted
+from .launch import RankFailed as _RankFailed
+from .launch import failure_line as _failure_line  # noqa: F401 (its name before forge.launch)
+
 # torch warns at import when NumPy is absent; forge does not use NumPy. Set before torch loads.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 __all__ = ["main"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _under_launcher() -> bool:
@@ -50,19 +46,23 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple[dict, int] | int:
     """Load and check the config before any rank starts: (config dict, nproc) or an exit status
     (2: config error, 3: damaged checkpoint).
 
-    The checks on the config's values, and the checkpoint a resume starts from, come before
-    torch is imported (they take milliseconds, torch's import seconds); then the checks that
-    import what the config names (a tp.plan module on a meta-device model, torchao). Every
-    problem of a phase is printed, one ``forge <command>: config error: ...`` line each.
+    The checks on the config's values and paths, and the checkpoint a resume starts from, come
+    before torch is imported (they take milliseconds, torch's import seconds); then the checks
+    that import what the config names (a tp.plan module on a meta-device model, torchao), and
+    for train the token file, read whole. Every problem of a phase is printed, one
+    ``forge <command>: config error: ...`` line each.
     """
     from forge_checkpoint.files import CheckpointDamaged
     from forge_core.errors import ForgeConfigError
 
-    from .checks import config_problems, import_problems
-    from .config import load_config
+    from .checks import config_problems, import_problems, path_problems
 
+    # NOTE: a plan module next to the config imports from the working directory, here and on
+    # the ranks (_launch_local puts it on their PYTHONPATH): on the path before any check.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
-        cfg = load_config(args.config, args.set)
+        cfg = _load(args)
         nproc = args.nproc
         if args.device == "cuda":
             import torch
@@ -80,19 +80,18 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple[dict, int] | int:
                 "forge build checks token models against one device; a field model "
                 "(model.preset=debug_field) trains with forge train (its parity is in the tests)"
             )
-        if command == "train" and cfg.data.path is not None and not os.path.isfile(cfg.data.path):
-            problems.append(f"data.path={cfg.data.path!r} does not exist or is not a file")
+        problems += path_problems(cfg, command, rank_logs=not _under_launcher())
         if problems:
             return _refuse(command, problems)
         # NOTE: under torchrun every rank runs this; rank 0 alone reads the checkpoint, once
         # the process group exists (forge.train), instead of every rank reading all of it.
-        if command == "train" and cfg.checkpoint.resume != "none" and not _under_launcher():
+        if command == "train" and not _under_launcher():
             cfg = _checked_resume(cfg)
-        # NOTE: the ranks import tp.plan with the working directory on their path
-        # (_launch_local); the checks here import it the same way.
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
         problems = import_problems(cfg, world_size)
+        if command == "train" and not problems:  # NOTE: reads the token file whole (torch)
+            from .data import data_problems
+
+            problems = data_problems(cfg)
         if problems:
             return _refuse(command, problems)
     except CheckpointDamaged as e:
@@ -101,6 +100,36 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple[dict, int] | int:
     except ForgeConfigError as e:
         return _refuse(command, [str(e)])
     return dataclasses.asdict(cfg), nproc
+
+
+#: Module prefixes a plan may be imported from, granted by the person running forge (comma- or
+#: ``os.pathsep``-separated), as ``--allow-import`` does.
+ALLOW_IMPORT_ENV = "FORGE_ALLOW_IMPORT"
+
+
+def granted_imports(args: argparse.Namespace) -> tuple[str, ...]:
+    """The module prefixes the person grants: ``--allow-import`` and ``$FORGE_ALLOW_IMPORT``.
+
+    NOTE: importing a module runs its code, so the grant comes from the command line or the
+    environment, never from the config file that names the plan (``load_config`` refuses
+    ``tp.allow_import`` in a file): a downloaded config cannot grant itself an import.
+    """
+    from_env = re.split(rf"[,{re.escape(os.pathsep)}]", os.environ.get(ALLOW_IMPORT_ENV, ""))
+    names = [n.strip() for n in [*getattr(args, "allow_import", []), *from_env]]
+    return tuple(dict.fromkeys(n for n in names if n))
+
+
+def _load(args: argparse.Namespace) -> Any:
+    """``args.config`` with the ``--set`` overrides and the granted imports
+    (:func:`granted_imports`) added to ``tp.allow_import``."""
+    from .config import load_config
+
+    cfg = load_config(args.config, args.set)
+    granted = granted_imports(args)
+    if not granted:
+        return cfg
+    allow = tuple(dict.fromkeys((*cfg.tp.allow_import, *granted)))
+    return dataclasses.replace(cfg, tp=dataclasses.replace(cfg.tp, allow_import=allow))
 
 
 def _refuse(command: str, problems: Sequence[str]) -> int:
@@ -115,9 +144,11 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_DAMAGED = 0, 1, 2, 3
 
 
 def _checked_resume(cfg: Any) -> Any:
-    """Pick and verify the checkpoint ``forge train`` resumes from, before any rank starts
-    (:func:`forge.resume.resume_point`), and pass it to the ranks as a path they need
-    not verify again. Raises CheckpointDamaged / ForgeConfigError."""
+    """Check ``checkpoint.dir`` and pick and verify the checkpoint ``forge train`` resumes
+    from, before any rank starts (:func:`forge.resume.resume_point`; with ``resume = "none"``
+    only the directory: a ``step-N`` forge did not write is refused, never overwritten), and
+    pass it to the ranks as a path they need not verify again. Raises CheckpointDamaged /
+    ForgeConfigError."""
     from .resume import resume_point
 
     chosen, skipped = resume_point(cfg)
@@ -151,6 +182,9 @@ def _build(args: argparse.Namespace) -> int:
         except _RankFailed as e:
             print(f"forge build: FAIL: {e}", file=sys.stderr)
             return EXIT_FAILED
+        except _Interrupted as e:
+            print(f"forge build: stopped by {e}", file=sys.stderr)
+            return EXIT_FAILED
     if report.text:
         print(
             report.text
@@ -163,42 +197,22 @@ def _train(args: argparse.Namespace) -> int:
     prepared = _prepare(args, "train")
     if isinstance(prepared, int):
         return prepared
-    from forge_checkpoint.files import CheckpointDamaged, checkpoint_lock, find_latest
+    from forge_checkpoint.files import CheckpointDamaged, find_latest
     from forge_core.errors import ForgeConfigError
 
-    from .config import load_config
-
     cfg_dict, nproc = prepared
-    # NOTE: the launcher (or torchrun's rank 0) holds the checkpoint directory for the run.
-    owner = not _under_launcher() or os.environ.get("RANK") == "0"
-    ckpt_dir = load_config(cfg_dict).checkpoint_dir
     try:
-        with checkpoint_lock(ckpt_dir) if owner else contextlib.nullcontext():
-            if _under_launcher():
-                # NOTE: imported here: forge's own launcher only starts ranks, which import it
-                # in their forkserver (seconds of torch imports the launcher need not pay).
-                from .train import run_train
-
-                summary = run_train(cfg_dict, args.device)
-            else:
-                summary = _launch_local(
-                    _train_rank,
-                    cfg_dict,
-                    args.device,
-                    nproc,
-                    _log_dir(cfg_dict),
-                    preload="forge.train",  # _train_rank imports it in the rank
-                )
+        summary = _locked_train(cfg_dict, args.device, nproc)
     except CheckpointDamaged as e:  # under torchrun: rank 0 verified it, every rank says so
         print(f"forge train: damaged checkpoint: {e}", file=sys.stderr)
         return EXIT_DAMAGED
-    except ForgeConfigError as e:
+    except ForgeConfigError as e:  # a bad config, or a directory another run holds
         print(f"forge train: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     except _Interrupted as e:
-        # The launcher got the signal and passed it to the ranks, which finished their step and
-        # saved before exiting; their return values are lost with the launcher's exception.
-        latest = find_latest(load_config(cfg_dict).checkpoint_dir)
+        # The launcher got the signal and passed it to the ranks, but not every rank finished
+        # (one was still starting, or failed while stopping): whatever was saved is intact.
+        latest = find_latest(_run_dirs(cfg_dict)["checkpoint.dir"])
         print(
             f"forge train: stopped by {e}; "
             + (
@@ -212,36 +226,105 @@ def _train(args: argparse.Namespace) -> int:
     except _RankFailed as e:
         print(f"forge train: FAIL: {e}", file=sys.stderr)
         return EXIT_FAILED
-    if summary.text:
-        print(summary.text)
-    return EXIT_OK
+    if not summary.text:
+        return EXIT_OK  # a rank other than 0 under torchrun: rank 0 reports
+    print(summary.text)
+    return _stopped(summary) if summary.stopped_by else EXIT_OK
+
+
+def _run_dirs(cfg_dict: dict) -> dict[str, Path]:
+    """The directories one run holds: ``training.out_dir`` and ``checkpoint.dir`` (by default
+    inside it). Two runs writing one would interleave their metrics and logs, or resume from
+    each other's steps."""
+    from .config import load_config
+
+    cfg = load_config(cfg_dict)
+    return {"training.out_dir": Path(cfg.training.out_dir), "checkpoint.dir": cfg.checkpoint_dir}
+
+
+def _locked_train(cfg_dict: dict, device: str, nproc: int) -> Any:
+    """Train while holding the run's directories (:mod:`forge_checkpoint.lock`): forge's
+    launcher owns them and each rank it starts holds them too (:func:`_train_rank`), so they
+    stay locked while any process of the run lives. Under torchrun rank 0 owns them and every
+    rank holds them. Rank 0's summary (under torchrun: this rank's)."""
+    from forge_checkpoint.lock import run_lock
+
+    dirs = _run_dirs(cfg_dict)
+    if not _under_launcher():
+        with run_lock(dirs):
+            return _launch_local(
+                _train_rank,
+                cfg_dict,
+                device,
+                nproc,
+                _log_dir(cfg_dict),
+                preload="forge.train",  # _train_rank imports it in the rank
+            )
+    # NOTE: torchrun starts every rank at once, so rank 0 cannot tell an earlier run's
+    # surviving ranks from its own siblings holding the ranks' lock: it checks only the owner.
+    owner = os.environ.get("RANK") == "0"
+    with run_lock(dirs, check_ranks=False) if owner else contextlib.nullcontext():
+        return _train_rank(cfg_dict, device)
 
 
 def _train_rank(cfg_dict: dict, device: str) -> Any:
-    """``run_train`` on one rank started by forge's launcher."""
-    import threading
+    """``run_train`` on one rank, holding the run's directories while it runs
+    (:func:`forge_checkpoint.lock.rank_lock`).
 
+    A write that fails on a full disk becomes ``OSError(ENOSPC)`` naming the full directory:
+    torch's writers report it as a short write ("unexpected pos"), Python's without a path.
+    """
+    from forge_checkpoint.lock import rank_lock
+
+    # NOTE: imported here: forge's own launcher only starts ranks, which import it in their
+    # forkserver (seconds of torch imports the launcher need not pay).
     from .train import run_train
 
-    summary = run_train(cfg_dict, device)
-    if summary.stopped_by:
-        # NOTE: after a signal the launcher may itself be shutting down: it then never collects
-        # this return value, and the rank would wait for it until the launcher's kill timeout.
-        # The checkpoint is already on disk, so leave on our own if nobody collects it within 2 s
-        # (a launcher that is still running collects within its 0.1 s monitor interval).
-        timer = threading.Timer(2.0, os._exit, (0,))
-        timer.daemon = True  # when the launcher does collect it, exit at once as usual
-        timer.start()
-    return summary
+    dirs = _run_dirs(cfg_dict)
+    with rank_lock(dirs.values()):
+        try:
+            return run_train(cfg_dict, device)
+        except (OSError, RuntimeError) as e:
+            full = [p for p in (dirs["checkpoint.dir"], dirs["training.out_dir"]) if _full(p)]
+            if not full:
+                raise
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(full[0])) from e
+
+
+def _full(path: Path) -> bool:
+    """Whether the file system holding ``path`` has no space left: under 64 KiB that this user
+    may write (root may write the blocks reserved for it). A write that failed for want of
+    space has filled it to the last block."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    free = st.f_bfree if os.geteuid() == 0 else st.f_bavail
+    return free * st.f_frsize < 64 << 10
+
+
+def _stopped(summary: Any) -> int:
+    """The status line of a run that a signal stopped (SIGTERM, Ctrl-C, to the launcher or to
+    any rank): EXIT_OK once its checkpoint is saved."""
+    step = summary.steps[-1].step if summary.steps else summary.start_step
+    latest = summary.last_checkpoint or summary.resumed_from
+    print(
+        f"forge train: stopped by {summary.stopped_by} after step {step}; "
+        + (
+            f"checkpoint {latest} (resume: run the same command again)"
+            if latest
+            else "no checkpoint was saved"
+        ),
+        file=sys.stderr,
+    )
+    return EXIT_OK if latest else EXIT_FAILED
 
 
 def _plan(args: argparse.Namespace) -> int:
     from forge_core.errors import ForgeConfigError
 
-    from .config import load_config
-
     try:  # NOTE: a config that does not load is one line before torch's import
-        cfg = load_config(args.config, args.set)
+        cfg = _load(args)
     except ForgeConfigError as err:
         print(f"forge plan: config error: {err}", file=sys.stderr)
         return EXIT_CONFIG
@@ -254,8 +337,12 @@ def _export(args: argparse.Namespace) -> int:
     from forge_checkpoint.files import CheckpointDamaged, read_train_state, verify_checkpoint
     from forge_core.errors import ForgeConfigError
 
+    from .export import check_export_out
+
     try:
-        # NOTE: before torch's import, so a damaged file is one line at once
+        # NOTE: before torch's import and before the checkpoint is read, so a bad --out or a
+        # damaged file is one line at once
+        check_export_out(args.checkpoint, args.out, args.format, name="--out")
         read_train_state(args.checkpoint)
         verify_checkpoint(args.checkpoint)
         from .export import export_checkpoint
@@ -267,6 +354,9 @@ def _export(args: argparse.Namespace) -> int:
     except ForgeConfigError as e:
         print(f"forge export: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    except OSError as e:  # NOTE: --out was writable when checked; the disk may fill since
+        print(f"forge export: could not write --out {args.out!r}: {e}", file=sys.stderr)
+        return EXIT_FAILED
     print(f"forge export: wrote {written}")
     return EXIT_OK
 
@@ -274,80 +364,6 @@ def _export(args: argparse.Namespace) -> int:
 def _log_dir(cfg_dict: dict) -> Path:
     """Where the ranks other than 0 write their output: ``<training.out_dir>/logs``."""
     return Path(cfg_dict["training"]["out_dir"]) / "logs"
-
-
-class _RankFailed(RuntimeError):
-    pass
-
-
-class _Interrupted(RuntimeError):
-    pass
-
-
-#: Errors a rank raises because another rank died (its socket closed): never the cause.
-_PEER_LOST = re.compile(r"Connection (closed|reset) by peer|remote worker|Broken pipe", re.I)
-
-
-def _one_line(text: str) -> str:
-    """A rank's error message on one line (an embedded traceback: its first and last lines)."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    if len(lines) > 1 and any(line.startswith("Traceback") for line in lines):
-        return f"{lines[0]} ... {lines[-1]}"
-    return " ".join(lines)
-
-
-def _failure_line(failures: dict[int, Any], log_root: Path, run_id: str = "*") -> str:
-    """One line for a failed launch: the rank whose failure caused it, its exit code or signal,
-    its message, and where its full output is (``failures``: ChildFailedError.failures; the
-    launch's logs are under ``log_root/<run_id>_*``).
-
-    The cause: a rank killed by a signal, else a rank whose error is not a lost connection to a
-    dead peer, else the earliest failure.
-    """
-
-    def message(failure: Any) -> str:
-        text = failure.message
-        return _one_line(text.get("message", "") if isinstance(text, dict) else str(text))
-
-    rank, first = min(
-        failures.items(),
-        key=lambda kv: (
-            kv[1].exitcode >= 0,
-            bool(_PEER_LOST.search(message(kv[1]))),
-            kv[1].timestamp,
-            kv[0],
-        ),
-    )
-    if first.exitcode < 0:
-        what = f"rank {rank} was killed by {first.signal_name()}"
-    else:
-        text = message(first)
-        what = f"rank {rank} exited with code {first.exitcode}" + (f": {text}" if text else "")
-    logs = sorted(log_root.glob(f"{run_id}_*/attempt_*/{rank}/stderr.log"))
-    if logs:
-        where = f"its log: {logs[-1]}"
-    elif first.error_file and Path(first.error_file).is_file():
-        where = f"its traceback: {first.error_file}"
-    else:
-        where = "its output is above"
-    others = f"; {len(failures) - 1} other rank(s) stopped after it" if len(failures) > 1 else ""
-    return f"{what} ({where}{others})"
-
-
-def _rank_main(fn: Callable[[dict, str], Any], cfg_dict: dict, device: str) -> Any:
-    """One rank started by :func:`_launch_local`: ``fn(cfg_dict, device)``.
-
-    NOTE: when a rank dies (killed, out of memory) the others fail at once with a lost
-    connection, and the launcher reports whichever exit it sees first. A rank whose error is
-    such a lost connection waits a moment before exiting, so the launcher sees the rank that
-    died first and :func:`_failure_line` names the cause, not its echo.
-    """
-    try:
-        return fn(cfg_dict, device)
-    except Exception as e:
-        if _PEER_LOST.search(str(e)):
-            time.sleep(2.0)  # the launcher stops this rank sooner once it sees the dead one
-        raise
 
 
 def _launch_local(
@@ -359,62 +375,12 @@ def _launch_local(
     *,
     preload: str,
 ) -> Any:
-    """Start ``nproc`` local ranks running ``fn(cfg_dict, device)``; returns rank 0's result.
+    """Start ``nproc`` local ranks running ``fn(cfg_dict, device)``; returns rank 0's result
+    (:func:`forge.launch.launch_local`: raises ``_RankFailed`` with one line, or
+    ``_Interrupted`` after a signal the ranks did not all survive)."""
+    from .launch import launch_local
 
-    ``preload``: the module that runs the job, imported once in the ranks' forkserver.
-
-    Rank 0 keeps this terminal (progress, report); the other ranks' output goes to
-    ``log_dir/<run id>/attempt_0/<rank>/{stdout,stderr}.log``. A failed rank becomes one line
-    (:func:`_failure_line`) instead of the launcher's tracebacks.
-    """
-    from forge_core.torch_compat import launch_config
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
-
-    # NOTE: the launcher logs each failure with its traceback (ERROR) and each rank it stops
-    # (WARNING); forge prints its own line instead.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
-    if device == "cpu":
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # Ranks are fresh interpreters: give them the working directory on the import path, as the
-    # parent has, so a tp.plan module next to the config imports there too.
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])
-    )
-    # NOTE: ranks fork from a forkserver that has imported torch and forge once, instead of
-    # each importing them (seconds per rank, serialized on few cores); the forkserver is a
-    # clean single-threaded process that has not touched CUDA. The module that runs the job
-    # (forge.train, forge.job: DTensor, FSDP2, DCP) is preloaded there, next to fn's module.
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", fn.__module__, preload])
-    run_id = f"forge-{uuid.uuid4().hex[:8]}"
-    config = launch_config(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=run_id,
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="forkserver",
-        # NOTE: on SIGTERM / Ctrl-C the launcher passes the signal to the ranks and kills them
-        # after this many seconds: the time forge train has to finish its step and save
-        # (torch 2.11: a fixed 30 s, see launch_config).
-        shutdown_timeout=300,
-        logs_specs=DefaultLogsSpecs(
-            log_dir=str(log_dir), redirects={r: Std.ALL for r in range(1, nproc)}, tee={}
-        ),
-    )
-    try:
-        results = elastic_launch(config, _rank_main)(fn, cfg_dict, device)
-    except ChildFailedError as e:
-        raise _RankFailed(_failure_line(e.failures, log_dir, run_id)) from None
-    except SignalException as e:
-        raise _Interrupted(signal.Signals(e.sigval).name) from None
-    return results[0]
+    return launch_local(fn, cfg_dict, device, nproc, log_dir, preload=preload)
 
 
 def _common(parser: argparse.ArgumentParser, what: str) -> None:
@@ -430,6 +396,14 @@ def _common(parser: argparse.ArgumentParser, what: str) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="override a config value, e.g. --set parallelism.dp_replicate=2",
+    )
+    parser.add_argument(
+        "--allow-import",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="let tp.plan / vlm.encoder_tp_plan import from this module prefix (importing runs "
+        f"its code; a config file cannot grant it); also ${ALLOW_IMPORT_ENV}=mod1,mod2",
     )
 
 
@@ -471,7 +445,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     export.add_argument("checkpoint", help="a step-N directory written by forge train")
     export.add_argument(
-        "--out", required=True, help="output .safetensors file (or folder for --format hf)"
+        "--out",
+        required=True,
+        help="output .safetensors file (or folder for --format hf): a new path, or an earlier "
+        "forge export; a file forge did not write is never overwritten",
     )
     export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors")
     args = parser.parse_args(argv)
