@@ -138,17 +138,26 @@ def order_and_refusals() -> dict[str, str]:
     return said
 
 
-def capacity_refusal() -> str:
-    """What a cp=2 plan says of an MoE with the capacity dispatch (2 ranks)."""
+def capacity_refusal() -> list[str]:
+    """What a cp=2 plan, and apply_context_parallel by hand (no expert parallelism after it),
+    say of an MoE with the capacity dispatch (2 ranks)."""
     from forge_core import ForgeConfigError
+    from forge_cp import apply_context_parallel
 
     mesh = build_device_mesh({"cp": 2}, "cpu")
-    capacity, _ = meta_model(True, moe_dispatch="capacity")
-    try:
-        ParallelPlan(mesh, param_dtype=torch.float32).parallelize(capacity, device="cpu", seed=0)
-    except ForgeConfigError as e:
-        return str(e)
-    return "built"
+    said = []
+    for by_hand in (False, True):
+        capacity, _ = meta_model(True, moe_dispatch="capacity")
+        try:
+            if by_hand:
+                apply_context_parallel(capacity, mesh)
+            else:
+                plan = ParallelPlan(mesh, param_dtype=torch.float32)
+                plan.parallelize(capacity, device="cpu", seed=0)
+            said.append("built")
+        except ForgeConfigError as e:
+            said.append(str(e))
+    return said
 
 
 def too_long_refusal() -> str:

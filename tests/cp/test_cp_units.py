@@ -130,7 +130,7 @@ def test_capacity_dispatch_under_cp_is_refused_before_launch_and_by_the_plan(run
     assert _problems(2, *sets, "model.moe_dispatch=capacity") == [line]
     assert _problems(2, *sets) == []  # dropless: exact under cp (test_cp_parity)
     # ParallelPlan -> apply_expert_parallel, the same words
-    assert run_on_ranks(2, capacity_refusal) == [line, line]
+    assert run_on_ranks(2, capacity_refusal) == [[line, line], [line, line]]
 
 
 def test_a_cp_sequence_beyond_max_seq_len_is_one_line_not_an_index_error(run_on_ranks):

@@ -27,6 +27,10 @@ mark. No registry, no global state: everything lives on the modules.
   as left whole; its own entry may still prepare its input and output layouts); the string
   says why. forge's MoE declares it: its experts shard
   over ``ep``, and a Hugging Face plan's expert entries would otherwise reach a converted block.
+- **Sequence shards.** A module with a method ``forge_cp_problems(cp) -> list[str]`` says why it
+  cannot compute exactly on ``1 / cp`` of each sequence (one line each; empty: it can):
+  :func:`cp_problems_of` collects them and context parallelism refuses such a model (forge's
+  MoE with the capacity dispatch, whose capacity is counted per whole sequence).
 - **Float8 opt-out.** A module class with a string ``forge_float8_skip`` keeps every Linear inside
   it in high precision; the string is the reason that gets reported.
 - **Components.** A model class with ``forge_components = ("encoder", "adapter", "decoder")``
@@ -97,15 +101,28 @@ __all__ = [
     "set_attention_kernel",
     "set_sequence_shard",
     "pop_aux_losses",
+    "cp_problems_of",
 ]
 
 AFTER_STEP_METHOD = "forge_after_optimizer_step"
 AUX_LOSS_METHOD = "forge_pop_aux_loss"
+CP_PROBLEMS_METHOD = "forge_cp_problems"
 _EP_ATTR = "_forge_expert_parallel"
 
 
 def _with_method(model: nn.Module, method: str) -> list[nn.Module]:
     return [m for m in model.modules() if callable(getattr(m, method, None))]
+
+
+def cp_problems_of(model: nn.Module, cp: int) -> list[str]:
+    """Why ``model`` cannot run on ``cp`` sequence shards: what its modules'
+    ``forge_cp_problems(cp)`` say (see the module docstring), each line once."""
+    lines = [
+        p
+        for m in _with_method(model, CP_PROBLEMS_METHOD)
+        for p in getattr(m, CP_PROBLEMS_METHOD)(cp)
+    ]
+    return list(dict.fromkeys(lines))
 
 
 _AFTER_STEP_FNS = "_forge_after_step_fns"

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 from forge_core.contracts import (
     ATTENTION_ATTR,
+    cp_problems_of,
     declared_components,
     set_attention_kernel,
     set_sequence_shard,
@@ -70,7 +71,9 @@ def apply_context_parallel(model: nn.Module, device_mesh: DeviceMesh) -> nn.Modu
     forge's Transformer and MoE transformer do. Refused, with the reason: a model made of
     components (a vision-language model), one without such attention modules (e.g. a Hugging
     Face model), a mesh without cp, a pipeline stage (the config check's words:
-    :func:`forge_cp.checks.cp_pipeline_problems`). A model whose ``config.max_seq_len`` is set
+    :func:`forge_cp.checks.cp_pipeline_problems`), a model with modules that cannot compute on
+    sequence shards (``forge_core.contracts.cp_problems_of``: forge's MoE with the capacity
+    dispatch). A model whose ``config.max_seq_len`` is set
     refuses longer sequences in one line (:class:`LoadBalancedShard`).
     """
     cp = axis_size(device_mesh, "cp")
@@ -80,7 +83,7 @@ def apply_context_parallel(model: nn.Module, device_mesh: DeviceMesh) -> nn.Modu
         )
     inner = unwrap(model)
     name = type(inner).__name__
-    refuse(cp_pipeline_problems(cp, axis_size(device_mesh, "pp")))
+    refuse(cp_pipeline_problems(cp, axis_size(device_mesh, "pp")) + cp_problems_of(inner, cp))
     if declared_components(inner):
         raise ForgeConfigError(
             f"context parallelism on {name}, a model made of components (vision-language), is "

@@ -50,6 +50,7 @@ from forge_kernels.permute import RoutingLayout, combine, permute, routing_layou
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
+from .checks import dispatch_cp_problems
 from .config import MoEModelConfig
 from .dispatch import capacity_layout, capacity_per_sequence
 
@@ -220,6 +221,11 @@ class MoE(nn.Module):
     forge_float8_skip = (
         "MoE experts run grouped GEMMs (not Float8Linear); router and shared expert stay with them"
     )
+
+    def forge_cp_problems(self, cp: int) -> list[str]:
+        """Why this layer cannot run on ``cp`` sequence shards (forge_core.contracts): the
+        capacity dispatch (:func:`forge_moe_ep.checks.dispatch_cp_problems`)."""
+        return dispatch_cp_problems(self.config.moe_dispatch, cp)
 
     def __init__(self, config: MoEModelConfig, layer_id: int = 0) -> None:
         super().__init__()
