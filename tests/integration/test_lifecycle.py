@@ -256,6 +256,18 @@ def test_sigterm_to_the_launcher_saves_and_ends_the_run_cleanly(tmp_path, runs):
     _stopped_cleanly(run, marker, "SIGTERM")
 
 
+@pytest.mark.lifecycle
+def test_sigterm_to_the_forkserver_saves_and_ends_the_run_cleanly(tmp_path, runs):
+    """The ranks' forkserver is a process of the run too: a signal that ends it ends the run
+    the clean way (before, its ranks, reparented, trained on)."""
+    marker = tmp_path / "slow-rank-0"
+    runs.append(run := _Run(tmp_path / "run", slow=marker))
+    run.wait_for_step(3)
+    (server,) = [p for p in _children(run.proc.pid) if b"forkserver" in _cmdline(p)]
+    os.kill(server, signal.SIGTERM)
+    _stopped_cleanly(run, marker, "SIGTERM")
+
+
 @pytest.fixture
 def full_disk(tmp_path):
     """A 1 MiB tmpfs (root: CI and the development machines run as root)."""

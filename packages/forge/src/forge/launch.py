@@ -135,41 +135,54 @@ def failure_line(failures: dict[int, Any], log_root: Path, run_id: str = "*") ->
 # ---- in the rank -------------------------------------------------------------------------------
 
 
-def _parent_pid(pid: int) -> int | None:
-    """The parent of process ``pid`` (from ``/proc``), None when it is gone."""
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """``(state, parent pid, start time)`` of process ``pid`` (from ``/proc``); None when it is
+    gone. The start time (clock ticks since boot) tells a process from a later one with its pid."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+            fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
     except OSError:
         return None
-    return int(stat.rsplit(b")", 1)[1].split()[1])  # after "pid (comm)": state, ppid
+    return fields[0].decode(), int(fields[1]), int(fields[19])
 
 
 def _die_with_launcher(launcher: int) -> None:
-    """SIGKILL this rank as soon as process ``launcher`` ends, however it ends (``kill -9``).
+    """End this rank with its launcher: SIGKILL as soon as process ``launcher`` ends, however it
+    ends (``kill -9``); SIGTERM (finish the step, save, return) when only the forkserver it was
+    started from ends (a signal to it), so that a signal to any process of a run ends it cleanly.
 
     NOTE: why not ``prctl(PR_SET_PDEATHSIG)``: it fires when the *parent* dies, and a rank's
-    parent is the forkserver, not the launcher. The forkserver outlives the launcher while any
-    rank lives: it stops at EOF of a pipe whose write end every rank holds. What is reliable is
-    that the forkserver is the launcher's child: its parent pid is the launcher's until the
-    launcher dies, then it becomes another (init or a subreaper), at once and for good. So the
-    check is immune to pid reuse, has no start-up race (checked once here, before anything runs),
-    and a thread repeats it every 0.25 s. Without ``/proc`` (not Linux) ranks are not watched.
+    parent is the forkserver, not the launcher. The launcher is recognised by its pid and its
+    start time, read once here (immune to pid reuse; no start-up race: checked before anything
+    runs, the launcher being alive while it starts ranks); a thread repeats the check every
+    0.25 s. Without ``/proc`` (not Linux) ranks are not watched.
     """
     server = os.getppid()
     if not os.path.isdir("/proc/self"):
         return
+    launcher_stat, server_stat = _stat(launcher), _stat(server)
+    if launcher_stat is None or server_stat is None or server_stat[1] != launcher:
+        os.kill(os.getpid(), signal.SIGKILL)  # the launcher ended before this rank began
+        return
+    born = launcher_stat[2]
 
     def launcher_alive() -> bool:
-        return _parent_pid(server) == launcher
+        stat = _stat(launcher)
+        return stat is not None and stat[0] != "Z" and stat[2] == born
+
+    def server_alive() -> bool:
+        stat = _stat(server)
+        return stat is not None and stat[0] != "Z"
 
     def watch() -> None:
+        stopping = False
         while launcher_alive():
+            if not stopping and not server_alive():
+                stopping = True  # NOTE: once: forge.train's stop flag takes it from here
+                os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.25)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if not launcher_alive():
-        os.kill(os.getpid(), signal.SIGKILL)
     threading.Thread(target=watch, name="forge-launcher-watch", daemon=True).start()
 
 
