@@ -53,6 +53,23 @@ def test_a_hang_times_out_with_a_message_and_the_pool_restarts(run_on_ranks):
     assert run_on_ranks(2, _rank_and_sum) == [(0, 3.0), (1, 3.0)]
 
 
+def _turn_onednn_off() -> bool:
+    torch.backends.mkldnn.enabled = False
+    return True
+
+
+def _onednn_enabled() -> bool:
+    return bool(torch.backends.mkldnn.enabled)
+
+
+def test_a_job_that_turns_onednn_off_leaves_it_on_for_the_next_job(run_on_ranks):
+    """Float8 jobs on CPU turn oneDNN off (forge_float8.use_torch_cpu_fp8_kernels); a later job
+    in the same reused rank process must not inherit it, success or failure."""
+    assert run_on_ranks(2, _onednn_enabled) == [True, True]
+    assert run_on_ranks(2, _turn_onednn_off) == [True, True]
+    assert run_on_ranks(2, _onednn_enabled) == [True, True]
+
+
 def test_workers_are_separate_processes(run_on_ranks):
     assert run_on_ranks(2, os.getpid) != [os.getpid()] * 2
 

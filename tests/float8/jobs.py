@@ -2,37 +2,17 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import ParamSpec, TypeVar
-
 import torch
 import torch.nn as nn
 from forge.build import build_parallel_model
 from forge_core import ModelConfig
 from forge_core.testing import StepRecord, train_steps
 from forge_core.training import synthetic_tokens
+from forge_float8 import use_torch_cpu_fp8_kernels
 from forge_mesh import build_device_mesh
 from forge_moe_ep.config import MoEModelConfig
 
-P = ParamSpec("P")
-R = TypeVar("R")
 STEPS, BATCH, SEQ = 10, 8, 32
-
-
-def _without_onednn(job: Callable[P, R]) -> Callable[P, R]:
-    """Run ``job`` with oneDNN off. NOTE: on CPUs with AMX but no native fp8 (this project's
-    CI machines), torch's CPU ``_scaled_mm`` goes to oneDNN, which picks its reference kernel
-    (``ref:any``): a 256x256x256 fp8 product took 0.30 s there against 0.65 ms on torch's own
-    CPU path (measured 2026-11-27), so these jobs took 15 minutes. Both runs of a comparison
-    (bf16 and Float8) sit inside the same setting; a GPU never reads it."""
-
-    @functools.wraps(job)
-    def run(*args: P.args, **kwargs: P.kwargs) -> R:
-        with torch.backends.mkldnn.flags(enabled=False):
-            return job(*args, **kwargs)
-
-    return run
 
 
 def train(
@@ -58,9 +38,9 @@ def train(
     return train_steps(model, tokens, mesh=mesh, lr=1e-3, device="cpu")
 
 
-@_without_onednn
 def fp8_and_bf16(layout: dict, preset: str = "debug", **plan: object) -> dict[str, list[float]]:
     """Loss curves of the same layout in bf16 and Float8, and Float8 on one device."""
+    use_torch_cpu_fp8_kernels()  # the rank pool restores it after the job
     report: list[str] = []
     sp = {k: v for k, v in plan.items() if k == "sequence_parallel"}
     return {
@@ -76,9 +56,9 @@ def fp8_and_bf16(layout: dict, preset: str = "debug", **plan: object) -> dict[st
     }
 
 
-@_without_onednn
 def all_gather_on_off_and_hook() -> dict[str, object]:
     """fp8 all-gather on vs off under FSDP2, and whether the scale precompute ran."""
+    use_torch_cpu_fp8_kernels()  # the rank pool restores it after the job
     from forge_core.contracts import attach_optimizer_hooks
     from torchao.float8.float8_linear import Float8Linear
 

@@ -94,6 +94,20 @@ def test_fsdp_fp8_all_gather_with_tp_is_refused_at_the_api(run_on_ranks):
     assert "gloo cannot all-gather float8" in gloo
 
 
+def test_cpu_fp8_kernels_turn_onednn_off_and_return_the_previous_setting():
+    import torch
+    from forge_float8 import use_torch_cpu_fp8_kernels
+
+    before = torch.backends.mkldnn.enabled
+    try:
+        torch.backends.mkldnn.enabled = True
+        assert use_torch_cpu_fp8_kernels() is True
+        assert torch.backends.mkldnn.enabled is False
+        assert use_torch_cpu_fp8_kernels() is False
+    finally:
+        torch.backends.mkldnn.enabled = before
+
+
 def test_float8_after_ac_is_refused():
     model = moe_transformer(ModelConfig.preset("debug"))
     apply_ac(model, "full")

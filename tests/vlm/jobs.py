@@ -156,7 +156,9 @@ def encoder_mlp_only(model, ctx) -> dict:
 
 def fp8_and_bf16_vlm(layout: dict, steps: int = 10) -> dict[str, Any]:
     """Loss curves of the VLM in bf16 and with a Float8 decoder, and the Float8 report."""
-    from forge_float8 import float8_report
+    from forge_float8 import float8_report, use_torch_cpu_fp8_kernels
+
+    use_torch_cpu_fp8_kernels()  # the rank pool restores it after the job
 
     cfg = vlm_config()
     mesh = build_device_mesh(layout, "cpu")

@@ -6,6 +6,8 @@
   fp8 all-gather.
 - :func:`float8_report` / :class:`Float8Report`: what was converted, what was skipped and why.
 - :class:`Float8Config` (``[float8]``) and ``FLOAT8_RECIPES``: the settings, checked as built
+- :func:`use_torch_cpu_fp8_kernels`: CPU fp8 GEMMs on torch's own kernel, not oneDNN's slow
+  reference one (:mod:`forge_float8.cpu`).
 - :func:`check_float8` / :func:`check_torchao`: the pre-launch checks (settings that cannot
   work together; torchao importable here), in :mod:`forge_float8.checks` (no torch import).
 
@@ -26,12 +28,14 @@ _EXPORTS = {
     "check_torchao": "checks",
     "FLOAT8_RECIPES": "config",
     "Float8Config": "config",
+    "use_torch_cpu_fp8_kernels": "cpu",
 }
 
 if TYPE_CHECKING:
     from .checks import check_float8, check_torchao
     from .config import FLOAT8_RECIPES, Float8Config
     from .convert import RECIPES, Float8Report, apply_float8, float8_report
+    from .cpu import use_torch_cpu_fp8_kernels
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
@@ -46,4 +50,5 @@ __all__ = [
     "check_float8",
     "check_torchao",
     "float8_report",
+    "use_torch_cpu_fp8_kernels",
 ]

@@ -27,7 +27,7 @@ from forge_core.stages import unwrap
 from forge_core.testing import compare_runs, train_steps
 from forge_core.torch_compat import inductor_cache_dir
 from forge_core.training import forward_backward, local_batch, synthetic_tokens
-from forge_float8 import float8_report
+from forge_float8 import float8_report, use_torch_cpu_fp8_kernels
 from forge_mesh import build_device_mesh, init_distributed, mesh_layout
 from forge_moe_ep import moe_metrics
 from forge_pp import pipeline_stages
@@ -201,6 +201,8 @@ def setup_rank(
     check_config(cfg, world_size)
     if device_type == "cpu" and "LOCAL_WORLD_SIZE" in os.environ:  # local ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    if device_type == "cpu" and cfg.float8.enabled:
+        use_torch_cpu_fp8_kernels()  # oneDNN's CPU fp8 GEMM is a slow reference kernel here
     init_distributed(device_type)
     rank = dist.get_rank()
     if cfg.training.compile and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:

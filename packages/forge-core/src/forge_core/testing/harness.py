@@ -43,11 +43,14 @@ def _worker(
         if task is None:
             break
         task_id, fn, args, kwargs = task
+        onednn = torch.backends.mkldnn.enabled
         try:
             out = fn(*args, **kwargs)
             results.put((task_id, rank, True, out))
         except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt
             results.put((task_id, rank, False, traceback.format_exc()))
+        finally:  # a job may turn oneDNN off (Float8 on CPU); the next job gets it back
+            torch.backends.mkldnn.enabled = onednn
     dist.destroy_process_group()
 
 
