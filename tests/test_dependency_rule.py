@@ -70,32 +70,11 @@ def test_there_are_layers_to_check():
     } <= set(LAYERS)
 
 
-#: The one import of the forge package from a layer: forge_core.load_config, the contract's old
-#: name of forge.config.load_config (composing every layer's section is forge's work), imports it
-#: when called, inside that function only.
-COMPAT_IMPORTS = {("forge-core", "forge_core/config.py", "load_config", "forge.config")}
-
-
-def _imports_outside_compat(dist: str, path: Path) -> list[ast.AST]:
-    """The import statements of ``path``, less those COMPAT_IMPORTS allows."""
-    tree = ast.parse(path.read_text())
-    where = path.relative_to(DIST_DIRS[dist] / "src").as_posix()
-    allowed = {
-        id(node)
-        for fn in ast.walk(tree)
-        if isinstance(fn, ast.FunctionDef)
-        for node in ast.walk(fn)
-        if isinstance(node, ast.ImportFrom)
-        and (dist, where, fn.name, node.module) in COMPAT_IMPORTS
-    }
-    return [node for node in ast.walk(tree) if id(node) not in allowed]
-
-
 @pytest.mark.parametrize("dist", LAYERS)
 def test_layer_sources_import_only_forge_core(dist):
     allowed = _allowed(dist)
     for path in (DIST_DIRS[dist] / "src").rglob("*.py"):
-        for node in _imports_outside_compat(dist, path):
+        for node in ast.walk(ast.parse(path.read_text())):
             names = (
                 [a.name for a in node.names]
                 if isinstance(node, ast.Import)

@@ -64,8 +64,8 @@ def _overrides(base: list[str], tp: int, world: int) -> list[str]:
 
 def _child(label: str, sizes: list[int], reps: int) -> dict[str, Any]:
     """Runs in a fresh interpreter: time plan_layout for one layout at every size."""
+    from forge import load_config
     from forge.plan import plan_layout
-    from forge_core import load_config
 
     base, tp = LAYOUTS[label]
     out: dict[str, Any] = {"sizes": {}}

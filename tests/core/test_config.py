@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-from forge_core import ForgeConfigError, ModelConfig, ParallelismConfig, load_config
+from forge import load_config
+from forge_core import ForgeConfigError, ModelConfig, ParallelismConfig
 from forge_moe_ep.config import MoEModelConfig
 
 

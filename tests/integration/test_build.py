@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from forge import load_config
 from forge.build import build_parallel_model
 from forge.cli import main
 from forge.job import run_build
-from forge_core import ForgeConfigError, ModelConfig, applied_stages, load_config
+from forge_core import ForgeConfigError, ModelConfig, applied_stages
 from forge_mesh import build_device_mesh
 from forge_vlm import VLMConfig
 

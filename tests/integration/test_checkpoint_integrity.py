@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from forge import load_config
 from forge.cli import EXIT_CONFIG, EXIT_DAMAGED, _checked_resume, _failure_line, main
 from forge.export import export_checkpoint
 from forge.train import run_train
@@ -32,7 +33,7 @@ from forge_checkpoint.files import (
     write_manifest,
 )
 from forge_checkpoint.lock import rank_lock, run_lock
-from forge_core import ForgeConfigError, load_config
+from forge_core import ForgeConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 FORGE = [sys.executable, "-m", "forge.cli"]

@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from forge import load_config
 from forge.build import ParallelPlan, build_meta_model, build_parallel_model, check_float8
 from forge.hf_patches import (
     is_hf_model,
@@ -31,7 +32,7 @@ from forge.hf_patches import (
     restore_packed_sequence_check,
     skip_packed_sequence_check,
 )
-from forge_core import ForgeConfigError, applied_stages, count_host_syncs, load_config
+from forge_core import ForgeConfigError, applied_stages, count_host_syncs
 from forge_core.testing import run_parity
 from forge_float8 import Float8Config
 from forge_mesh import build_device_mesh

@@ -25,10 +25,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from forge import load_config
 from forge.build import ParallelPlan, build_parallel_model
 from forge.job import _param_bytes
 from forge.plan import build_on_meta, estimate_activations, plan_layout, run_plan
-from forge_core import ForgeConfigError, load_config
+from forge_core import ForgeConfigError
 from forge_core.contracts import sequence_shard
 from forge_core.stages import unwrap
 from forge_core.training import local_batch

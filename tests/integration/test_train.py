@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from forge import load_config
 from forge.data import SyntheticData, TokenFile
 from forge.export import export_checkpoint
 from forge.optim import clip_grad_norm_, warmup_cosine
@@ -35,7 +36,7 @@ from forge.train import (
 from forge_checkpoint.dcp import SafeFileSystemReader, load_model_weights
 from forge_checkpoint.export import from_hf_llama, hf_llama_config, load_safetensors
 from forge_checkpoint.files import find_latest, latest_intact, read_train_state
-from forge_core import ForgeConfigError, ModelConfig, Transformer, load_config
+from forge_core import ForgeConfigError, ModelConfig, Transformer
 from forge_core.training import forward_backward
 
 ROOT = Path(__file__).resolve().parents[2]

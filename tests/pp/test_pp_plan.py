@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from forge import load_config
 from forge.build import ParallelPlan, model_from_config
 from forge.job import _param_bytes
 from forge.plan import (
@@ -33,7 +34,6 @@ from forge.plan import (
     plan_layout,
     run_plan,
 )
-from forge_core import load_config
 from forge_core.training import forward_backward, local_batch
 from forge_mesh import build_device_mesh
 from forge_pp import (

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from forge import load_config
 from forge.build import build_parallel_model
-from forge_core import load_config
 from forge_core.stages import applied_stages, unwrap
 from forge_core.testing import compare_runs, train_steps
 from forge_core.training import local_batch

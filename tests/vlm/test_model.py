@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 import torch
-from forge_core import ForgeConfigError, load_config
+from forge import load_config
+from forge_core import ForgeConfigError
 from forge_core.model import insert_embeddings
 from forge_core.stages import check_stage
 from forge_core.testing import train_steps

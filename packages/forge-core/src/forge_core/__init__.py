@@ -1,8 +1,7 @@
 """forge_core: what every forge layer shares.
 
 - configs every layer needs: :class:`ParallelismConfig` (the layout), :class:`ModelConfig` (the
-  reference model); :func:`load_config` is ``forge.load_config`` under its old name (each
-  layer owns its own config section; the forge package composes them)
+  reference model) (each layer owns its own config section; ``forge.load_config`` composes them)
 - errors: :class:`ForgeConfigError`
 - the stage-order contract (:mod:`forge_core.stages`)
 - mesh-axis helpers (:mod:`forge_core.mesh_dims`)
@@ -26,7 +25,6 @@ from .lazy import lazy_exports
 # before it imports torch (seconds) to start ranks.
 _EXPORTS = {
     "ParallelismConfig": "config",
-    "load_config": "config",
     "attach_optimizer_hooks": "contracts",
     "pop_aux_losses": "contracts",
     "ForgeConfigError": "errors",
@@ -55,7 +53,7 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from .config import ParallelismConfig, load_config
+    from .config import ParallelismConfig
     from .contracts import attach_optimizer_hooks, pop_aux_losses
     from .errors import ForgeConfigError
     from .mesh_dims import (
@@ -102,7 +100,6 @@ __all__ = [
     "get_tp_mesh",
     "has_axis",
     "has_dp_mesh",
-    "load_config",
     "no_host_sync",
     "pop_aux_losses",
     "record_stage",

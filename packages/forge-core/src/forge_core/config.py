@@ -6,20 +6,19 @@ integers (no torch import): it runs before any process group exists, so a bad la
 with a message that names the field, the value and the fix.
 
 A whole job's config (every layer's section) is composed by the ``forge`` package
-(``forge.config.load_config``); :func:`load_config` here is that function under its old name.
+(``forge.load_config``), not here: forge_core imports no other forge package.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
 from typing import Any
 
 from .errors import MAX_RANKS, ForgeConfigError, check_field_types, check_int, did_you_mean
 
-__all__ = ["DATA_MODES", "ParallelismConfig", "load_config"]
+__all__ = ["DATA_MODES", "ParallelismConfig"]
 
 DATA_MODES = ("fsdp2", "ddp", "none")
 _AXIS_FIELDS = ("dp_replicate", "dp_shard", "cp", "tp", "ep", "pp", "domain")
@@ -188,24 +187,3 @@ class ParallelismConfig:
                 f"{[d for d in range(1, pool + 1) if pool % d == 0]}"
             )
         return resolved
-
-
-def load_config(
-    path_or_dict: str | Path | Mapping[str, Any] | None = None, overrides: Iterable[str] = ()
-) -> Any:
-    """``forge.config.load_config``: a job's whole config (a ``forge.config.ForgeConfig``), every
-    layer's section composed.
-
-    NOTE: kept here under its old name, the public contract of forge_core; composing the layers'
-    sections is the forge package's work, so this needs forge installed and imports it when
-    called (the one import of forge in forge_core, allowed by name in
-    tests/test_dependency_rule.py). Nothing in the layers calls it.
-    """
-    try:
-        from forge.config import load_config as load
-    except ImportError as e:
-        raise ImportError(
-            "load_config composes every forge layer's config section and lives in the forge "
-            f"package (forge.config.load_config), which does not import here ({e}); install forge"
-        ) from None
-    return load(path_or_dict, overrides)
