@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -261,3 +262,23 @@ def test_forge_build_default_prints_a_passing_report():
     assert "tp grads: every parameter replicated over tp has the same gradient" in out
     assert "r3 123,520 B (29%)" in out
     assert out.count("\n   ") >= 5 and "PASS: parallel run matches the single-device model" in out
+    assert _shown_in_docs_cli() == _stable_lines(out)
+
+
+def _stable_lines(report: str) -> list[str]:
+    """A report's lines less those that vary by machine and torch version: the step rows
+    (float rounding) and the timings."""
+    return [
+        line
+        for line in report.splitlines()
+        if not re.match(r"\s+\d+\s", line) and "time" not in line
+    ]
+
+
+def _shown_in_docs_cli() -> list[str]:
+    """The ``forge build`` report that docs/cli.md shows (its first fenced block that starts
+    with the report's header), less the lines :func:`_stable_lines` leaves out."""
+    text = (ROOT / "docs" / "cli.md").read_text()
+    block = re.search(r"```\n(forge build: .*?)```", text, re.S)
+    assert block is not None, "docs/cli.md shows no forge build report"
+    return _stable_lines(block.group(1))
