@@ -433,6 +433,17 @@ def tiny_config(model_type: str, *, moe: bool = False) -> Any:
     for layers_key in ("num_hidden_layers", "n_layer", "num_layers"):
         if layers_key in kwargs:
             kwargs[layers_key] = len(keep)
+    _cut_per_layer(values, keep, kwargs)
+    if "qk_rope_head_dim" in values:
+        # MLA: head_dim (the RoPE width) and qk_head_dim are derived from the MLA dims
+        kwargs.pop("head_dim", None)
+    _quiet(values, has, kwargs)
+    kwargs.update(FAMILY_OVERRIDES.get(model_type, {}))
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def _cut_per_layer(values: dict[str, Any], keep: list[int], kwargs: dict[str, Any]) -> None:
+    """The config's other per-layer entries cut to the ``keep`` layers (into ``kwargs``)."""
     n_default = values.get("num_hidden_layers")
     if isinstance(n_default, int):
         for name, value in values.items():  # the other lists with one entry per layer
@@ -451,9 +462,11 @@ def tiny_config(model_type: str, *, moe: bool = False) -> Any:
             for key in per_layer
             if int(key) == old
         }
-    if "qk_rope_head_dim" in values:
-        # MLA: head_dim (the RoPE width) and qk_head_dim are derived from the MLA dims
-        kwargs.pop("head_dim", None)
+
+
+def _quiet(values: dict[str, Any], has: Callable[[str], bool], kwargs: dict[str, Any]) -> None:
+    """Deterministic and small (into ``kwargs``): a tiny sliding window, dropout 0, no KV
+    cache, special token ids inside the tiny vocabulary."""
     if values.get("sliding_window") is not None:
         kwargs["sliding_window"] = TINY_SLIDING_WINDOW
     for name, value in values.items():
@@ -464,8 +477,6 @@ def tiny_config(model_type: str, *, moe: bool = False) -> Any:
     for name, token in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
         if values.get(name) is not None:
             kwargs[name] = token
-    kwargs.update(FAMILY_OVERRIDES.get(model_type, {}))
-    return AutoConfig.for_model(model_type, **kwargs)
 
 
 def _moe_sizes(values: dict[str, Any], has: Callable[[str], bool]) -> dict[str, Any]:

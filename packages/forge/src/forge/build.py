@@ -27,7 +27,7 @@ From a config (what ``forge build`` does, for a model you already have)::
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -408,69 +408,22 @@ class ParallelPlan:
     def _parallelize_one(
         self, model: nn.Module, *, device: torch.device | str | None, seed: int | None
     ) -> nn.Module:
-        if device is not None and not any(
-            t.is_meta for t in (*model.parameters(), *model.buffers())
-        ):
-            raise ForgeConfigError(
-                f"parallelize(device={str(device)!r}) materializes a model on the meta device from "
-                f"a seed, but this {type(model).__name__} already holds its values (they would be "
-                "re-initialized); call parallelize(model) without device, after moving the model "
-                "to its device"
-            )
+        """The stages in forge's order on one model (or one pipeline stage's module)."""
+        if device is not None:
+            _refuse_materialized(model, device)
         self._skip_packed_sequence_check(model)
         mesh = self.device_mesh
-        if is_hf_model(model) and max(axis_size(mesh, "tp"), axis_size(mesh, "ep")) > 1:
-            # NOTE: before TP: Hugging Face MoE blocks cannot run sharded under forge (their
-            # plans' expert styles are transformers' own); forge's MoE runs whole on each tp
-            # rank and shards its experts over ep. forge_moe_ep.hf.restore_hf_moe undoes it.
-            converted = convert_hf_moe(model)
-            if converted:
-                logger.info("Hugging Face MoE blocks converted to forge's MoE: %s", converted)
-        hf = is_hf_pretrained(model)  # the whole model is transformers' (not just a part)
-        if hf:
-            _declare_hf_vlm_components(model)
+        hf = _prepare_hf(model, mesh)
         parts = dict(model_components(model))
-        decoder, encoder = parts.get("decoder", model), parts.get("encoder")
-        encoder_tp = self.vlm is not None and self.vlm.encoder_tp
-        if encoder_tp and encoder is None and "encoder" not in declared_components(model):
-            raise ForgeConfigError(
-                f"encoder_tp=True but {type(model).__name__} has no encoder component"
-            )
+        decoder = parts.get("decoder", model)
         if axis_size(mesh, "tp") > 1:
-            assert mesh is not None  # a tp axis of size > 1 implies a mesh
-            apply_tensor_parallel(
-                # NOTE: a Hugging Face VLM's plan is written for the whole model (it names
-                # model.language_model.* and lm_head, which lies outside the language model).
-                model if hf else decoder,
-                mesh,
-                plan=self.tp_plan,
-                sequence_parallel=self.sequence_parallel,
-                loss_parallel=self.loss_parallel,
-                allow_import=self.allow_plan_import,
-            )
-            if encoder_tp and encoder is not None:
-                assert self.vlm is not None
-                encoder_config = getattr(encoder, "config", None)
-                if isinstance(encoder_config, VisionEncoderConfig):
-                    check_encoder_tp(encoder_config, axis_size(mesh, "tp"))
-                apply_tensor_parallel(
-                    encoder,
-                    mesh,
-                    plan=self.vlm.encoder_tp_plan,
-                    sequence_parallel=False,
-                    allow_import=self.allow_plan_import,
-                )
+            self._tensor_parallel(model, hf, decoder, parts.get("encoder"))
+        elif self._encoder_tp:
+            self._encoder_tp_problem(model, parts.get("encoder"))
         if axis_size(mesh, "cp") > 1:
             assert mesh is not None  # a cp axis of size > 1 implies a mesh
             apply_context_parallel(model, mesh)
-        if mesh is not None and any(isinstance(m, MoE) for m in decoder.modules()):
-            apply_expert_parallel(decoder, mesh)
-        elif axis_size(mesh, "ep") > 1:
-            raise ForgeConfigError(
-                "the mesh has an ep axis but the model has no forge_moe_ep.MoE layer; set "
-                "parallelism.ep=1 or use an MoE model (model.moe_every > 0, or a Hugging Face "
-                f"model with MoE blocks forge converts: {', '.join(sorted(HF_MOE_BLOCKS))})"
-            )
+        _expert_parallel(decoder, mesh)
         if self.float8.enabled:  # a VLM's decoder; its encoder and adapter stay in high precision
             apply_float8(
                 decoder,
@@ -498,19 +451,66 @@ class ParallelPlan:
                 shard_frozen=None if self.vlm is None else self.vlm.shard_frozen_flag,
             )
         if device is not None:
-            # NOTE: with CPU offload the sharded parameters live on the CPU (FSDP2 copies them to
-            # the device per unit); buffers are not managed by FSDP2 and must be on the device.
-            param_device = "cpu" if self.cpu_offload and self.data == "fsdp2" else device
-            materialize(model, device, seed or 0, param_device=param_device)
-            for part in parts.values():  # a component left out of FSDP2 computes on the device
-                if param_device != device and not isinstance(part, FSDPModule):
-                    part.to(device)
+            self._materialize(model, parts.values(), device, seed or 0)
         if self.data in ("ddp", "none") and self.param_dtype != torch.float32:
             enable_autocast(model, self.param_dtype)
         if self.data == "ddp":
             assert mesh is not None  # data='ddp' has a DP axis (__post_init__)
             return apply_ddp(model, mesh)
         return model
+
+    @property
+    def _encoder_tp(self) -> bool:
+        return self.vlm is not None and self.vlm.encoder_tp
+
+    def _encoder_tp_problem(self, model: nn.Module, encoder: nn.Module | None) -> None:
+        if encoder is None and "encoder" not in declared_components(model):
+            raise ForgeConfigError(
+                f"encoder_tp=True but {type(model).__name__} has no encoder component"
+            )
+
+    def _tensor_parallel(
+        self, model: nn.Module, hf: bool, decoder: nn.Module, encoder: nn.Module | None
+    ) -> None:
+        """TP on the decoder (a Hugging Face model: on the whole model) and, when asked, on the
+        VLM's encoder with its own plan."""
+        mesh = self.device_mesh
+        assert mesh is not None  # a tp axis of size > 1 implies a mesh
+        if self._encoder_tp:
+            self._encoder_tp_problem(model, encoder)
+        apply_tensor_parallel(
+            # NOTE: a Hugging Face VLM's plan is written for the whole model (it names
+            # model.language_model.* and lm_head, which lies outside the language model).
+            model if hf else decoder,
+            mesh,
+            plan=self.tp_plan,
+            sequence_parallel=self.sequence_parallel,
+            loss_parallel=self.loss_parallel,
+            allow_import=self.allow_plan_import,
+        )
+        if self._encoder_tp and encoder is not None:
+            assert self.vlm is not None
+            encoder_config = getattr(encoder, "config", None)
+            if isinstance(encoder_config, VisionEncoderConfig):
+                check_encoder_tp(encoder_config, axis_size(mesh, "tp"))
+            apply_tensor_parallel(
+                encoder,
+                mesh,
+                plan=self.vlm.encoder_tp_plan,
+                sequence_parallel=False,
+                allow_import=self.allow_plan_import,
+            )
+
+    def _materialize(
+        self, model: nn.Module, parts: Iterable[nn.Module], device: torch.device | str, seed: int
+    ) -> None:
+        # NOTE: with CPU offload the sharded parameters live on the CPU (FSDP2 copies them to
+        # the device per unit); buffers are not managed by FSDP2 and must be on the device.
+        param_device = "cpu" if self.cpu_offload and self.data == "fsdp2" else device
+        materialize(model, device, seed, param_device=param_device)
+        for part in parts:  # a component left out of FSDP2 computes on the device
+            if param_device != device and not isinstance(part, FSDPModule):
+                part.to(device)
 
     def maybe_compile(self, model: nn.Module) -> nn.Module:
         """Whole-model ``torch.compile`` after sharding, when the plan asks for it; returns the model.
@@ -779,3 +779,43 @@ def model_from_config(cfg: ForgeConfig) -> nn.Module:
     if cfg.is_vlm:
         return build_meta_model(cfg.model, *cfg.vlm_sections())
     return build_meta_model(cfg.model)
+
+
+def _refuse_materialized(model: nn.Module, device: torch.device | str) -> None:
+    """``parallelize(device=...)`` initialises a meta model from the seed; refuse a model that
+    already holds values (they would be silently re-initialised)."""
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        raise ForgeConfigError(
+            f"parallelize(device={str(device)!r}) materializes a model on the meta device from "
+            f"a seed, but this {type(model).__name__} already holds its values (they would be "
+            "re-initialized); call parallelize(model) without device, after moving the model "
+            "to its device"
+        )
+
+
+def _prepare_hf(model: nn.Module, mesh: DeviceMesh | None) -> bool:
+    """A Hugging Face model's preparation before the stages; whether the whole model is
+    transformers' (not just a part)."""
+    if is_hf_model(model) and max(axis_size(mesh, "tp"), axis_size(mesh, "ep")) > 1:
+        # NOTE: before TP: Hugging Face MoE blocks cannot run sharded under forge (their
+        # plans' expert styles are transformers' own); forge's MoE runs whole on each tp
+        # rank and shards its experts over ep. forge_moe_ep.hf.restore_hf_moe undoes it.
+        converted = convert_hf_moe(model)
+        if converted:
+            logger.info("Hugging Face MoE blocks converted to forge's MoE: %s", converted)
+    hf = is_hf_pretrained(model)
+    if hf:
+        _declare_hf_vlm_components(model)
+    return hf
+
+
+def _expert_parallel(decoder: nn.Module, mesh: DeviceMesh | None) -> None:
+    """EP on the decoder's MoE layers; an ep axis without one is refused."""
+    if mesh is not None and any(isinstance(m, MoE) for m in decoder.modules()):
+        apply_expert_parallel(decoder, mesh)
+    elif axis_size(mesh, "ep") > 1:
+        raise ForgeConfigError(
+            "the mesh has an ep axis but the model has no forge_moe_ep.MoE layer; set "
+            "parallelism.ep=1 or use an MoE model (model.moe_every > 0, or a Hugging Face "
+            f"model with MoE blocks forge converts: {', '.join(sorted(HF_MOE_BLOCKS))})"
+        )

@@ -74,7 +74,7 @@ from forge_mesh.per_rank import (
 )
 from forge_pp import PipelineSplit, bubble_fraction, pipeline_actions, replay_peak
 from forge_pp.split import balanced_blocks, stage_indices
-from forge_tp_plans import applied_tp_plan
+from forge_tp_plans import AppliedPlan, applied_tp_plan
 from forge_vlm import ac_components, num_image_tokens
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -613,26 +613,75 @@ def _pipeline_share(pipe: PipelinePlan, r: int) -> _Share:
     )
 
 
+class _Tally:
+    """Collectives of one step counted by (phase, kind, group, group size, bytes, what)."""
+
+    def __init__(self, par: ParallelismConfig) -> None:
+        self.sizes = {"tp": par.tp, "ep": par.ep, "dp": par.dp_degree}
+        self.sizes |= {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard}
+        self.sizes |= {"pp": par.pp, "cp": par.cp, "dp_cp": par.dp_degree * par.cp}
+        self.counts: dict[tuple[str, str, str, int, int, str], int] = {}
+
+    def add(self, op: str, group: str, nbytes: int, n: int, what: str, size: int = 0) -> None:
+        """``n`` calls of ``op`` ("phase kind") moving ``nbytes`` each on ``group`` (of
+        ``size`` ranks, the axis size unless given); nothing on a group of one rank."""
+        size = size or self.sizes[group]
+        if size > 1 and n > 0:
+            phase, kind = op.split()
+            key = (phase, kind, group, size, nbytes, what)
+            self.counts[key] = self.counts.get(key, 0) + n
+
+    def table(self) -> list[Collective]:
+        """The rows in step order (forward, backward, step), then by group and purpose."""
+        order = {"forward": 0, "backward": 1, "step": 2}
+        ranked = sorted(self.counts.items(), key=lambda kv: (order[kv[0][0]], kv[0][2], kv[0][5]))
+        return [
+            Collective(phase, kind, group, size, nbytes, count=n, what=what)
+            for (phase, kind, group, size, nbytes, what), n in ranked
+        ]
+
+
 def _collectives(
     cfg: ForgeConfig, layout: Layout, modules: Sequence[nn.Module], share: _Share
 ) -> list[Collective]:
     """Every collective of one training step on a rank holding ``modules`` (a model, or a
     pipeline rank's stage modules) and running ``share``; the rank's view where its group's
     ranks differ (rank 0's without pp, each pipeline rank's with it)."""
-    m, tr, par, data = cfg.model, cfg.training, layout.parallelism, layout.data
+    m, tr, par = cfg.model, cfg.training, layout.parallelism
     e, b, s, acc = _itemsize(cfg), share.micro_batch, tr.seq_len // par.cp, share.passes
-    sizes = {"tp": par.tp, "ep": par.ep, "dp": par.dp_degree, "dp_replicate": par.dp_replicate}
-    sizes["dp_shard"], sizes["pp"], sizes["cp"] = par.dp_shard, par.pp, par.cp
-    sizes["dp_cp"] = par.dp_degree * par.cp
-    counts: dict[tuple[str, str, str, int, int, str], int] = {}
+    tally = _Tally(par)
+    _fsdp_collectives(tally, modules, share, e)
+    params = unique_params(modules)
+    if layout.data == "ddp":
+        total = sum(p.numel() * 4 for p in params if p.requires_grad)
+        for i in range(math.ceil(total / _DDP_BUCKET)):
+            nbytes = min(_DDP_BUCKET, total - i * _DDP_BUCKET)
+            tally.add("backward all_reduce", "dp_replicate", nbytes, 1, "DDP gradient bucket")
+    top = unwrap(modules[0])
+    applied = applied_tp_plan(getattr(top, "decoder", top))
+    # AC full recomputes each block's forward up to its last saved tensor (w2's input / the MoE
+    # combine): the attention's collectives again, the FFN's output reduction not. (Selective
+    # and op AC are counted as none.)
+    ac = int(tr.ac_mode == "full" and "decoder" in _checkpointed(cfg))
+    moe_blocks = sum(m.is_moe_layer(i) for i in share.blocks)
+    if par.tp > 1 and applied is not None:
+        _tp_collectives(tally, cfg, share, applied, ac, moe_blocks, b * s, e)
+    if par.cp > 1:  # each attention gathers k and v of the whole sequence (its local heads)
+        kv = 2 * b * tr.seq_len * (m.n_kv_heads or m.n_heads) * m.head_dim // par.tp * e
+        calls = len(share.blocks) * acc
+        tally.add("forward all_gather", "cp", kv, calls * (1 + ac), "CP: keys and values")
+        tally.add("backward reduce_scatter", "cp", kv, calls, "CP: their gradients")
+    if par.ep > 1 and moe_blocks:
+        _ep_collectives(tally, cfg, moe_blocks * acc, _routed_rows(cfg, b, s) * m.dim * e, ac)
+    _step_collectives(tally, cfg, par, params, moe_blocks)
+    if share.pipelined:
+        _pp_collectives(tally, share, b * s * m.dim * e)
+    return tally.table()
 
-    def add(op: str, group: str, nbytes: int, n: int, what: str, size: int = 0) -> None:
-        size = size or sizes[group]
-        if size > 1 and n > 0:
-            phase, kind = op.split()
-            key = (phase, kind, group, size, nbytes, what)
-            counts[key] = counts.get(key, 0) + n
 
+def _fsdp_collectives(tally: _Tally, modules: Sequence[nn.Module], share: _Share, e: int) -> None:
+    """Each FSDP2 unit's all-gathers, reduce-scatters and HSDP all-reduces."""
+    acc = share.passes
     # NOTE: torch leaves named_modules' return type unannotated (Any); typed here for the checker
     named: list[tuple[str, nn.Module]] = [nu for module in modules for nu in module.named_modules()]
     for name, unit in named:
@@ -649,81 +698,90 @@ def _collectives(
             # last backward (reshard_after_forward=False; torch's stage turns reshard after
             # backward off until the step's gradient reduction): one all-gather per step.
             gathers = 1 if share.pipelined and post is None else acc
-            add("forward all_gather", axis, numel * n * e, gathers, what + " params", n)
+            tally.add("forward all_gather", axis, numel * n * e, gathers, what + " params", n)
             # FSDP2 keeps the root's parameters after forward only when its reshard_after_forward
             # was left unset (forge sets it); every other resharded unit is gathered again.
             if post is not None and (name or not fsdp_reshards_root_after_forward(unit)):
-                regather = what + " params again"
-                add("backward all_gather", axis, numel * n * e, acc, regather, post.shard_mesh_size)
-            add("backward reduce_scatter", axis, grads * n * 4, int(grads > 0), what + " grads", n)
+                again, size = what + " params again", post.shard_mesh_size
+                tally.add("backward all_gather", axis, numel * n * e, acc, again, size)
+            tally.add(
+                "backward reduce_scatter", axis, grads * n * 4, int(grads > 0), what + " grads", n
+            )
             if hasattr(info, "replicate_mesh_size"):
                 rep, size = info.mesh.mesh_dim_names[0], info.replicate_mesh_size
-                add("backward all_reduce", rep, grads * 4, int(grads > 0), what + " (HSDP)", size)
-    params = unique_params(modules)
-    if data == "ddp":
-        total = sum(p.numel() * 4 for p in params if p.requires_grad)
-        for i in range(math.ceil(total / _DDP_BUCKET)):
-            nbytes = min(_DDP_BUCKET, total - i * _DDP_BUCKET)
-            add("backward all_reduce", "dp_replicate", nbytes, 1, "DDP gradient bucket")
-    top = unwrap(modules[0])
-    applied = applied_tp_plan(getattr(top, "decoder", top))
-    # AC full recomputes each block's forward up to its last saved tensor (w2's input / the MoE
-    # combine): the attention's collectives again, the FFN's output reduction not. (Selective
-    # and op AC are counted as none.)
-    ac = tr.ac_mode == "full" and "decoder" in _checkpointed(cfg)
-    moe_blocks = sum(m.is_moe_layer(i) for i in share.blocks)
+                tally.add(
+                    "backward all_reduce", rep, grads * 4, int(grads > 0), what + " (HSDP)", size
+                )
+
+
+def _tp_collectives(
+    tally: _Tally,
+    cfg: ForgeConfig,
+    share: _Share,
+    applied: AppliedPlan,
+    ac: int,
+    moe_blocks: int,
+    tokens: int,
+    e: int,
+) -> None:
+    """TP's and SP's activation collectives and the head's (``tokens``: one micro-batch's
+    tokens on this rank, batch x local sequence; ``e``: bytes per activation element)."""
+    m, acc = cfg.model, share.passes
     head = acc if share.head else 0  # the final norm + head's passes (the last stage's)
-    if par.tp > 1 and applied is not None:
-        act, blocks = b * s * m.dim * e, len(share.blocks) * acc
-        dense = blocks - moe_blocks * acc  # an MoE slot runs replicated: no TP inside
-        if applied.sequence_parallel:  # per block: gather in, reduce-scatter out (MoE: slice)
-            rows = [
-                (
-                    "forward all_gather",
-                    2 * blocks * (1 + ac) + head,
-                    "SP: attention/FFN/head input",
-                ),
-                ("forward reduce_scatter", blocks * (1 + ac) + dense, "SP: wo/w2 output"),
-                ("backward reduce_scatter", blocks + dense + head, "SP: grads of gathered inputs"),
-                ("backward all_gather", 2 * blocks + head, "SP: grads of split outputs/block 0"),
-            ]
-            add("backward all_reduce", "tp", m.dim * e, 2 * blocks + head, "SP: norm weight grads")
-        else:  # each column-parallel Linear's input gradient is reduced on its own
-            fwd = blocks * (1 + ac) + dense + head * m.tie_embeddings  # + the tied embedding
-            rows = [
-                ("forward all_reduce", fwd, "TP: row-parallel outputs"),
-                (
-                    "backward all_reduce",
-                    3 * blocks + 2 * dense + head,
-                    "TP: column-parallel inputs",
-                ),
-            ]
-        for op, n, what in rows:
-            add(op, "tp", act, n, what)
-        if applied.loss_parallel:
-            add("forward all_reduce", "tp", 4 * b * s, 3 * head, "loss parallel: max/sum/target")
-        else:
-            add("forward all_gather", "tp", b * s * m.vocab_size * e, head, "TP: logits")
-    again = 1 + ac
-    if par.cp > 1:  # each attention gathers k and v of the whole sequence (its local heads)
-        kv = 2 * b * tr.seq_len * (m.n_kv_heads or m.n_heads) * m.head_dim // par.tp * e
-        calls = len(share.blocks) * acc
-        add("forward all_gather", "cp", kv, calls * again, "CP: keys and values")
-        add("backward reduce_scatter", "cp", kv, calls, "CP: their gradients")
-    if par.ep > 1 and moe_blocks:
-        layers, rows_ep = moe_blocks * acc, _routed_rows(cfg, b, s)
-        nbytes, how = rows_ep * m.dim * e, "(balanced routing)"
-        if m.moe_dispatch == "capacity":
-            how = "(capacity buffer)"
-        else:
-            add("forward all_to_all", "ep", 4 * m.num_experts, layers * again, "EP: expert counts")
-        add("forward all_to_all", "ep", nbytes, 2 * layers * again, f"EP: dispatch+combine {how}")
-        add("backward all_to_all", "ep", nbytes, 2 * layers, "EP: their gradients")
+    act, blocks = tokens * m.dim * e, len(share.blocks) * acc
+    dense = blocks - moe_blocks * acc  # an MoE slot runs replicated: no TP inside
+    if applied.sequence_parallel:  # per block: gather in, reduce-scatter out (MoE: slice)
+        rows = [
+            ("forward all_gather", 2 * blocks * (1 + ac) + head, "SP: attention/FFN/head input"),
+            ("forward reduce_scatter", blocks * (1 + ac) + dense, "SP: wo/w2 output"),
+            ("backward reduce_scatter", blocks + dense + head, "SP: grads of gathered inputs"),
+            ("backward all_gather", 2 * blocks + head, "SP: grads of split outputs/block 0"),
+        ]
+        tally.add(
+            "backward all_reduce", "tp", m.dim * e, 2 * blocks + head, "SP: norm weight grads"
+        )
+    else:  # each column-parallel Linear's input gradient is reduced on its own
+        fwd = blocks * (1 + ac) + dense + head * m.tie_embeddings  # + the tied embedding
+        rows = [
+            ("forward all_reduce", fwd, "TP: row-parallel outputs"),
+            ("backward all_reduce", 3 * blocks + 2 * dense + head, "TP: column-parallel inputs"),
+        ]
+    for op, n, what in rows:
+        tally.add(op, "tp", act, n, what)
+    if applied.loss_parallel:
+        tally.add("forward all_reduce", "tp", 4 * tokens, 3 * head, "loss parallel: max/sum/target")
+    else:
+        tally.add("forward all_gather", "tp", tokens * m.vocab_size * e, head, "TP: logits")
+
+
+def _ep_collectives(tally: _Tally, cfg: ForgeConfig, layers: int, nbytes: int, ac: int) -> None:
+    """The all-to-alls of ``layers`` MoE layer passes moving ``nbytes`` each way."""
+    m, again = cfg.model, 1 + ac
+    how = "(balanced routing)"
+    if m.moe_dispatch == "capacity":
+        how = "(capacity buffer)"
+    else:
+        tally.add(
+            "forward all_to_all", "ep", 4 * m.num_experts, layers * again, "EP: expert counts"
+        )
+    tally.add("forward all_to_all", "ep", nbytes, 2 * layers * again, f"EP: dispatch+combine {how}")
+    tally.add("backward all_to_all", "ep", nbytes, 2 * layers, "EP: their gradients")
+
+
+def _step_collectives(
+    tally: _Tally,
+    cfg: ForgeConfig,
+    par: ParallelismConfig,
+    params: Sequence[nn.Parameter],
+    moe_blocks: int,
+) -> None:
+    """The step's scalar reductions: loss average, MoE expert loads, grad norm partial sums."""
+    m = cfg.model
     for axis in ("dp_replicate", "dp_shard", "cp"):
-        add("step all_reduce", axis, 4, 1, "loss average (fp32 scalar)")
+        tally.add("step all_reduce", axis, 4, 1, "loss average (fp32 scalar)")
     if moe_blocks and m.moe_bias_update_rate > 0:
         loads = "dp_cp" if par.cp > 1 else "dp"  # every rank holding other tokens
-        add("step all_reduce", loads, 4 * m.num_experts, moe_blocks, "MoE expert loads")
+        tally.add("step all_reduce", loads, 4 * m.num_experts, moe_blocks, "MoE expert loads")
     sharded = {  # a gradient norm sums over every mesh dim some gradient is sharded on
         (_dim_name(p.device_mesh, j), p.device_mesh.shape[j]): None
         for p in params
@@ -732,23 +790,21 @@ def _collectives(
         if isinstance(pl, SHARD_PLACEMENTS)
     }
     for axis, size in sharded:
-        add("step all_reduce", axis, 4, 1, "grad norm partial sum (fp32 scalar)", size)
-    if share.pipelined:  # point to point with the neighbouring stages' ranks, per micro-batch
-        hidden = b * s * m.dim * e
-        for _ in share.sends_to:  # a stage whose next stage is on another pipeline rank
-            add("forward send", "pp", hidden, acc, "PP: activations to the next stage")
-            add("backward recv", "pp", hidden, acc, "PP: their gradients back")
-        for _ in share.recvs_from:  # a stage whose previous stage is on another pipeline rank
-            add("forward recv", "pp", hidden, acc, "PP: activations from the previous stage")
-            add("backward send", "pp", hidden, acc, "PP: their gradients back")
-        add("step all_reduce", "pp", 4, 1, "PP: loss report summed over stages (fp32 scalar)")
-        add("step all_reduce", "pp", 8, 1, "PP: grad norm of the other stages (fp64 scalar)")
-    order = {"forward": 0, "backward": 1, "step": 2}
-    ranked = sorted(counts.items(), key=lambda kv: (order[kv[0][0]], kv[0][2], kv[0][5]))
-    return [
-        Collective(phase, kind, group, size, nbytes, count=n, what=what)
-        for (phase, kind, group, size, nbytes, what), n in ranked
-    ]
+        tally.add("step all_reduce", axis, 4, 1, "grad norm partial sum (fp32 scalar)", size)
+
+
+def _pp_collectives(tally: _Tally, share: _Share, hidden: int) -> None:
+    """Point to point with the neighbouring stages' ranks, per micro-batch, and the step's
+    scalar sums over the stages."""
+    acc = share.passes
+    for _ in share.sends_to:  # a stage whose next stage is on another pipeline rank
+        tally.add("forward send", "pp", hidden, acc, "PP: activations to the next stage")
+        tally.add("backward recv", "pp", hidden, acc, "PP: their gradients back")
+    for _ in share.recvs_from:  # a stage whose previous stage is on another pipeline rank
+        tally.add("forward recv", "pp", hidden, acc, "PP: activations from the previous stage")
+        tally.add("backward send", "pp", hidden, acc, "PP: their gradients back")
+    tally.add("step all_reduce", "pp", 4, 1, "PP: loss report summed over stages (fp32 scalar)")
+    tally.add("step all_reduce", "pp", 8, 1, "PP: grad norm of the other stages (fp64 scalar)")
 
 
 def _dim_index(mesh: DeviceMesh, name: str) -> int:
