@@ -102,6 +102,7 @@ __all__ = [
     "set_sequence_shard",
     "pop_aux_losses",
     "cp_problems_of",
+    "unwrap",
 ]
 
 AFTER_STEP_METHOD = "forge_after_optimizer_step"
@@ -411,6 +412,19 @@ def set_sequence_shard(model: nn.Module, shard: SequenceShard) -> None:
 def sequence_shard(model: nn.Module) -> SequenceShard | None:
     """The shard function :func:`set_sequence_shard` put on ``model`` (or on the module under
     its DDP / compile wrapper), else None."""
-    from .stages import unwrap
-
     return unwrap(model).__dict__.get(SEQUENCE_SHARD_ATTR)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module under ``torch.compile`` and DDP (``module``) wrappers."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from .torch_compat import compiled_original
+
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif (inner := compiled_original(model)) is not None:
+            model = inner
+        else:
+            return model

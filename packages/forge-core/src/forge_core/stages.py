@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import torch.nn as nn
 
-from .contracts import model_components
+from .contracts import model_components, unwrap  # unwrap: its old home was here
 from .errors import ForgeConfigError
 
 __all__ = [
@@ -55,21 +55,6 @@ STAGES: dict[str, int] = {
 }
 ORDER_TEXT = "PP split -> TP -> CP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2 (or DDP)"
 _ATTR = "_forge_stages"
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module under ``torch.compile`` and DDP (``module``) wrappers."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from .torch_compat import compiled_original
-
-    while True:
-        if isinstance(model, DistributedDataParallel):
-            model = model.module
-        elif (inner := compiled_original(model)) is not None:
-            model = inner
-        else:
-            return model
 
 
 def _detected_stages(model: nn.Module) -> list[str]:

@@ -43,7 +43,7 @@ from forge_core.mesh_dims import axis_size, get_dp_mesh, has_dp_mesh
 from forge_core.torch_compat import is_compiled, non_persistent_buffer_names
 from forge_cp import apply_context_parallel
 from forge_cp.checks import cp_pipeline_problems
-from forge_domain import FieldNet, apply_domain_parallel
+from forge_domain import apply_domain_parallel
 from forge_float8 import apply_float8
 from forge_float8.config import Float8Config
 from forge_fsdp_wrap import (
@@ -55,7 +55,7 @@ from forge_fsdp_wrap import (
     enable_autocast,
 )
 from forge_fsdp_wrap.blocks import find_block_container
-from forge_moe_ep import MoE, apply_expert_parallel, moe_transformer
+from forge_moe_ep import MoE, apply_expert_parallel
 from forge_moe_ep.hf import HF_MOE_BLOCKS, convert_hf_moe
 from forge_pp import PipelineSplit, attach_schedule, pipeline_split, share_buffers
 from forge_pp.checks import stages_per_rank_problems
@@ -65,9 +65,7 @@ from forge_vlm import (
     AdapterConfig,
     VisionEncoderConfig,
     VLMConfig,
-    build_vlm,
     check_encoder_tp,
-    check_vlm,
 )
 from forge_vlm import ac_components as vlm_ac_components
 from torch.distributed.device_mesh import DeviceMesh
@@ -84,6 +82,7 @@ from .hf_patches import (
     skip_packed_sequence_check,
 )
 from .layout import resolve_layout
+from .models import build_meta_model, model_from_config
 
 __all__ = [
     "model_from_config",
@@ -741,44 +740,6 @@ def build_parallel_model(
         vlm=vlm_config,
     )
     return plan.maybe_compile(plan.parallelize(model, device=device, seed=seed))
-
-
-def build_meta_model(
-    model_config: ModelConfig,
-    vision_config: VisionEncoderConfig | None = None,
-    adapter_config: AdapterConfig | None = None,
-    vlm_config: VLMConfig | None = None,
-) -> nn.Module:
-    """forge's reference Transformer (MoE blocks if the config has them), or a VLM, on meta.
-
-    The VLM needs all three of ``vision_config``, ``adapter_config`` and ``vlm_config``; their
-    cross-config checks run here (the TP ones in :meth:`ParallelPlan.parallelize`).
-    """
-    if vision_config is None or adapter_config is None or vlm_config is None:
-        if any(p is not None for p in (vision_config, adapter_config, vlm_config)):
-            raise ForgeConfigError(
-                "a vision-language model needs vision_config, adapter_config and vlm_config "
-                "together"
-            )
-        with torch.device("meta"):
-            return moe_transformer(model_config)
-    check_vlm(model_config, vision_config, adapter_config, vlm_config)  # TP: parallelize
-    with torch.device("meta"):
-        factory = MoE.for_block if model_config.custom_ffn_layers else None
-        return build_vlm(
-            model_config, vision_config, adapter_config, vlm_config, ffn_factory=factory
-        )
-
-
-def model_from_config(cfg: ForgeConfig) -> nn.Module:
-    """The model a config describes, on the meta device: a field model (``[field]``,
-    ``forge_domain.FieldNet``), a VLM, or the reference Transformer (MoE blocks if asked)."""
-    if cfg.is_field:
-        with torch.device("meta"):
-            return FieldNet(cfg.field_section())
-    if cfg.is_vlm:
-        return build_meta_model(cfg.model, *cfg.vlm_sections())
-    return build_meta_model(cfg.model)
 
 
 def _refuse_materialized(model: nn.Module, device: torch.device | str) -> None:

@@ -269,7 +269,7 @@ def _explicit_plan_problems(cfg: ForgeConfig, tp: int, *, pipelined: bool = Fals
     from forge_core.contracts import model_components
     from forge_tp_plans import check_tensor_parallel, load_plan_object
 
-    from .build import model_from_config
+    from .models import model_from_config
 
     assert cfg.tp.plan is not None  # import_problems calls this only for an explicit plan
     try:
