@@ -45,3 +45,22 @@ class Float8Config:
     def fsdp_all_gather_flag(self) -> bool | None:
         """None for ``"auto"``, else the bool."""
         return auto_flag(self.fsdp_float8_all_gather)
+
+    def resolve_fsdp_all_gather(self, *, data: str, tp: int, dp_backend: str | None) -> bool:
+        """FSDP2's fp8 all-gather: as asked, or for ``"auto"`` on exactly for the tensorwise
+        recipe under FSDP2 without TP, on a data-parallel group that is not gloo (the one place
+        this rule is decided).
+
+        NOTE: off on gloo: an FSDP2 unit holding only fp8 weights all-gathers in a float8
+        dtype, which gloo cannot move. ``dp_backend``: the data-parallel group's backend name
+        (None without one).
+        """
+        asked = self.fsdp_all_gather_flag
+        if asked is not None:
+            return asked
+        return (
+            data == "fsdp2"
+            and self.recipe == "tensorwise"
+            and tp == 1
+            and dp_backend not in (None, "gloo")
+        )

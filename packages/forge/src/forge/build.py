@@ -310,21 +310,14 @@ class ParallelPlan:
 
     @property
     def fp8_all_gather(self) -> bool:
-        """FSDP2's fp8 all-gather: as asked, or (None) on for tensorwise FSDP2 without TP on NCCL.
-
-        NOTE: off by default on gloo: an FSDP2 unit holding only fp8 weights all-gathers in a
-        float8 dtype, which gloo cannot move (units with mixed dtypes all-gather bytes and work).
-        """
-        asked = self.float8.fsdp_all_gather_flag
-        if asked is not None:
-            return asked
-        if self.data != "fsdp2" or self.float8.recipe != "tensorwise":
-            return False
-        if axis_size(self.device_mesh, "tp") > 1:
-            return False
-        assert self.device_mesh is not None  # data='fsdp2' has a DP axis (__post_init__)
-        group = get_dp_mesh(self.device_mesh).get_group(0)
-        return dist.get_backend(group) != "gloo"
+        """FSDP2's fp8 all-gather, as forge-float8 resolves it
+        (:meth:`forge_float8.Float8Config.resolve_fsdp_all_gather`) for this plan's mesh."""
+        backend = None
+        if self.data == "fsdp2" and self.device_mesh is not None:
+            backend = str(dist.get_backend(get_dp_mesh(self.device_mesh).get_group(0)))
+        return self.float8.resolve_fsdp_all_gather(
+            data=str(self.data), tp=axis_size(self.device_mesh, "tp"), dp_backend=backend
+        )
 
     def parallelize(
         self, model: nn.Module, *, device: torch.device | str | None = None, seed: int | None = None
