@@ -183,7 +183,10 @@ def test_bf16_compute_is_checked_with_low_precision_tolerances(run_on_ranks, dat
             ["build", "--set", "training.stepz=3"],
             "unknown key 'training.stepz' (did you mean 'steps'?)",
         ),
-        (["build", "--set", "parallelism.ep=2"], "parallelism.ep=2 but model has no MoE blocks"),
+        (
+            ["build", "--set", "parallelism.ep=2"],
+            "expert parallelism (parallelism.ep=2) on a model with no forge_moe_ep.MoE layer",
+        ),
         (
             [
                 "build",

@@ -455,3 +455,21 @@ def test_ac_turns_a_hugging_face_models_kv_cache_off_and_matches_one_device(run_
     for out in run_on_ranks(2, _hf_ac_parity, ac_mode):
         out["result"].assert_ok()
         assert out["use_cache"] is False
+
+
+def _ep_on_a_dense_model() -> str:
+    mesh = build_device_mesh({"dp_shard": 2, "ep": 2}, "cpu", num_experts=4)
+    try:
+        ParallelPlan(mesh).parallelize(_llama())
+    except ForgeConfigError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_an_ep_axis_on_a_model_without_moe_is_refused_in_the_layers_words(run_on_ranks):
+    """ParallelPlan leaves the refusal to forge-moe-ep (one wording for the config, the plan and
+    apply_expert_parallel), on a Hugging Face dense model too."""
+    message = run_on_ranks(2, _ep_on_a_dense_model)[0]
+    assert message.startswith(
+        "expert parallelism (parallelism.ep=2) on a model with no forge_moe_ep.MoE layer"
+    ), message

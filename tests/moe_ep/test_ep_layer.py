@@ -212,5 +212,5 @@ def _refusals() -> list[str]:
 def test_apply_expert_parallel_refuses_wrong_order_no_moe_and_indivisible_experts(run_on_ranks):
     order, no_moe, indivisible = run_on_ranks(2, _refusals)[0]
     assert "cannot apply 'ep' after ['fsdp2']" in order
-    assert "found no forge_moe_ep.MoE layer" in no_moe
+    assert "expert parallelism (parallelism.ep=2) on a model with no forge_moe_ep.MoE" in no_moe
     assert "ep=2 does not divide model.num_experts=3" in indivisible

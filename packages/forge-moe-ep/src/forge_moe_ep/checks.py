@@ -7,7 +7,25 @@ from __future__ import annotations
 
 from forge_core.errors import refuse
 
-__all__ = ["check_expert_parallel", "dispatch_cp_problems", "expert_parallel_problems"]
+__all__ = [
+    "check_expert_parallel",
+    "dispatch_cp_problems",
+    "expert_parallel_problems",
+    "no_moe_problems",
+]
+
+
+def no_moe_problems(ep: int, has_moe: bool) -> list[str]:
+    """``[message]`` for expert parallelism asked of a model without forge's MoE layers (the one
+    wording of the config check, forge's ParallelPlan and :func:`apply_expert_parallel`)."""
+    if has_moe:
+        return []
+    return [
+        f"expert parallelism (parallelism.ep={ep}) on a model with no forge_moe_ep.MoE layer: set "
+        "parallelism.ep=1 and do not apply it, or use an MoE model (model.moe_every > 0, e.g. model.preset=debug_moe; a Hugging Face "
+        "model with MoE blocks forge converts, forge_moe_ep.hf.HF_MOE_BLOCKS; your own model "
+        "built with forge_moe_ep.moe_transformer)"
+    ]
 
 
 def expert_parallel_problems(num_experts: int, ep: int) -> list[str]:

@@ -46,7 +46,7 @@ from forge_kernels.native import StagedSplits
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from .checks import check_expert_parallel, dispatch_cp_problems
+from .checks import check_expert_parallel, dispatch_cp_problems, no_moe_problems
 from .dispatch import (
     SendBack,
     dispatch_equal_rows,
@@ -197,13 +197,9 @@ def apply_expert_parallel(model: nn.Module, device_mesh: DeviceMesh | None) -> n
     axis (:func:`forge_moe_ep.checks.dispatch_cp_problems`).
     """
     moes = [m for m in model.modules() if isinstance(m, MoE)]
-    if not moes:
-        raise ForgeConfigError(
-            "apply_expert_parallel found no forge_moe_ep.MoE layer in the model; build it with "
-            "forge_moe_ep.moe_transformer(config) (model.moe_every > 0)"
-        )
     ep_mesh = get_ep_mesh(device_mesh)
     ep = 1 if ep_mesh is None else ep_mesh.size()
+    refuse(no_moe_problems(ep, bool(moes)))
     cp = axis_size(device_mesh, "cp")
     for moe in moes:
         check_expert_parallel(moe.num_experts, ep)

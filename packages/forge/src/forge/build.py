@@ -56,7 +56,7 @@ from forge_fsdp_wrap import (
 )
 from forge_fsdp_wrap.blocks import find_block_container
 from forge_moe_ep import MoE, apply_expert_parallel
-from forge_moe_ep.hf import HF_MOE_BLOCKS, convert_hf_moe
+from forge_moe_ep.hf import convert_hf_moe
 from forge_pp import PipelineSplit, attach_schedule, pipeline_split, share_buffers
 from forge_pp.checks import stages_per_rank_problems
 from forge_pp.config import PPConfig
@@ -765,11 +765,6 @@ def _prepare_hf(model: nn.Module, mesh: DeviceMesh | None) -> bool:
 
 def _expert_parallel(decoder: nn.Module, mesh: DeviceMesh | None) -> None:
     """EP on the decoder's MoE layers; an ep axis without one is refused."""
-    if mesh is not None and any(isinstance(m, MoE) for m in decoder.modules()):
-        apply_expert_parallel(decoder, mesh)
-    elif axis_size(mesh, "ep") > 1:
-        raise ForgeConfigError(
-            "the mesh has an ep axis but the model has no forge_moe_ep.MoE layer; set "
-            "parallelism.ep=1 or use an MoE model (model.moe_every > 0, or a Hugging Face "
-            f"model with MoE blocks forge converts: {', '.join(sorted(HF_MOE_BLOCKS))})"
-        )
+    has_moe = any(isinstance(m, MoE) for m in decoder.modules())
+    if mesh is not None and (has_moe or axis_size(mesh, "ep") > 1):
+        apply_expert_parallel(decoder, mesh)  # an ep axis without an MoE: the layer refuses it

@@ -29,7 +29,7 @@ from forge_core.errors import ForgeConfigError, refuse
 from forge_cp.checks import cp_problems
 from forge_float8.checks import check_float8, float8_problems, torchao_problems
 from forge_fsdp_wrap.checks import ac_mode_problems
-from forge_moe_ep.checks import dispatch_cp_problems, expert_parallel_problems
+from forge_moe_ep.checks import dispatch_cp_problems, expert_parallel_problems, no_moe_problems
 from forge_pp.checks import pp_problems, schedule_problems
 from forge_tp_plans.checks import plan_import_problems, transformer_tp_problems
 from forge_vlm.checks import ac_scope_problems, vlm_problems
@@ -110,13 +110,10 @@ def config_problems(cfg: ForgeConfig, world_size: int) -> list[str]:
             "[field] section), or set domain=1"
         )
     problems += float8_problems(cfg.float8, par.tp)
-    if par.ep > 1 and not m.moe_layers:
-        problems.append(
-            f"parallelism.ep={par.ep} but model has no MoE blocks (model.moe_every=0); set "
-            "ep=1 or an MoE model (e.g. model.preset=debug_moe)"
+    if par.ep > 1:
+        problems += no_moe_problems(par.ep, bool(m.moe_layers)) or expert_parallel_problems(
+            m.num_experts, par.ep
         )
-    elif par.ep > 1:
-        problems += expert_parallel_problems(m.num_experts, par.ep)
     if m.moe_layers:
         problems += dispatch_cp_problems(m.moe_dispatch, par.cp)
     if cfg.tp.plan is not None:
