@@ -17,6 +17,7 @@ from forge_tp_plans import (
     describe_tp_plan,
     register_tp_plan,
 )
+from forge_tp_plans.checks import pipeline_stage_problems
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 
@@ -78,6 +79,9 @@ def _validation_in_ranks() -> dict[str, str]:
     hf_like._tp_plan = {"0": "colwise"}  # an instance plan, as Hugging Face models carry
     out["basic_sp"] = _error(apply_tensor_parallel, hf_like, mesh2, sequence_parallel=True)
     out["twice"] = _error(apply_tensor_parallel, model, mesh2)
+    stage_module = _meta()
+    stage_module.output = None  # the pipeline split leaves a stage without the head
+    out["stage_sp"] = _error(apply_tensor_parallel, stage_module, mesh2, sequence_parallel=True)
     return out
 
 
@@ -88,6 +92,17 @@ def test_tp_errors_in_ranks(run_on_ranks):
     assert "cannot apply 'tp' after ['fsdp2']" in out["order"]
     assert "plan found (Hugging Face or opt-in) is basic TP" in out["basic_sp"]
     assert "stage 'tp' was already applied" in out["twice"]
+    assert out["stage_sp"].startswith("tp.sequence_parallel=true on a pipeline stage"), out
+
+
+def test_pipeline_stage_refusals_have_one_wording():
+    """The config check (with pp), ParallelPlan.parallelize_stages (with pp) and
+    apply_tensor_parallel (on a stage module) all say it through this function."""
+    assert pipeline_stage_problems(sequence_parallel=None, loss_parallel=False, pp=2) == []
+    assert pipeline_stage_problems(sequence_parallel=False, loss_parallel=False) == []
+    sp, loss = pipeline_stage_problems(sequence_parallel=True, loss_parallel=True, pp=4)
+    assert sp.startswith("tp.sequence_parallel=true with parallelism.pp=4: what passes between")
+    assert loss.startswith("tp.loss_parallel=true with parallelism.pp=4: the last pipeline stage")
 
 
 def _tp1_is_a_logged_no_op(caplog_level: int) -> tuple[list, str]:

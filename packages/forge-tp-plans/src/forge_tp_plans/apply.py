@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from forge_core import Transformer
 from forge_core.contracts import apply_tp_styles
-from forge_core.errors import ForgeConfigError
+from forge_core.errors import ForgeConfigError, refuse
 from forge_core.mesh_dims import get_tp_mesh
 from forge_core.stages import stage
 from torch.distributed.device_mesh import DeviceMesh
@@ -219,11 +219,8 @@ def _default_sequence_parallel(
             f"sequence_parallel=True: the {type(model).__name__} plan found (Hugging Face or opt-in) is basic "
             "TP; give an explicit plan with SequenceParallel entries, or use sequence_parallel=False"
         )
-    if requested and stage_module:
-        raise ForgeConfigError(
-            "sequence_parallel=True on a pipeline stage: stage boundaries must carry plain tensors, not DTensors; "
-            "use sequence_parallel=False (basic TP) for pipeline stages"
-        )
+    if stage_module:
+        refuse(checks.pipeline_stage_problems(sequence_parallel=requested, loss_parallel=False))
     return requested
 
 

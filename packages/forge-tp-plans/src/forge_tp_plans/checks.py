@@ -23,6 +23,7 @@ __all__ = [
     "check_transformer_tp",
     "default_sequence_parallel",
     "divides_problems",
+    "pipeline_stage_problems",
     "plan_import_problems",
     "transformer_tp_problems",
 ]
@@ -124,6 +125,29 @@ def check_plan_import(path: str, allow_import: bool | Sequence[str]) -> str:
     """
     refuse(plan_import_problems(path, allow_import))
     return path.partition(":")[0]
+
+
+def pipeline_stage_problems(
+    *, sequence_parallel: bool | None, loss_parallel: bool, pp: int | None = None
+) -> list[str]:
+    """What TP cannot give on pipeline stages (``pp``: the pipeline degree when known): an
+    explicit sequence parallelism (``None``, "auto", is simply off there: see
+    :func:`default_sequence_parallel`) and loss parallelism. The one wording of forge's config
+    check, ``ParallelPlan.parallelize_stages`` and :func:`apply_tensor_parallel`."""
+    where = f"with parallelism.pp={pp}" if pp else "on a pipeline stage"
+    problems = []
+    if sequence_parallel:
+        problems.append(
+            f"tp.sequence_parallel=true {where}: what passes between pipeline stages must be a "
+            'plain tensor, not a sequence-sharded one; set tp.sequence_parallel=false (or "auto", '
+            "which is off under pp; sequence_parallel=False or None in Python)"
+        )
+    if loss_parallel:
+        problems.append(
+            f"tp.loss_parallel=true {where}: the last pipeline stage hands plain logits to the "
+            "schedule's loss; set tp.loss_parallel=false"
+        )
+    return problems
 
 
 def default_sequence_parallel(

@@ -61,6 +61,7 @@ from forge_pp import PipelineSplit, attach_schedule, pipeline_split, share_buffe
 from forge_pp.checks import stages_per_rank_problems
 from forge_pp.config import PPConfig
 from forge_tp_plans import apply_tensor_parallel
+from forge_tp_plans.checks import pipeline_stage_problems
 from forge_vlm import (
     AdapterConfig,
     VisionEncoderConfig,
@@ -379,11 +380,13 @@ class ParallelPlan:
                 "parallelism.pp > 1 supports data='fsdp2' or 'none' and per-block compile; "
                 "set parallelism.data='fsdp2' and training.compile_scope='blocks'"
             )
-        if self.loss_parallel or self.sequence_parallel:
-            raise ForgeConfigError(
-                "parallelism.pp > 1: what passes between stages must be plain tensors; set "
-                "tp.sequence_parallel=false and tp.loss_parallel=false (basic TP on each stage)"
+        refuse(
+            pipeline_stage_problems(
+                sequence_parallel=self.sequence_parallel,
+                loss_parallel=self.loss_parallel,
+                pp=axis_size(mesh, "pp"),
             )
+        )
         # NOTE: reshard_after_forward=False under PP: a stage runs the forwards of several
         # micro-batches before their backwards; resharding after each forward would all-gather
         # the stage's parameters again for every micro-batch (twice, forward and backward).

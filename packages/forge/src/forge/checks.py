@@ -31,7 +31,11 @@ from forge_float8.checks import check_float8, float8_problems, torchao_problems
 from forge_fsdp_wrap.checks import ac_mode_problems
 from forge_moe_ep.checks import dispatch_cp_problems, expert_parallel_problems, no_moe_problems
 from forge_pp.checks import pp_problems, schedule_problems
-from forge_tp_plans.checks import plan_import_problems, transformer_tp_problems
+from forge_tp_plans.checks import (
+    pipeline_stage_problems,
+    plan_import_problems,
+    transformer_tp_problems,
+)
 from forge_vlm.checks import ac_scope_problems, vlm_problems
 
 from .layout import Layout, resolve_layout
@@ -236,17 +240,9 @@ def _pipeline_problems(cfg: ForgeConfig, layout: Layout) -> list[str]:
         grad_accum=t.grad_accum,
         tie_embeddings=m.tie_embeddings,
     )
-    if cfg.tp.sequence_parallel_flag:  # an explicit true; "auto" is off on pipeline stages
-        problems.append(
-            f"tp.sequence_parallel=true with parallelism.pp={pp}: what passes between pipeline "
-            "stages must be a plain tensor, not a sequence-sharded one; set "
-            'tp.sequence_parallel=false (or "auto", which is off under pp)'
-        )
-    if cfg.tp.loss_parallel:
-        problems.append(
-            f"tp.loss_parallel=true with parallelism.pp={pp}: the last pipeline stage hands "
-            "plain logits to the schedule's loss; set tp.loss_parallel=false"
-        )
+    problems += pipeline_stage_problems(
+        sequence_parallel=cfg.tp.sequence_parallel_flag, loss_parallel=cfg.tp.loss_parallel, pp=pp
+    )
     if t.compile and t.compile_scope == "model":
         problems.append(
             f"training.compile_scope='model' with parallelism.pp={pp}: a pipeline rank's model "
