@@ -87,3 +87,43 @@ def test_the_layout_resolves_degrees_data_mode_and_batches_once():
     assert (
         tied.sequence_parallel is False and resolve_layout(load_config(AUTO), 4).sequence_parallel
     )
+
+
+def _resolutions_on_a_rank(cfg: dict, out: str) -> tuple[int, int]:
+    """How many times forge build's and forge train's rank code resolve the layout: every
+    forge module's name for resolve_layout counts its calls."""
+    import sys
+
+    import forge.layout
+    from forge.job import run_build
+    from forge.train import run_train
+
+    real, calls = forge.layout.resolve_layout, []
+
+    def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    holders = [
+        m
+        for n, m in list(sys.modules.items())
+        if n.split(".")[0] == "forge" and getattr(m, "resolve_layout", None) is real
+    ]
+    for module in holders:
+        module.resolve_layout = counting
+    try:
+        run_build(cfg)
+        in_build = len(calls)
+        run_train({**cfg, "training": {**cfg["training"], "out_dir": out}})
+    finally:
+        for module in holders:
+            module.resolve_layout = real
+    return in_build, len(calls) - in_build
+
+
+def test_a_rank_resolves_the_layout_once_per_job(run_on_ranks, tmp_path: Path):
+    """resolve_layout runs once on each rank of forge build and of forge train; the checks,
+    the mesh and ParallelPlan get that value (before: 4 times per rank and job)."""
+    cfg = {**AUTO, "checkpoint": {"resume": "none", "save_at_end": False}}
+    for build, train in run_on_ranks(4, _resolutions_on_a_rank, cfg, str(tmp_path)):
+        assert (build, train) == (1, 1)

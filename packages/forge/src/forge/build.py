@@ -82,7 +82,7 @@ from .hf_patches import (
     is_packed_sequence_patched,
     skip_packed_sequence_check,
 )
-from .layout import resolve_layout
+from .layout import Layout, resolve_layout
 from .models import build_meta_model, model_from_config
 
 __all__ = [
@@ -240,6 +240,8 @@ class ParallelPlan:
         cls,
         config: ForgeConfig | Mapping[str, Any] | str | Path,
         device_mesh: DeviceMesh | None,
+        *,
+        layout: Layout | None = None,
         **overrides: Any,
     ) -> ParallelPlan:
         """The plan ``forge build`` would use for ``config`` on ``device_mesh``.
@@ -255,6 +257,9 @@ class ParallelPlan:
         ``ForgeConfigError`` says which axes differ): build it from the same config. Sections
         about the training job itself (steps, batch, model shape) are not read here.
 
+        ``layout``: the config's resolved :class:`forge.layout.Layout` on the mesh's ranks, when
+        the caller has it (a rank resolves it once); resolved here otherwise.
+
         ``overrides`` set fields the config has no key for (``compile_backend="aot_eager"``,
         ``mp_policy=...``, ``packed_sequences=False``) or replace mapped ones.
 
@@ -264,7 +269,8 @@ class ParallelPlan:
         cfg = _as_config(config)
         ranks = device_mesh.size() if device_mesh is not None else 1
         try:
-            layout = resolve_layout(cfg, ranks)
+            if layout is None or layout.world_size != ranks:
+                layout = resolve_layout(cfg, ranks)
         except ForgeConfigError as e:
             where = "device_mesh=None (one device)" if device_mesh is None else "the device_mesh"
             raise ForgeConfigError(

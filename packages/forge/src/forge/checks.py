@@ -93,15 +93,23 @@ def check_plan(
     refuse(plan_problems(data, axis_sizes, ac_mode=ac_mode))
 
 
-def config_problems(cfg: ForgeConfig, world_size: int) -> list[str]:
-    """Every problem of the config's values on ``world_size`` ranks (no torch import).
+def _layout(cfg: ForgeConfig, ranks: int | Layout) -> Layout:
+    """``ranks`` if it is the resolved :class:`Layout` already (a rank resolves it once and
+    passes it on), else the layout of ``cfg`` on that many ranks."""
+    return ranks if isinstance(ranks, Layout) else resolve_layout(cfg, ranks)
+
+
+def config_problems(cfg: ForgeConfig, world_size: int | Layout) -> list[str]:
+    """Every problem of the config's values on ``world_size`` ranks (no torch import); or on
+    the resolved ``Layout`` given instead of a number.
 
     A layout that does not resolve (the degrees do not fit ``world_size``) is the only message:
     the other checks need the layout."""
     try:
-        layout = resolve_layout(cfg, world_size)
+        layout = _layout(cfg, world_size)
     except ForgeConfigError as err:
         return [str(err)]
+    world_size = layout.world_size
     par, t, m = layout.parallelism, cfg.training, cfg.model
     sizes = {name: getattr(par, name) for name in ("cp", "pp", "tp")}
     problems = plan_problems(par.data, sizes, ac_mode=t.ac_mode)
@@ -151,12 +159,13 @@ def config_problems(cfg: ForgeConfig, world_size: int) -> list[str]:
     return list(dict.fromkeys(problems))  # the same words twice are one problem
 
 
-def import_problems(cfg: ForgeConfig, world_size: int) -> list[str]:
+def import_problems(cfg: ForgeConfig, world_size: int | Layout) -> list[str]:
     """The problems found by importing what the config names (torchao, a tp.plan module
     checked on a meta-device model, the pipeline schedule in this torch); run once
-    :func:`config_problems` is empty."""
+    :func:`config_problems` is empty. ``world_size``: a number of ranks or the resolved
+    ``Layout``."""
     try:
-        par = resolve_layout(cfg, world_size).parallelism
+        par = _layout(cfg, world_size).parallelism
     except ForgeConfigError as err:
         return [str(err)]
     problems = torchao_problems() if cfg.float8.enabled else []
@@ -169,19 +178,19 @@ def import_problems(cfg: ForgeConfig, world_size: int) -> list[str]:
     return problems
 
 
-def check_config(cfg: ForgeConfig, world_size: int) -> None:
+def check_config(cfg: ForgeConfig, world_size: int | Layout) -> None:
     """Every check that needs no process group: raises ForgeConfigError before any launch."""
     check_config_values(cfg, world_size)
     check_config_imports(cfg, world_size)
 
 
-def check_config_values(cfg: ForgeConfig, world_size: int) -> None:
+def check_config_values(cfg: ForgeConfig, world_size: int | Layout) -> None:
     """The checks on the config's values alone (no torch import): raises the first of
     :func:`config_problems`."""
     refuse(config_problems(cfg, world_size))
 
 
-def check_config_imports(cfg: ForgeConfig, world_size: int) -> None:
+def check_config_imports(cfg: ForgeConfig, world_size: int | Layout) -> None:
     """The checks that import what the config names (torch, torchao, a tp.plan module); run
     after :func:`check_config_values`. Raises the first of :func:`import_problems`."""
     refuse(import_problems(cfg, world_size))

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from .build import ParallelPlan, model_from_config
 from .checks import check_config
 from .config import ForgeConfig, load_config
-from .layout import resolve_layout
+from .layout import Layout, resolve_layout
 
 __all__ = ["BuildReport", "check_config", "run_build", "tp_description"]
 
@@ -188,17 +188,17 @@ def _moe_report(
     )
 
 
-def setup_rank(
-    cfg: ForgeConfig, device_type: str
-) -> tuple[int, int, torch.device, ParallelismConfig, DeviceMesh]:
-    """A rank's start: check the config, join the process group, pick the device, build the mesh.
+def setup_rank(cfg: ForgeConfig, device_type: str) -> tuple[int, torch.device, Layout, DeviceMesh]:
+    """A rank's start: resolve the layout (once: every later step gets this value), check the
+    config, join the process group, pick the device, build the mesh.
 
-    Returns ``(world_size, rank, device, resolved parallelism, mesh)``.
+    Returns ``(rank, device, layout, mesh)``.
     """
     world_size = (
         dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     )
-    check_config(cfg, world_size)
+    layout = resolve_layout(cfg, world_size)
+    check_config(cfg, layout)
     if device_type == "cpu" and "LOCAL_WORLD_SIZE" in os.environ:  # local ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     if device_type == "cpu" and cfg.float8.enabled:
@@ -215,18 +215,18 @@ def setup_rank(
         if device_type == "cuda"
         else torch.device("cpu")
     )
-    par = resolve_layout(cfg, world_size).parallelism
-    return world_size, rank, device, par, build_device_mesh(par, device_type)
+    return rank, device, layout, build_device_mesh(layout.parallelism, device_type)
 
 
 def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport:
     """One rank's part of ``forge build``: every rank returns the verdict, rank 0 also the text."""
     start = time.perf_counter()
     cfg = load_config(cfg_dict)
-    world_size, rank, device, par, mesh = setup_rank(cfg, device_type)
+    rank, device, layout, mesh = setup_rank(cfg, device_type)
+    world_size, par = layout.world_size, layout.parallelism
     t = cfg.training
     dtype = getattr(torch, t.param_dtype)
-    plan = ParallelPlan.from_config(cfg, mesh)  # the one config -> plan mapping
+    plan = ParallelPlan.from_config(cfg, mesh, layout=layout)  # the one config -> plan mapping
     data = plan.data
     model = plan.parallelize(model_from_config(cfg), device=device, seed=t.seed)
     model = plan.maybe_compile(model)

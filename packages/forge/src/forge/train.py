@@ -316,8 +316,10 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
     """One rank's part of ``forge train``; rank 0's summary holds the steps and the report."""
     cfg = load_config(cfg_dict)
     t, ck = cfg.training, cfg.checkpoint
-    world_size, rank, device, par, mesh = setup_rank(cfg, device_type)
-    plan = ParallelPlan.from_config(cfg, mesh)  # the same config -> plan mapping as forge build
+    rank, device, layout, mesh = setup_rank(cfg, device_type)
+    world_size, par = layout.world_size, layout.parallelism
+    # the same config -> plan mapping as forge build, on the rank's one layout
+    plan = ParallelPlan.from_config(cfg, mesh, layout=layout)
     model = plan.parallelize(model_from_config(cfg), device=device, seed=t.seed)
     model = plan.maybe_compile(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
