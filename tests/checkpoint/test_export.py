@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,8 @@ from forge_checkpoint.export import (
 )
 from forge_core import ForgeConfigError, ModelConfig, Transformer
 from safetensors import safe_open
+
+from tests.places import read_only_dir
 
 transformers = pytest.importorskip("transformers")
 
@@ -222,19 +223,6 @@ def test_transformers_stays_optional(monkeypatch):
 # --------------------------------------------------------------------- where an export may go
 
 
-def _read_only_dir(tmp_path: Path) -> Path:
-    """A folder this process cannot create files in: mode 0o555, or for root (whom mode bits do
-    not stop) sysfs, which takes no new files."""
-    if os.geteuid() != 0:
-        folder = tmp_path / "read-only"
-        folder.mkdir()
-        folder.chmod(0o555)
-        return folder
-    if not os.path.ismount("/sys"):
-        pytest.skip("root without /sys mounted: no folder here that refuses root's writes")
-    return Path("/sys")
-
-
 def test_save_safetensors_overwrites_its_own_file_but_not_a_foreign_one(tmp_path):
     path = tmp_path / "model.safetensors"
     save_safetensors({"w": torch.zeros(2)}, path)
@@ -289,7 +277,7 @@ def test_check_output_refuses_a_path_that_cannot_take_the_export(tmp_path, case)
 
 
 def test_check_output_refuses_a_location_it_cannot_write(tmp_path):
-    folder = _read_only_dir(tmp_path)
+    folder = read_only_dir(tmp_path)
     for path, is_folder in [(folder / "m.safetensors", False), (folder / "hf" / "x", True)]:
         with pytest.raises(ForgeConfigError, match="cannot write in .*choose a writable location"):
             check_output(path, folder=is_folder, name="--out")

@@ -19,6 +19,8 @@ from forge.cli import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, main
 from forge.train import run_train
 from forge_checkpoint.export import load_safetensors
 
+from tests.places import read_only_dir
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -59,19 +61,6 @@ def _export(capsys, step: Path, out: str | Path, *extra: str) -> tuple[int, list
     return status, capsys.readouterr().err.strip().splitlines()
 
 
-def _read_only_dir(tmp_path: Path) -> Path:
-    """A folder this process cannot create files in: mode 0o555, or for root (whom mode bits do
-    not stop) sysfs, which takes no new files."""
-    if os.geteuid() != 0:
-        folder = tmp_path / "read-only"
-        folder.mkdir()
-        folder.chmod(0o555)
-        return folder
-    if not os.path.ismount("/sys"):
-        pytest.skip("root without /sys mounted: no folder here that refuses root's writes")
-    return Path("/sys")
-
-
 CASES = {
     # case: (--out under tmp_path, extra arguments, what the one line says)
     "existing folder": ("a-folder", [], "is a folder, but the export is one file"),
@@ -102,7 +91,7 @@ def test_a_bad_out_is_one_line_and_exit_2_before_the_checkpoint_is_read(
 
 
 def test_a_read_only_location_is_one_line_and_exit_2(step, tmp_path, capsys, reads):
-    folder = _read_only_dir(tmp_path)
+    folder = read_only_dir(tmp_path)
     for out, extra in [(folder / "m.safetensors", []), (folder / "hf", ["--format", "hf"])]:
         status, lines = _export(capsys, step, out, *extra)
         assert status == EXIT_CONFIG, lines
