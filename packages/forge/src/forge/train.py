@@ -318,8 +318,7 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
     t, ck = cfg.training, cfg.checkpoint
     rank, device, layout, mesh = setup_rank(cfg, device_type)
     world_size, par = layout.world_size, layout.parallelism
-    # the same config -> plan mapping as forge build, on the rank's one layout
-    plan = ParallelPlan.from_config(cfg, mesh, layout=layout)
+    plan = ParallelPlan.from_config(cfg, mesh, layout=layout)  # as forge build
     model = plan.parallelize(model_from_config(cfg), device=device, seed=t.seed)
     model = plan.maybe_compile(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
