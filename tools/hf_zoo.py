@@ -1040,7 +1040,9 @@ MOE_LAYOUT_NOTES: dict[str, str] = {
 }
 
 #: The refusal of a model whose MoE blocks forge does not convert (the beginning of it).
-UNCONVERTED = "refused: the mesh has an ep axis but the model has no forge_moe_ep.MoE layer"
+UNCONVERTED = (
+    "refused: expert parallelism (parallelism.ep=2) on a model with no forge_moe_ep.MoE layer"
+)
 
 
 # ----------------------------------------------------------------------------- the whole zoo
