@@ -22,9 +22,9 @@ def no_moe_problems(ep: int, has_moe: bool) -> list[str]:
         return []
     return [
         f"expert parallelism (parallelism.ep={ep}) on a model with no forge_moe_ep.MoE layer: set "
-        "parallelism.ep=1 and do not apply it, or use an MoE model (model.moe_every > 0, e.g. model.preset=debug_moe; a Hugging Face "
-        "model with MoE blocks forge converts, forge_moe_ep.hf.HF_MOE_BLOCKS; your own model "
-        "built with forge_moe_ep.moe_transformer)"
+        "parallelism.ep=1 and do not apply it, or use an MoE model (model.moe_every > 0, e.g. "
+        "model.preset=debug_moe; a Hugging Face model with MoE blocks forge converts, "
+        "forge_moe_ep.hf.HF_MOE_BLOCKS; your own model built with forge_moe_ep.moe_transformer)"
     ]
 
 

@@ -417,10 +417,10 @@ class ParallelPlan:
         hf = _prepare_hf(model, mesh)
         parts = dict(model_components(model))
         decoder = parts.get("decoder", model)
+        if self._encoder_tp:
+            self._encoder_tp_problem(model, parts.get("encoder"))
         if axis_size(mesh, "tp") > 1:
             self._tensor_parallel(model, hf, decoder, parts.get("encoder"))
-        elif self._encoder_tp:
-            self._encoder_tp_problem(model, parts.get("encoder"))
         if axis_size(mesh, "cp") > 1:
             assert mesh is not None  # a cp axis of size > 1 implies a mesh
             apply_context_parallel(model, mesh)
@@ -465,6 +465,7 @@ class ParallelPlan:
         return self.vlm is not None and self.vlm.encoder_tp
 
     def _encoder_tp_problem(self, model: nn.Module, encoder: nn.Module | None) -> None:
+        """Refuse ``vlm.encoder_tp`` on a model that has no encoder component."""
         if encoder is None and "encoder" not in declared_components(model):
             raise ForgeConfigError(
                 f"encoder_tp=True but {type(model).__name__} has no encoder component"
@@ -477,8 +478,6 @@ class ParallelPlan:
         VLM's encoder with its own plan."""
         mesh = self.device_mesh
         assert mesh is not None  # a tp axis of size > 1 implies a mesh
-        if self._encoder_tp:
-            self._encoder_tp_problem(model, encoder)
         apply_tensor_parallel(
             # NOTE: a Hugging Face VLM's plan is written for the whole model (it names
             # model.language_model.* and lm_head, which lies outside the language model).
