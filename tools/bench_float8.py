@@ -54,6 +54,10 @@ ANCHOR = (
     "tokens/s/GPU, 1.28x"
 )
 LR = 3e-4
+# dense bf16 tensor-core peak, TFLOP/s, by a word in torch.cuda.get_device_name() (datasheets,
+# SXM parts without sparsity); MFU is reported only for these
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "B200": 2250.0, "A100": 312.0}
+MFU_TARGET = 0.50
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,33 @@ class Setup:
     @property
     def tokens(self) -> int:
         return self.batch * self.seq
+
+    def train_flops_per_token(self) -> float:
+        """Model FLOPs of one training token (PaLM's count): 6 x the parameters that multiply
+        (every Linear, the output head too; not the embedding lookup) plus 12 x layers x dim x
+        seq for attention's two matmuls, forward and backward, causality not discounted."""
+        with torch.device("meta"):
+            model = Transformer(self.config)
+        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        return 6.0 * linear + 12.0 * self.config.n_layers * self.config.dim * self.seq
+
+
+def peak_bf16_tflops() -> float | None:
+    """The datasheet bf16 peak of this GPU, or None when it is not in PEAK_BF16_TFLOPS."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    if "PCIe" in name or "NVL" in name:  # other clocks and power: not the SXM figure
+        return None
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def mfu(setup: Setup, ms: float | None) -> float | None:
+    """Model FLOPs utilization of one step of ``ms`` milliseconds (None off the known GPUs)."""
+    peak = peak_bf16_tflops()
+    if peak is None or ms is None:
+        return None
+    return setup.train_flops_per_token() * setup.tokens / (ms * 1e-3) / (peak * 1e12)
 
 
 def _cuda_setup(reps: int | None, quick: bool = False) -> Setup:
@@ -120,6 +151,7 @@ class Variant:
     ms: float | None = None
     min_ms: float | None = None
     peak_gib: float | None = None
+    reserved_gib: float | None = None  # the caching allocator's peak reservation
     build_s: float | None = None
     converted: int | None = None
 
@@ -237,7 +269,12 @@ def run(setup: Setup, variants: list[Variant], device: torch.device) -> None:
                 traceback.print_exc()
                 v.error = _short_error(exc)
             v.peak_gib = torch.cuda.max_memory_allocated() / 2**30
-            print(f"  {v.label}: {v.ms} ms, peak {v.peak_gib:.1f} GiB", flush=True)
+            v.reserved_gib = torch.cuda.max_memory_reserved() / 2**30
+            print(
+                f"  {v.label}: {v.ms} ms, peak {v.peak_gib:.1f} GiB allocated, "
+                f"{v.reserved_gib:.1f} GiB reserved",
+                flush=True,
+            )
             del step
         _free(device)
         return
@@ -280,22 +317,25 @@ def _loss_diff(variants: list[Variant], v: Variant) -> float | None:
 def results_table(setup: Setup, variants: list[Variant], on_cuda: bool) -> list[str]:
     n = setup.loss_steps
     lines = [
-        f"| variant | Linears in fp8 | step median (min) ms | tokens/s | speedup vs bf16 (same "
-        f"compile) | peak memory | loss step 1 -> step {n} | max rel. loss diff vs bf16 | "
-        "build + first steps s |",
-        "|---|---:|---:|---:|---:|---:|---|---:|---:|",
+        f"| variant | Linears in fp8 | step median (min) ms | tokens/s | MFU (bf16 peak) | "
+        f"speedup vs bf16 (same compile) | peak memory allocated / reserved | loss step 1 -> step {n} | "
+        "max rel. loss diff vs bf16 | build + first steps s |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for v in variants:
         if v.error is not None:
-            lines.append(f"| {v.label} | {_f(v.converted, 'd')} | error: {v.error} |||||||")
+            lines.append(f"| {v.label} | {_f(v.converted, 'd')} | error: {v.error} ||||||||")
             continue
         tps = None if v.ms is None else setup.tokens / (v.ms / 1e3)
         losses = f"{v.losses[0]:.4f} -> {v.losses[-1]:.4f}" if v.losses else "—"
         conv = "0 (bf16)" if v.recipe is None else _f(v.converted, "d")
-        mem = _f(v.peak_gib, ".1f", " GiB") if on_cuda else "n/a (CPU)"
+        mem = (
+            f"{_f(v.peak_gib, '.1f')} / {_f(v.reserved_gib, '.1f')} GiB" if on_cuda else "n/a (CPU)"
+        )
         lines.append(
             f"| {v.label} | {conv} | {_f(v.ms, '.1f')} ({_f(v.min_ms, '.1f')}) | "
-            f"{_f(tps, ',.0f')} | {_f(_speedup(variants, v), '.2f', 'x')} | {mem} | {losses} | "
+            f"{_f(tps, ',.0f')} | {_f(mfu(setup, v.ms), '.1%')} | "
+            f"{_f(_speedup(variants, v), '.2f', 'x')} | {mem} | {losses} | "
             f"{_f(_loss_diff(variants, v), '.1e')} | {_f(v.build_s, '.1f')} |"
         )
     return lines
@@ -397,8 +437,23 @@ def reading(
     return lines
 
 
-def record_targets(variants: list[Variant], on_cuda: bool) -> None:
-    """The target through ``benchlib.record_target`` (met is None off a GPU or when unmeasured)."""
+def record_targets(setup: Setup, variants: list[Variant], on_cuda: bool) -> None:
+    """The targets through ``benchlib.record_target`` (met is None off a GPU or when
+    unmeasured): the Float8 speedup, and the bf16 step's MFU."""
+    best = min(
+        (v for v in variants if v.recipe is None and v.ms is not None),
+        key=lambda v: v.ms or 0.0,
+        default=None,
+    )
+    best_mfu = None if best is None else mfu(setup, best.ms)
+    mfu_target = f"bf16 training step MFU >= {MFU_TARGET:.0%} ({setup.name})"
+    if best is None or best_mfu is None:
+        why = "no GPU" if not on_cuda else "no bf16 timing or GPU peak unknown"
+        record_target("bench_float8", mfu_target, f"unmeasured ({why})", None)
+    else:
+        record_target(
+            "bench_float8", mfu_target, f"{best_mfu:.1%} ({best.label})", best_mfu >= MFU_TARGET
+        )
     target = f"tensorwise + compile >= {TARGET}x bf16 + compile"
     tw = next((v for v in variants if v.recipe == "tensorwise" and v.compiled), None)
     ratio = _speedup(variants, tw) if tw is not None else None
@@ -492,6 +547,13 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="small model, eager only, 3 timed steps (~20 s)"
     )
     parser.add_argument("--no-compile", action="store_true", help="skip the compile variants")
+    parser.add_argument(
+        "--recipes",
+        nargs="*",
+        choices=[r or "bf16" for r in RECIPES],
+        default=[r or "bf16" for r in RECIPES],
+        help="variants to run (bf16 is the baseline of every speedup)",
+    )
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--out", type=Path, default=OUT_MD, help="the page (markdown) to write")
     parser.add_argument(
@@ -507,9 +569,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     setup = _cuda_setup(args.reps, args.quick) if on_cuda else _cpu_setup(args.reps, args.quick)
     compile_skipped = args.no_compile or args.quick
-    variants = [Variant(r, False) for r in RECIPES]
+    recipes = [r for r in RECIPES if (r or "bf16") in args.recipes]
+    variants = [Variant(r, False) for r in recipes]
     if not compile_skipped:
-        variants += [Variant(r, True) for r in RECIPES]
+        variants += [Variant(r, True) for r in recipes]
     info = machine_facts(("torchao", "triton"))
     print(
         f"{setup.name}: {setup.config.num_params() / 1e6:.1f}M params, "
@@ -520,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     run(setup, variants, device)
     info["load average at end (1/5/15 min)"] = "/".join(f"{x:.1f}" for x in os.getloadavg())
     info["total run time"] = f"{time.perf_counter() - t0:.0f} s"
-    record_targets(variants, on_cuda)
+    record_targets(setup, variants, on_cuda)
     write_markdown(
         setup, variants, info, on_cuda, compile_skipped, write=not args.no_write, out_md=args.out
     )

@@ -16,8 +16,10 @@ H100 with autotuning; CPU: ~2 minutes on 2 cores).
   (a correctness run, not a performance number), and an ahead-of-time compile of every Triton
   config for sm90 (shared memory, registers, spills; no GPU needed).
 
-Routing is random and balanced-ish: every token picks 8 distinct experts, sampled with
-probabilities ``softmax(0.5 * randn(E))`` (a mild, fixed skew), as a trained router would give.
+Routing is random: every token picks 8 distinct experts, sampled with probabilities
+``softmax(s * randn(E))``; ``--routing balanced`` (s = 0.5, a mild fixed skew, as a trained router
+would give) and ``skewed`` (s = 2.0: a few experts take most rows, some get none), both by
+default on a GPU.
 Prints the tables and rewrites ``benchmarks/grouped_gemm.md`` (``--out`` elsewhere, ``--no-write``
 to print only). ``--quick`` is a smoke run (one model, one token count, 3 reps, no sm90 compile
 check: seconds on a GPU after autotuning, ~10 s on CPU). Each target is also reported through
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -51,15 +54,18 @@ CPU_SCALE = {"Qwen3-30B-A3B-like": 8, "DeepSeek-V3-like": 16}
 GPU_TOKENS = (4096, 8192, 16384, 32768)
 CPU_TOKENS = (512, 1024, 2048)
 QUICK_MODEL = "Qwen3-30B-A3B-like"
+# routing name: s in softmax(s * randn(E)), the experts' popularity
+ROUTINGS = {"balanced": 0.5, "skewed": 2.0}
 TARGETS = "Triton >= 1.0x torch._grouped_mm and >= 65% of the dense matmul (fwd and bwd)"
 
 
-def routing_offs(tokens: int, experts: int, device: str, seed: int = 0):
-    """int32 cumulative group ends for ``tokens`` x top-8 balanced-ish random routing."""
+def routing_offs(tokens: int, experts: int, device: str, seed: int = 0, skew: float = 0.5):
+    """int32 cumulative group ends for ``tokens`` x top-8 random routing (``skew``: the s of
+    ``softmax(s * randn(E))``, the experts' popularity)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    probs = torch.softmax(0.5 * torch.randn(experts, generator=g), 0)
+    probs = torch.softmax(skew * torch.randn(experts, generator=g), 0)
     choice = torch.multinomial(probs.expand(tokens, experts), TOP_K, generator=g)
     counts = torch.bincount(choice.flatten(), minlength=experts)
     return torch.cumsum(counts, 0).to(torch.int32).to(device), counts
@@ -150,9 +156,14 @@ def _implementations(x, w, g, offs, on_gpu: bool) -> dict[str, Impl]:
 
 
 def bench_shapes(
-    on_gpu: bool, reps: int, tokens_list: tuple[int, ...], models: tuple[str, ...] = tuple(MODELS)
+    on_gpu: bool,
+    reps: int,
+    tokens_list: tuple[int, ...],
+    models: tuple[str, ...] = tuple(MODELS),
+    routings: tuple[str, ...] = ("balanced",),
 ) -> list[dict[str, Any]]:
-    """Time every (model, projection, tokens) on the GPU or the CPU; one row per pass."""
+    """Time every (model, projection, tokens, routing) on the GPU or the CPU; one row per
+    pass."""
     import torch
 
     device = "cuda" if on_gpu else "cpu"
@@ -164,14 +175,15 @@ def bench_shapes(
         if not on_gpu:
             dim, ffn = dim // CPU_SCALE[model], ffn // CPU_SCALE[model]
         for proj, (k, n) in (("up", (dim, ffn)), ("down", (ffn, dim))):
-            for tokens in tokens_list:
-                offs, counts = routing_offs(tokens, experts, device)
+            for tokens, routing in itertools.product(tokens_list, routings):
+                offs, counts = routing_offs(tokens, experts, device, skew=ROUTINGS[routing])
                 m = tokens * TOP_K
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 w = torch.randn(experts, k, n, device=device, dtype=dtype) / k**0.5
                 g = torch.randn(m, n, device=device, dtype=dtype)
                 flops = 2.0 * m * k * n
-                point = {"model": model, "proj": proj, "tokens": tokens, "M": m, "K": k, "N": n}
+                point = {"model": model, "proj": proj, "tokens": tokens, "routing": routing}
+                point |= {"M": m, "K": k, "N": n, "largest_group": int(counts.max())}
                 point["empty_groups"] = int((counts == 0).sum())
                 summary = []
                 impls = _implementations(x, w, g, offs, on_gpu)
@@ -185,7 +197,7 @@ def bench_shapes(
                         )
                         summary.append(f"{name} {pass_} {tflops * scale:.1f}")
                 print(
-                    f"  {model} {proj} tokens={tokens} M={m} K={k} N={n}: "
+                    f"  {model} {proj} tokens={tokens} {routing} M={m} K={k} N={n}: "
                     + ", ".join(summary)
                     + f" {unit}",
                     flush=True,
@@ -375,13 +387,16 @@ def machine_facts(on_gpu: bool) -> dict[str, str]:
     return facts
 
 
+def _key(r: dict[str, Any]) -> tuple[Any, ...]:
+    """One table row: (model, proj, tokens, routing, pass)."""
+    return (r["model"], r["proj"], r["tokens"], r.get("routing", "balanced"), r["pass"])
+
+
 def _ratios(rows: list[dict[str, Any]], ours: str, other: str) -> list[float]:
     """tflops(ours) / tflops(other) at every (model, proj, tokens, pass)."""
     by_key: dict[tuple, dict[str, float]] = {}
     for r in rows:
-        by_key.setdefault((r["model"], r["proj"], r["tokens"], r["pass"]), {})[r["impl"]] = r[
-            "tflops"
-        ]
+        by_key.setdefault(_key(r), {})[r["impl"]] = r["tflops"]
     return [v[ours] / v[other] for v in by_key.values()]
 
 
@@ -410,21 +425,22 @@ def _table(rows: list[dict[str, Any]], on_gpu: bool) -> list[str]:
     unit, scale = ("TFLOP/s", 1.0) if on_gpu else ("GFLOP/s", 1e3)
     ours = "triton" if on_gpu else "forge (cpu dispatch)"
     head = (
-        "| model | proj | tokens | M | K | N | empty experts | pass | "
+        "| model | proj | tokens | routing | M | K | N | empty / largest expert | pass | "
         + " | ".join(f"{i} {unit}" for i in impls)
         + f" | {ours} / torch_grouped_mm | {ours} / dense |"
     )
-    lines = [head, "|" + "---|" * 8 + "---:|" * (len(impls) + 2)]
-    keys = list(dict.fromkeys((r["model"], r["proj"], r["tokens"], r["pass"]) for r in rows))
+    lines = [head, "|" + "---|" * 9 + "---:|" * (len(impls) + 2)]
+    keys = list(dict.fromkeys(_key(r) for r in rows))
     for key in keys:
-        sel = {r["impl"]: r for r in rows if (r["model"], r["proj"], r["tokens"], r["pass"]) == key}
+        sel = {r["impl"]: r for r in rows if _key(r) == key}
         any_row = next(iter(sel.values()))
         vals = " | ".join(f"{sel[i]['tflops'] * scale:.1f}" for i in impls)
         ratio_t = sel[ours]["tflops"] / sel["torch_grouped_mm"]["tflops"]
         ratio_d = sel[ours]["tflops"] / sel["dense"]["tflops"]
         lines.append(
-            f"| {key[0]} | {key[1]} | {key[2]} | {any_row['M']} | {any_row['K']} | "
-            f"{any_row['N']} | {any_row['empty_groups']} | {key[3]} | {vals} | "
+            f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {any_row['M']} | {any_row['K']} | "
+            f"{any_row['N']} | {any_row['empty_groups']} / {any_row.get('largest_group', '')} | "
+            f"{key[4]} | {vals} | "
             f"{ratio_t:.2f}x | {ratio_d:.0%} |"
         )
     return lines
@@ -557,6 +573,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=None, help="timings per point (GPU 20, CPU 7)")
     parser.add_argument("--tokens", type=int, nargs="*", help="token counts to run")
     parser.add_argument(
+        "--routing",
+        nargs="*",
+        choices=tuple(ROUTINGS),
+        help="expert popularity (default: both on a GPU, balanced on CPU)",
+    )
+    parser.add_argument(
         "--cpu-threads",
         type=int,
         default=1,
@@ -595,7 +617,12 @@ def main() -> None:
         toy = bench_interpreter_toy()
         print(f"  {toy}", flush=True)
     print(f"Timing on {'GPU' if on_gpu else 'CPU'} ...", flush=True)
-    rows = bench_shapes(on_gpu, reps, tokens, models)
+    routings = (
+        tuple(args.routing)
+        if args.routing
+        else (tuple(ROUTINGS) if on_gpu and not args.quick else ("balanced",))
+    )
+    rows = bench_shapes(on_gpu, reps, tokens, models, routings)
     compiled: list[dict[str, Any]] = []
     if args.quick or args.no_compile_check:
         compile_error = "skipped (--quick / --no-compile-check)"

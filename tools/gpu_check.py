@@ -16,7 +16,9 @@ What each phase runs, as timed steps (each under ``timeout``, from the phase's d
 - ``tests``: pytest over ``tests/kernels tests/moe_ep/test_moe.py tests/core/test_sync_guard.py
   tests/cp/test_cp_units.py``
   (plus ``tests/float8`` when torchao imports) with ``FORGE_KERNELS_TEST_CUDA_BUILD=1``; their
-  CUDA cases run in bf16 under sync debug mode "error". Then a smoke run of every benchmark.
+  CUDA cases run in bf16 under sync debug mode "error". Then ``tools/nccl_probe.py`` (NCCL with
+  several ranks on the one GPU, and forge build's parity job on it when NCCL allows), then a
+  smoke run of every benchmark (``--no-smokes`` leaves them to a bench call that follows).
 - ``bench``: every benchmark at a size that fits, its page written to the output folder.
 - ``--cpu-dry-run`` (CUDA hidden, native ops built for CPU): the same steps, except that pytest
   collects the whole selection and runs only a small part of it, and the benchmarks run at
@@ -73,7 +75,20 @@ WHEEL_DIR = ROOT / ".whl"
 # 0.18.0's extensions load under torch 2.11 without a warning. So: the newest, 0.18.0, which is
 # also the version uv.lock pins for the main lane. It declares no runtime dependencies (only
 # "dev" extras), so nothing else needs carrying.
-CARRIED = {"torchao": "0.18.0"}
+# NOTE: torchtitan 0.3.0 (the bench group's peer, tools/bench_moe.py's torchtitan column) and
+# what its MoE, ParallelDims and config helpers import that the lent image lacks; versions as
+# uv.lock pins them. Its datasets/wandb requirements are not imported on that path (checked
+# 2026-11-27 with the GPU-image venv: torch 2.11, tools/bench_moe.py --quick ran both columns).
+CARRIED = {
+    "torchao": "0.18.0",
+    "torchtitan": "0.3.0",
+    "torchdata": "0.11.0",
+    "torch-checkpointing": "0.1.1",
+    "spmd-types": "0.2.3",
+    "tyro": "1.0.17",
+    "docstring-parser": "0.18.0",
+    "typeguard": "4.6.0",
+}
 GPU_PYTHON = "3.12"  # the lent machines' python3 (3.12.3)
 GPU_PLATFORMS = (
     "manylinux_2_28_x86_64",
@@ -112,21 +127,31 @@ class Bench:
     smoke_reserve_s: float = 25.0
 
 
-# NOTE: the bench phase's sizes are set so that the four fit next to the native build in one
-# call; each is cut by its timeout rather than the call by the machine (caps are estimates: the
-# pages and the log record each step's time, so adjust them from a real run).
+# NOTE: the bench phase's sizes are set so that they fit next to the native build in one call of
+# about 5 minutes; each is cut by its timeout rather than the call by the machine (caps are
+# estimates: the pages and the log record each step's time, so adjust them from a real run).
+# In the issue's priority order: grouped GEMM, the MoE layer against torchtitan, the ~1B training
+# step (bf16 MFU, Float8), the planner's rates, the combine kernel.
 BENCHES = (
-    Bench("permute", "tools/bench_permute.py", (), "permute.md", 90, 25),
     Bench(
         "grouped_gemm",
         "tools/bench_grouped_gemm.py",
-        ("--tokens", "4096", "16384", "--reps", "10", "--no-compile-check"),
+        ("--tokens", "8192", "--reps", "10", "--no-compile-check"),
         "grouped_gemm.md",
+        120,
+        50,
+    ),
+    Bench("moe", "tools/bench_moe.py", ("--reps", "10"), "moe.md", 100, 45),
+    Bench(
+        "float8",
+        "tools/bench_float8.py",
+        ("--reps", "8", "--recipes", "bf16", "tensorwise", "rowwise"),
+        "float8.md",
         150,
         60,
     ),
-    Bench("moe", "tools/bench_moe.py", ("--reps", "10"), "moe.md", 120, 45),
-    Bench("float8", "tools/bench_float8.py", ("--reps", "10"), "float8.md", 200, 60),
+    Bench("gpu_rates", "tools/bench_gpu_rates.py", ("--reps", "10"), "gpu_rates.md", 60, 25),
+    Bench("permute", "tools/bench_permute.py", (), "permute.md", 60, 20),
 )
 
 ENV_SNIPPET = """
@@ -322,8 +347,9 @@ def fetch_wheels() -> int:
         return 1
     WHEEL_DIR.mkdir(exist_ok=True)
     for name, version in CARRIED.items():
-        for old in WHEEL_DIR.glob(f"{name}-*.whl"):
-            if not old.name.startswith(f"{name}-{version}-"):
+        stem = name.replace("-", "_")  # a wheel's file name spells the project with "_"
+        for old in WHEEL_DIR.glob(f"{stem}-*.whl"):
+            if not old.name.startswith(f"{stem}-{version}-"):
                 # NOTE: the install takes every wheel in .whl/, so one version per package.
                 print(f"removing {old.name} (gpu_check carries {name} {version})")
                 old.unlink()
@@ -422,7 +448,7 @@ class Run:
     budget_s: float
     benches: tuple[Bench, ...]
     site: Path
-    smoke_in_bench: bool = False  # a dry run of both phases runs each --quick benchmark once
+    smoke_in_bench: bool = False  # the tests phase leaves the smokes out (the bench phase runs)
     date: str = field(
         default_factory=lambda: datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     )
@@ -535,7 +561,10 @@ def tests_phase(run: Run, phase: Phase, counts: TestCounts) -> list[Step]:
             Step("tests (dry-run part)", test_run(DRY_RUN_TESTS), 180, 30, 2, after=read),
         ]
     else:
-        steps.append(Step("tests", lambda: test_run(selection()), 360, 120, 2, after=read))
+        steps.append(Step("tests", lambda: test_run(selection()), 300, 120, 2, after=read))
+    # NCCL with every rank on the one GPU, then forge build's parity job on it (gloo in a dry run)
+    probe = [py, "tools/nccl_probe.py", "--device", "cpu" if run.dry_run else "cuda"]
+    steps.append(Step("nccl probe", [*probe, "--timeout", "75"], 170, 40, tail=4))
     for b in run.benches:
         argv = None if run.smoke_in_bench else [py, b.script, "--quick", "--no-write"]
         steps.append(
@@ -545,7 +574,7 @@ def tests_phase(run: Run, phase: Phase, counts: TestCounts) -> list[Step]:
                 b.smoke_cap_s,
                 b.smoke_reserve_s,
                 tail=2,
-                skip_note="the bench phase's dry run runs it, same size",
+                skip_note="the bench phase runs it (--no-smokes, or a dry run of both phases)",
             )
         )
     return steps
@@ -704,6 +733,11 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds per phase (default %(default)s)",
     )
     parser.add_argument(
+        "--no-smokes",
+        action="store_true",
+        help="the tests phase runs no benchmark smokes (a bench call follows on the same machine)",
+    )
+    parser.add_argument(
         "--benches",
         default=",".join(b.name for b in BENCHES),
         help="comma-separated benchmarks to run (default: %(default)s)",
@@ -741,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
         tuple(b for b in BENCHES if b.name in chosen),
         site,
     )
-    run.smoke_in_bench = args.cpu_dry_run and "bench" in phases
+    run.smoke_in_bench = args.no_smokes or (args.cpu_dry_run and "bench" in phases)
     try:
         done = [run_phase(run, name, argv) for name in phases]
     finally:
