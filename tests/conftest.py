@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.forkserver
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -13,7 +11,7 @@ import pytest
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
-from forge_core.testing.harness import RankPool  # noqa: E402
+from forge_core.testing.harness import PRELOAD, RankPool, start_cpu_forkserver  # noqa: E402
 
 RunOnRanks = Callable[..., list[Any]]
 
@@ -81,13 +79,8 @@ def _start_forkserver(modules: list[str]) -> None:
     the environment of the forkserver's start (it alone sees the variable) and this module, in
     the forkserver's preload list, imports it (``_preload_here``).
     """
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "forge_core", __name__])
-    os.environ[_PRELOAD_ENV] = ",".join(dict.fromkeys([*_PRELOAD, *modules]))
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        os.environ.pop(_PRELOAD_ENV, None)
+    preload = ",".join(dict.fromkeys([*_PRELOAD, *modules]))
+    start_cpu_forkserver([*PRELOAD, __name__], {_PRELOAD_ENV: preload})
 
 
 if os.environ.get(_PRELOAD_ENV):  # in the forkserver only

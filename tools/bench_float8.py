@@ -567,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if on_cuda else "cpu")
     if not on_cuda:
         torch.set_num_threads(args.threads)
+        # as forge train does on CPU: oneDNN's CPU fp8 GEMM is a slow reference kernel here
+        _import_float8().use_torch_cpu_fp8_kernels()
     setup = _cuda_setup(args.reps, args.quick) if on_cuda else _cpu_setup(args.reps, args.quick)
     compile_skipped = args.no_compile or args.quick
     recipes = [r for r in RECIPES if (r or "bf16") in args.recipes]

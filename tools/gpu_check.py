@@ -105,6 +105,7 @@ TESTS = (
     "tests/cp/test_cp_units.py",  # the CUDA lower-right causal bias of forge-cp's kernel
 )
 FLOAT8_TESTS = ("tests/float8",)
+NATIVE_TESTS = "tests/kernels/test_native.py"
 # NOTE: the dry run's real pytest run: the native ops' tests (they load the library the build
 # step made) and the sync guard; the full CPU suite runs elsewhere in the GPU-image lane.
 DRY_RUN_TESTS = ("tests/kernels/test_native.py", "tests/core/test_sync_guard.py")
@@ -197,6 +198,30 @@ if sys.argv[1] == "cuda":
     print("routing_layout on cuda:", native.implementation("cuda"))
     assert native.implementation("cuda") == "native", "the CUDA kernels did not build"
 print(f"built or loaded in {time.perf_counter() - t:.1f} s")
+# the compilers, to compare with torch's own (a C++ exception crossing the library crashed the
+# process on the first GPU run, 2026-11-27, and nothing recorded what built it)
+log = _build.library_path(_build.resolve_config()).parent / "build.log"
+for line in (log.read_text().splitlines() if log.is_file() else ["no build.log"]):
+    if "compiler identification" in line:
+        print(line.strip("- "))
+import torch
+info = torch.__config__.show().splitlines()
+print("torch built with:", "; ".join(x.strip("- ") for x in info if "GCC" in x or "C++" in x))
+print("torch CXX11 ABI:", torch._C._GLIBCXX_USE_CXX11_ABI)
+"""
+
+# A C++ exception thrown by the native op, in a process of its own: it must reach Python as a
+# ValueError (the first GPU run's library crashed the process instead).
+NATIVE_ERROR_SNIPPET = """
+import torch
+from forge_kernels import native
+native.load_native(require=True)
+try:
+    torch.ops.forge.routing_layout(torch.zeros(4, dtype=torch.int64), 4, 1)
+except ValueError as err:
+    print("a bad argument raised ValueError:", str(err).splitlines()[0])
+else:
+    raise SystemExit("a 1-D expert_ids tensor was accepted")
 """
 
 IMPORT_SNIPPET = """
@@ -495,7 +520,7 @@ def common_steps(run: Run, phase: Phase) -> list[Step]:
             "wheels",
             lambda: None if run.site_ready else install_argv(run.site),
             60,
-            10,
+            30,
             tail=2,
             skip_note=skip_note,
             after=wheels_done,
@@ -514,8 +539,16 @@ def common_steps(run: Run, phase: Phase) -> list[Step]:
             [py, "-c", NATIVE_SNIPPET, device],
             200,
             30,
-            tail=3,
+            tail=7,
             shown=f"python -c <forge_kernels.native.load_native(require=True)> ({device})",
+        ),
+        Step(
+            "native error path",
+            [py, "-c", NATIVE_ERROR_SNIPPET],
+            30,
+            10,
+            tail=1,
+            shown="python -c <torch.ops.forge.routing_layout(1-D ids) raises ValueError>",
         ),
     ]
 
@@ -536,12 +569,17 @@ def tests_phase(run: Run, phase: Phase, counts: TestCounts) -> list[Step]:
     def selection() -> list[str]:
         return [*TESTS, *(FLOAT8_TESTS if torchao_found(phase.env) else ())]
 
-    def test_run(paths: Sequence[str]) -> list[str]:
-        return [*pytest, *paths, "-q", "-rfE", "--durations=15", f"--junitxml={junit}"]
+    def test_run(paths: Sequence[str], xml: Path = junit) -> list[str]:
+        return [*pytest, *paths, "-q", "-rfE", "--durations=15", f"--junitxml={xml}"]
 
-    def read(result: Result) -> None:
-        if not read_junit(junit, counts) and result.status != "skipped":
-            counts.failures.append(f"no junit report ({result.status})")
+    def reader(xml: Path) -> Callable[[Result], None]:
+        def read(result: Result) -> None:
+            if not read_junit(xml, counts) and result.status != "skipped":
+                counts.failures.append(f"no junit report from {xml.name} ({result.status})")
+
+        return read
+
+    read = reader(junit)
 
     def collected(result: Result) -> None:
         counts.collected = collected_count(result.output)
@@ -561,7 +599,24 @@ def tests_phase(run: Run, phase: Phase, counts: TestCounts) -> list[Step]:
             Step("tests (dry-run part)", test_run(DRY_RUN_TESTS), 180, 30, 2, after=read),
         ]
     else:
-        steps.append(Step("tests", lambda: test_run(selection()), 300, 120, 2, after=read))
+        # NOTE: the native ops' tests in a pytest of their own: a crash in the library (as on
+        # the first GPU run) then costs only their counts, not every test's.
+        native_xml = SCRATCH / f"junit-{phase.name}-native.xml"
+        native_xml.unlink(missing_ok=True)
+        steps.append(
+            Step(
+                "tests (native ops)",
+                test_run([NATIVE_TESTS], native_xml),
+                90,
+                40,
+                2,
+                after=reader(native_xml),
+            )
+        )
+        rest = ["--ignore", NATIVE_TESTS]
+        steps.append(
+            Step("tests", lambda: test_run([*selection(), *rest]), 300, 150, 2, after=read)
+        )
     # NCCL with every rank on the one GPU, then forge build's parity job on it (gloo in a dry run)
     probe = [py, "tools/nccl_probe.py", "--device", "cpu" if run.dry_run else "cuda"]
     steps.append(Step("nccl probe", [*probe, "--timeout", "75"], 170, 40, tail=4))

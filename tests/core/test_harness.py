@@ -70,6 +70,28 @@ def test_a_job_that_turns_onednn_off_leaves_it_on_for_the_next_job(run_on_ranks)
     assert run_on_ranks(2, _onednn_enabled) == [True, True]
 
 
+def _gpus_seen() -> tuple[str | None, bool]:
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.is_available()
+
+
+def test_cpu_ranks_never_see_a_gpu_and_the_caller_keeps_its_environment(run_on_ranks):
+    # Found on the first GPU run: an import in the forkserver (torchao asks the device's
+    # capability) initialized CUDA there, and every rank forked from it failed to import
+    # torchao or transformers ("Cannot re-initialize CUDA in forked subprocess").
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    assert run_on_ranks(2, _gpus_seen) == [("", False)] * 2
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == before
+
+
+def test_start_cpu_forkserver_restores_the_callers_variables(monkeypatch):
+    from forge_core.testing.harness import PRELOAD, start_cpu_forkserver
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    monkeypatch.delenv("FORGE_TEST_EXTRA", raising=False)
+    start_cpu_forkserver(PRELOAD, {"FORGE_TEST_EXTRA": "1"})  # already running: no new server
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3" and "FORGE_TEST_EXTRA" not in os.environ
+
+
 def test_workers_are_separate_processes(run_on_ranks):
     assert run_on_ranks(2, os.getpid) != [os.getpid()] * 2
 

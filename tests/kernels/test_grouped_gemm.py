@@ -163,20 +163,23 @@ def test_triton_launchers_write_every_element_for_each_config(kern, config):
     x, w, offs_t, dout = _inputs(m, k, n, offs, torch.float32, seed=1)
     ref_out, ref_dx, ref_dw = _reference(x, w, offs_t, dout)
     cfg = kern.GemmConfig(**config)
-    nan = float("nan")
-    out = kern.gmm_rows(x, w, offs_t, out=torch.full((m, n), nan), config=cfg)
-    dx = kern.gmm_rows(dout, w.transpose(1, 2), offs_t, out=torch.full((m, k), nan), config=cfg)
+
+    def poisoned(*shape: int) -> torch.Tensor:
+        return torch.full(shape, float("nan"), device=x.device)
+
+    out = kern.gmm_rows(x, w, offs_t, out=poisoned(m, n), config=cfg)
+    dx = kern.gmm_rows(dout, w.transpose(1, 2), offs_t, out=poisoned(m, k), config=cfg)
     _assert_close(out, ref_out, torch.float32, "out")
     _assert_close(dx, ref_dx, torch.float32, "dX")
     if not cfg.persistent:
-        dw = kern.gmm_ragged_k(x, dout, offs_t, out=torch.full((len(offs), k, n), nan), config=cfg)
+        dw = kern.gmm_ragged_k(x, dout, offs_t, out=poisoned(len(offs), k, n), config=cfg)
         _assert_close(dw, ref_dw, torch.float32, "dW")
 
 
 def test_triton_handles_strided_inputs_and_int64_offs(kern):
     m, k, n, offs = 29, 20, 24, [6, 6, 25]
     x, w, offs_t, dout = _inputs(m, k, n, offs, torch.float32, seed=2)
-    x_strided = torch.zeros(k + 3, m).t()[:, :k]  # [M, K] with strides (1, M)
+    x_strided = torch.zeros(k + 3, m, device=x.device).t()[:, :k]  # [M, K], strides (1, M)
     x_strided.copy_(x)
     w_strided = w.transpose(1, 2).contiguous().transpose(1, 2)  # [E, K, N], N-major
     out, dx, dw = _run_autograd(x_strided, w_strided, offs_t.long(), dout, "triton")
@@ -187,12 +190,15 @@ def test_triton_handles_strided_inputs_and_int64_offs(kern):
 
 
 def test_triton_zero_rows_and_zero_k(kern):
-    x = torch.zeros(0, 8)
-    w = torch.randn(2, 8, 16)
-    assert grouped_gemm(x, w, torch.zeros(2, dtype=torch.int32), backend="triton").shape == (0, 16)
-    x = torch.zeros(7, 0)
-    w = torch.zeros(2, 0, 16)
-    out = grouped_gemm(x, w, torch.tensor([3, 5], dtype=torch.int32), backend="triton")
+    dev = _device()
+    x = torch.zeros(0, 8, device=dev)
+    w = torch.randn(2, 8, 16, device=dev)
+    offs = torch.zeros(2, dtype=torch.int32, device=dev)
+    assert grouped_gemm(x, w, offs, backend="triton").shape == (0, 16)
+    x = torch.zeros(7, 0, device=dev)
+    w = torch.zeros(2, 0, 16, device=dev)
+    offs = torch.tensor([3, 5], dtype=torch.int32, device=dev)
+    out = grouped_gemm(x, w, offs, backend="triton")
     assert out.shape == (7, 16) and (out == 0).all()
 
 
@@ -335,13 +341,17 @@ def test_backend_reporting_on_cpu(monkeypatch):
     # TRITON_INTERPRET=1 is set in this module, and still the CPU default is not the interpreter.
     assert grouped_gemm_backend(x) == expected_auto
     assert grouped_gemm_backend(x.double()) == "reference"
-    assert grouped_gemm_backend(x, "triton") == "triton"
+    if _ON_GPU:  # no interpreter here (the module sets TRITON_INTERPRET only without a GPU)
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+            grouped_gemm_backend(x, "triton")
+    else:
+        assert grouped_gemm_backend(x, "triton") == "triton"
     assert grouped_gemm_backend(x, "reference") == "reference"
     with pytest.raises(ValueError, match="choose one of"):
         grouped_gemm_backend(x, "cutlass")
     with pytest.raises(ValueError, match="use 'reference'"):
         grouped_gemm_backend(x.double(), "torch_grouped_mm")
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         grouped_gemm_backend(x, "triton")
 
@@ -361,11 +371,13 @@ def test_dispatcher_runs_the_backend_it_reports(kern, monkeypatch):
 
     monkeypatch.setattr(torch, "_grouped_mm", count_mm)
     monkeypatch.setattr(kern, "gmm_rows", count_rows)
-    x, w, offs, _ = _inputs(9, 8, 8, [3, 9], torch.float32)
-    x, w, offs = x.cpu(), w.cpu(), offs.cpu()
+    # CPU: the default is torch._grouped_mm, Triton runs interpreted; GPU: the default is Triton
+    dtype = torch.bfloat16 if _ON_GPU else torch.float32  # CUDA _grouped_mm: bf16 only
+    x, w, offs, _ = _inputs(16, 16, 16, [8, 16], dtype)
+    other = "torch_grouped_mm" if _ON_GPU else "triton"
     grouped_gemm(x, w, offs)
-    assert calls == {"torch": 1, "triton": 0}
-    grouped_gemm(x, w, offs, backend="triton")
+    assert calls == ({"torch": 0, "triton": 1} if _ON_GPU else {"torch": 1, "triton": 0})
+    grouped_gemm(x, w, offs, backend=other)
     assert calls == {"torch": 1, "triton": 1}
 
 
@@ -416,7 +428,9 @@ def test_no_host_read_of_offs_in_forward_and_backward(kern, forbid_host_reads, b
     if backend == "torch_grouped_mm" and not hasattr(torch, "_grouped_mm"):
         pytest.skip("torch without _grouped_mm")
     x, w, offs, dout = _inputs(45, 48, 40, [0, 7, 7, 30, 39], torch.float32)
-    out, dx, dw = _run_autograd(x.cpu(), w.cpu(), offs.cpu(), dout.cpu(), backend)
+    if backend == "torch_grouped_mm":  # CUDA's _grouped_mm takes bf16 only: this runs on CPU
+        x, w, offs, dout = x.cpu(), w.cpu(), offs.cpu(), dout.cpu()
+    out, dx, dw = _run_autograd(x, w, offs, dout, backend)
     assert out.shape == (45, 40) and dx.shape == (45, 48) and dw.shape == (5, 48, 40)
 
 

@@ -336,6 +336,7 @@ def test_dense_promise_gives_the_same_numbers_without_masking_passes():
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(t, d, generator=g), torch.rand(t, k, generator=g)
     g_out, g_slots = torch.randn(t, d, generator=g), torch.randn(t * k, d, generator=g)
+    x, w, g_out, g_slots = (v.to(DEVICE) for v in (x, w, g_out, g_slots))  # the layout's device
 
     def run(dense: bool):
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()

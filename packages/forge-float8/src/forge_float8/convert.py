@@ -144,11 +144,20 @@ def _skip_reason(
     return None
 
 
-def _default_emulate() -> bool:
-    """Emulate only on a GPU without fp8 GEMMs (below SM89); CPU runs torch's CPU _scaled_mm."""
+def _default_emulate(model: nn.Module, device: torch.device | str | None) -> bool:
+    """Emulate only on a GPU without fp8 GEMMs (below SM89); CPU runs torch's CPU _scaled_mm.
+
+    The GPU asked is the one the model runs on: ``device`` when given, else its parameters'
+    device; a CPU model on a GPU machine never touches CUDA (asking would initialize it, which
+    breaks every process forked afterwards). A meta model with no ``device`` asks the current
+    GPU, if any.
+    """
+    where = torch.device(device) if device is not None else _params_device(model)
+    if where is not None and where.type != "cuda":
+        return False
     if not torch.cuda.is_available():
         return False
-    major, minor = torch.cuda.get_device_capability()
+    major, minor = torch.cuda.get_device_capability(where)
     if (major, minor) >= (8, 9):
         return False
     warnings.warn(
@@ -157,6 +166,11 @@ def _default_emulate() -> bool:
         stacklevel=3,
     )
     return True
+
+
+def _params_device(model: nn.Module) -> torch.device | None:
+    """The device of ``model``'s first non-meta parameter (None: none, or all on meta)."""
+    return next((p.device for p in model.parameters() if p.device.type != "meta"), None)
 
 
 def apply_float8(
@@ -168,11 +182,13 @@ def apply_float8(
     emulate: bool | None = None,
     convert_output_head: bool = False,
     tp_float8_all_gather: bool | None = None,
+    device: torch.device | str | None = None,
 ) -> nn.Module:
     """Convert ``model``'s eligible ``nn.Linear`` modules to Float8 training; returns ``model``.
 
     Order: after TP and EP, before AC, compile and FSDP2 (enforced). ``emulate=None`` emulates
-    only on a GPU below SM89 (with a warning). ``tp_float8_all_gather`` (tensorwise with TP):
+    only on a GPU below SM89 (with a warning); the GPU is ``device`` (where a meta model will
+    be materialized), else the one the parameters are on. ``tp_float8_all_gather`` (tensorwise with TP):
     None = fp8 TP styles unless the tp group is gloo. Raises ``ForgeConfigError`` for an unknown recipe,
     for fp8 all-gather with TP or with a rowwise recipe, and when no Linear is convertible.
     """
@@ -224,7 +240,7 @@ def apply_float8(
         if not chosen:
             why = "; ".join(f"{n}: {r}" for n, r in skipped.items()) or "the model has no nn.Linear"
             raise ForgeConfigError(f"apply_float8: no Linear can be converted ({why})")
-        emulate = _default_emulate() if emulate is None else emulate
+        emulate = _default_emulate(model, device) if emulate is None else emulate
         config = dataclasses.replace(
             Float8LinearConfig.from_recipe_name(recipe),
             enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather,

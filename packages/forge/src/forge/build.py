@@ -44,8 +44,7 @@ from forge_core.torch_compat import is_compiled, non_persistent_buffer_names
 from forge_cp import apply_context_parallel
 from forge_cp.checks import cp_pipeline_problems
 from forge_domain import apply_domain_parallel
-from forge_float8 import apply_float8
-from forge_float8.config import Float8Config
+from forge_float8 import Float8Config, apply_float8
 from forge_fsdp_wrap import (
     apply_ac,
     apply_compile,
@@ -431,6 +430,7 @@ class ParallelPlan:
                 recipe=self.float8.recipe,
                 enable_fsdp_float8_all_gather=self.fp8_all_gather,
                 filter_fqns=self.float8.filter_fqns,
+                device=device,
             )
         if axis_size(mesh, "domain") > 1:
             assert mesh is not None  # a domain axis of size > 1 implies a mesh

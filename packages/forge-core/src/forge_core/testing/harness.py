@@ -6,6 +6,11 @@ Functions and arguments are pickled (module-level functions travel by name). A f
 rank raises :class:`RankError` carrying every failing rank's traceback; a rank that does not
 answer within the timeout (a hang in a collective) makes the pool kill its workers and raise
 instead of blocking, and the next call starts a fresh pool.
+
+The ranks are CPU ranks: the forkserver they fork from starts with every GPU hidden
+(``CUDA_VISIBLE_DEVICES=""``, :func:`start_cpu_forkserver`). Otherwise an import that asks CUDA
+a question there (torchao asks for the device's capability at import) initializes CUDA in the
+forkserver, and no process forked from it can use CUDA or import such a module again.
 """
 
 from __future__ import annotations
@@ -17,10 +22,36 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from multiprocessing import forkserver
 from typing import Any
 
-__all__ = ["RankError", "RankPool"]
+__all__ = ["RankError", "RankPool", "start_cpu_forkserver"]
+
+#: What RankPool's forkserver imports once, for every rank forked from it.
+PRELOAD = ["torch", "torch.distributed", "forge_core"]
+
+
+def start_cpu_forkserver(preload: list[str], env: Mapping[str, str] | None = None) -> None:
+    """Start this process's forkserver (if it is not running yet) importing ``preload``, with
+    every GPU hidden from it and ``env`` added to its environment; this process's own
+    environment is left as it was.
+
+    The forkserver reads its preload list and environment only when it starts: a forkserver
+    already running (started by someone else) keeps its own.
+    """
+    mp.get_context("forkserver").set_forkserver_preload(preload)
+    extra = {"CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    before = {name: os.environ.get(name) for name in extra}
+    os.environ.update(extra)
+    try:
+        forkserver.ensure_running()
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 class RankError(RuntimeError):
@@ -73,8 +104,8 @@ class RankPool:
         # single-threaded process: a 4-rank pool starts in seconds instead of paying one torch
         # import per rank (~4 s each, serialized on a 2-core machine). Plain fork from the caller
         # is unsafe (its OpenMP/gloo threads do not survive fork).
+        start_cpu_forkserver(PRELOAD)
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "forge_core"])
         self._dir = tempfile.TemporaryDirectory(prefix="forge-ranks-")
         store_path = os.path.join(self._dir.name, "store")
         self._results = ctx.Queue()
