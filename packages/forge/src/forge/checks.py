@@ -31,11 +31,7 @@ from forge_float8.checks import check_float8, float8_problems, torchao_problems
 from forge_fsdp_wrap.checks import ac_mode_problems
 from forge_moe_ep.checks import dispatch_cp_problems, expert_parallel_problems, no_moe_problems
 from forge_pp.checks import pp_problems, schedule_problems
-from forge_tp_plans.checks import (
-    pipeline_stage_problems,
-    plan_import_problems,
-    transformer_tp_problems,
-)
+from forge_tp_plans.checks import plan_import_problems, transformer_tp_problems
 from forge_vlm.checks import ac_scope_problems, vlm_problems
 
 from .layout import Layout, resolve_layout
@@ -165,14 +161,15 @@ def import_problems(cfg: ForgeConfig, world_size: int | Layout) -> list[str]:
     :func:`config_problems` is empty. ``world_size``: a number of ranks or the resolved
     ``Layout``."""
     try:
-        par = _layout(cfg, world_size).parallelism
+        layout = _layout(cfg, world_size)
     except ForgeConfigError as err:
         return [str(err)]
+    par = layout.parallelism
     problems = torchao_problems() if cfg.float8.enabled else []
     if par.pp > 1:
         problems += schedule_problems(cfg.pp)
     if cfg.tp.plan is not None and par.tp > 1:
-        problems += _explicit_plan_problems(cfg, par.tp, pipelined=par.pp > 1)
+        problems += _explicit_plan_problems(cfg, layout)
     if par.tp > 1:
         problems += _encoder_plan_problems(cfg)
     return problems
@@ -249,9 +246,7 @@ def _pipeline_problems(cfg: ForgeConfig, layout: Layout) -> list[str]:
         grad_accum=t.grad_accum,
         tie_embeddings=m.tie_embeddings,
     )
-    problems += pipeline_stage_problems(
-        sequence_parallel=cfg.tp.sequence_parallel_flag, loss_parallel=cfg.tp.loss_parallel, pp=pp
-    )
+    problems += layout.refused  # sequence / loss parallelism asked on the stages
     if t.compile and t.compile_scope == "model":
         problems.append(
             f"training.compile_scope='model' with parallelism.pp={pp}: a pipeline rank's model "
@@ -261,10 +256,10 @@ def _pipeline_problems(cfg: ForgeConfig, layout: Layout) -> list[str]:
     return problems
 
 
-def _explicit_plan_problems(cfg: ForgeConfig, tp: int, *, pipelined: bool = False) -> list[str]:
+def _explicit_plan_problems(cfg: ForgeConfig, layout: Layout) -> list[str]:
     """Import ``tp.plan`` here and check a plan dict against a meta-device copy of the model, so
-    that a wrong plan is one line before launch instead of a traceback from every rank. Under pp
-    the plan is checked as a stage gets it: without sequence or loss parallelism.
+    that a wrong plan is one line before launch instead of a traceback from every rank, with the
+    layout's sequence and loss parallelism (under pp both off: as a stage gets the plan).
 
     NOTE: nothing the path names is called here: a plan *function* is only checked for its
     signature, and runs on the ranks (which report its failure in one line)."""
@@ -288,10 +283,10 @@ def _explicit_plan_problems(cfg: ForgeConfig, tp: int, *, pipelined: bool = Fals
     try:  # NOTE: the plan's checks on a model raise (forge_tp_plans.check_tensor_parallel)
         check_tensor_parallel(
             decoder,
-            tp,
+            layout.tp,
             plan=plan,
-            sequence_parallel=False if pipelined else cfg.tp.sequence_parallel_flag,
-            loss_parallel=cfg.tp.loss_parallel and not pipelined,
+            sequence_parallel=layout.sequence_parallel,
+            loss_parallel=layout.loss_parallel,
         )
     except ForgeConfigError as err:
         return [f"tp.plan: {err}"]

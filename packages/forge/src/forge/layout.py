@@ -36,6 +36,9 @@ class Layout:
     ``batch_per_rank``: samples of the global batch on each data-parallel rank;
     ``micro_batch``: of those, per gradient-accumulation micro-step (the last one of a
     non-divisible split is refused by the checks).
+    ``refused``: what was asked that the layout cannot honour (an explicit
+    ``tp.sequence_parallel`` / ``tp.loss_parallel`` on pipeline stages, in the TP layer's words);
+    the pre-launch checks report these with every other problem.
     """
 
     world_size: int
@@ -45,6 +48,7 @@ class Layout:
     loss_parallel: bool
     batch_per_rank: int
     micro_batch: int
+    refused: tuple[str, ...] = ()
 
     @property
     def tp(self) -> int:
@@ -64,7 +68,13 @@ def resolve_layout(cfg: ForgeConfig, world_size: int) -> Layout:
     # cp ranks hold the same parameters, so FSDP2 / DDP run over them (dp_shard x cp).
     data = par.data if par.dp_degree * par.cp > 1 or world_size == 1 else "none"
     pipelined = par.pp > 1
-    sp = cfg.tp.sequence_parallel_flag
+    sp, lp = cfg.tp.sequence_parallel_flag, cfg.tp.loss_parallel
+    # NOTE: the TP layer's words for what pipeline stages cannot give; reported by the checks
+    refused = (
+        tp_checks.pipeline_stage_problems(sequence_parallel=sp, loss_parallel=lp, pp=par.pp)
+        if pipelined
+        else []
+    )
     if sp is None or pipelined:
         # NOTE: the TP layer's rule, looked up at call time: it is the one place it is decided.
         # On a pipeline stage it is off whatever was asked (what passes between stages is a
@@ -83,7 +93,8 @@ def resolve_layout(cfg: ForgeConfig, world_size: int) -> Layout:
         data=data,
         sequence_parallel=par.tp > 1 and sp,
         # NOTE: the last pipeline stage returns plain logits, so no loss parallel under pp
-        loss_parallel=par.tp > 1 and not pipelined and cfg.tp.loss_parallel,
+        loss_parallel=par.tp > 1 and not pipelined and lp,
         batch_per_rank=per_rank,
         micro_batch=micro,
+        refused=tuple(refused),
     )
