@@ -299,3 +299,19 @@ def test_a_world_size_beyond_any_machine_is_refused_at_once():
     """Resolving 2**40 ranks once listed the divisors of 2**40 for the ep message: a hang."""
     with pytest.raises(ForgeConfigError, match=r"^world_size=1099511627776 is too large"):
         ParallelismConfig(ep=3).resolve(HUGE)
+
+
+def test_each_layer_owns_its_model_presets():
+    """forge_core's presets are reference decoders only; forge composes the layers' own."""
+    from forge_core import PRESETS
+
+    assert {"debug_vlm", "debug_field", "debug_moe"}.isdisjoint(PRESETS)
+    vlm = load_config({"model": {"preset": "debug_vlm"}})
+    assert vlm.is_vlm and vlm.model == MoEModelConfig.preset("debug")
+    field = load_config(None, ["model.preset=debug_field"])
+    assert field.field is not None and field.parallelism.domain == 2
+    with pytest.raises(ForgeConfigError) as err:
+        load_config({"model": {"preset": "debug_vml"}})
+    message = str(err.value)
+    assert "unknown model preset 'debug_vml' (did you mean 'debug_vlm'?)" in message
+    assert all(name in message for name in ("debug_moe", "debug_field", "llama3_8b"))

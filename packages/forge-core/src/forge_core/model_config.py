@@ -185,12 +185,6 @@ PRESETS: dict[str, ModelConfig] = {
     # Tiny and CPU-fast: every test and `forge build` use it.
     "debug": _DEBUG,
     "debug_tied": replace(_DEBUG, tie_embeddings=True),
-    # The decoder of the debug vision-language model (forge_vlm.config.VLM_PRESETS has
-    # its vision encoder and adapter).
-    "debug_vlm": _DEBUG,
-    # Not a token model: selects the [field] section's image-like model (forge_domain.config
-    # FIELD_PRESETS, built by forge_domain.FieldNet); this decoder config is unused.
-    "debug_field": _DEBUG,
     "small": ModelConfig(
         vocab_size=32000, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, max_seq_len=1024
     ),

@@ -30,6 +30,7 @@ __all__ = [
     "AC_SCOPES",
     "AdapterConfig",
     "VISION_BACKENDS",
+    "VLM_DECODER_PRESETS",
     "VLM_DESIGNS",
     "VLM_PRESETS",
     "VLMConfig",
@@ -209,8 +210,10 @@ def num_image_tokens(vision: VisionEncoderConfig, adapter: AdapterConfig) -> int
     return (vision.grid // adapter.pool) ** 2
 
 
-#: Model presets that are VLMs: the decoder is ``PRESETS[name]``; these are the other parts.
+#: Model presets that are VLMs: the vision encoder, adapter and ``[vlm]`` settings of each; its
+#: decoder is the reference decoder preset ``VLM_DECODER_PRESETS[name]`` (forge_core's PRESETS).
 VLM_PRESETS: dict[str, tuple[VisionEncoderConfig, AdapterConfig, VLMConfig]] = {
     # 16x16 images in 4x4 patches: 16 image tokens of the debug decoder's width.
     "debug_vlm": (VisionEncoderConfig(), AdapterConfig(), VLMConfig()),
 }
+VLM_DECODER_PRESETS: dict[str, str] = {"debug_vlm": "debug"}

@@ -38,7 +38,13 @@ from forge_float8.config import Float8Config
 from forge_moe_ep.config import MoEModelConfig
 from forge_pp.config import PPConfig
 from forge_tp_plans.config import TPConfig
-from forge_vlm.config import VLM_PRESETS, AdapterConfig, VisionEncoderConfig, VLMConfig
+from forge_vlm.config import (
+    VLM_DECODER_PRESETS,
+    VLM_PRESETS,
+    AdapterConfig,
+    VisionEncoderConfig,
+    VLMConfig,
+)
 
 from .paths import read_toml
 
@@ -359,8 +365,27 @@ def _build_section(section: str, values: Mapping[str, Any]) -> Any:
     _check_keys(section, values)
     if cls is MoEModelConfig:
         values = dict(values)
-        return MoEModelConfig.preset(values.pop("preset", "debug"), **values)
+        return MoEModelConfig.preset(_decoder_preset(values.pop("preset", "debug")), **values)
     return cls(**values)
+
+
+def _decoder_preset(name: Any) -> Any:
+    """The ``[model]`` config behind ``model.preset = name``: each layer owns its presets. A
+    VLM preset names its decoder (forge-vlm's ``VLM_DECODER_PRESETS``); a field preset
+    (forge-domain) has none, its ``[model]`` is unused (the reference ``debug``); the others are
+    decoder presets (forge_core's and forge-moe-ep's)."""
+    if not isinstance(name, str):
+        return name  # MoEModelConfig.preset says what it must be
+    if name in VLM_DECODER_PRESETS:
+        return VLM_DECODER_PRESETS[name]
+    if name in FIELD_PRESETS:
+        return "debug"
+    known = [*MoEModelConfig.presets(), *VLM_PRESETS, *FIELD_PRESETS]
+    if name not in known:
+        raise ForgeConfigError(
+            f"unknown model preset '{name}'{did_you_mean(name, known)}; presets: {sorted(known)}"
+        )
+    return name
 
 
 def load_config(
