@@ -47,8 +47,6 @@ the fake one it creates.
 
 from __future__ import annotations
 
-import math
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -58,12 +56,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from forge_core import ForgeConfigError, ParallelismConfig, applied_stages
+from forge_core.costs import Collective, CollectiveTally
 from forge_core.mesh_dims import axis_size, sub_mesh
 from forge_core.stages import unwrap
-from forge_core.torch_compat import (
-    fsdp_param_groups,
-    fsdp_reshards_root_after_forward,
-)
+from forge_cp.costs import cp_attention_extra_bytes, cp_collectives, cp_kept_once_bytes
+from forge_fsdp_wrap.costs import ddp_collectives, fsdp_collectives
 from forge_mesh import build_device_mesh, mesh_layout
 from forge_mesh.per_rank import (
     BYTE_KINDS,
@@ -72,12 +69,20 @@ from forge_mesh.per_rank import (
     rank_coordinates,
     unique_params,
 )
+from forge_moe_ep.costs import (
+    ep_collectives,
+    expert_load_collectives,
+    moe_slot_activation_bytes,
+    routed_rows,
+)
 from forge_pp import PipelineSplit, bubble_fraction, pipeline_actions, replay_peak
+from forge_pp.costs import pp_collectives
 from forge_pp.split import balanced_blocks, stage_indices
-from forge_tp_plans import AppliedPlan, applied_tp_plan
-from forge_vlm import ac_components, num_image_tokens
+from forge_tp_plans import applied_tp_plan
+from forge_tp_plans.costs import tp_collectives
+from forge_vlm import ac_components
+from forge_vlm.costs import vlm_activation_bytes
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from .build import ParallelPlan, model_from_config
@@ -98,10 +103,6 @@ __all__ = [
     "run_plan",
 ]
 
-_DDP_BUCKET = 25 * 2**20  # DDP's default bucket_cap_mb
-
-_DDP_BUCKET = 25 * 2**20  # DDP's default bucket_cap_mb
-
 
 @dataclass(frozen=True)
 class ActivationEstimate:
@@ -115,21 +116,6 @@ class ActivationEstimate:
     @property
     def full(self) -> int:
         return self.full_saved + self.full_block
-
-
-@dataclass(frozen=True)
-class Collective:
-    """``count`` calls per training step in ``phase`` (forward, backward, step); ``bytes`` per
-    call on the unsharded side (all-gather output, reduce-scatter input); ``group`` names the
-    mesh axis of ``group_size`` ranks."""
-
-    phase: str
-    kind: str
-    group: str
-    group_size: int
-    bytes: int
-    count: int
-    what: str
 
 
 @dataclass
@@ -288,15 +274,6 @@ def _itemsize(cfg: ForgeConfig) -> int:
     return getattr(torch, cfg.training.param_dtype).itemsize
 
 
-def _routed_rows(cfg: ForgeConfig, b: int, s: int) -> int:
-    """Rows an MoE layer sends to its experts for ``b`` sequences of ``s`` tokens (a cp rank's
-    share): ``T k`` dropless, ``E b capacity`` capped."""
-    m = cfg.model
-    if m.moe_dispatch == "dropless":
-        return b * s * m.top_k
-    return m.num_experts * b * max(1, math.ceil(m.capacity_factor * s * m.top_k / m.num_experts))
-
-
 def _checkpointed(cfg: ForgeConfig) -> tuple[str, ...]:
     """The components AC full wraps (a plain model: its decoder blocks)."""
     vlm = cfg.vlm
@@ -371,8 +348,8 @@ def estimate_activations(
 def _activation_parts(cfg: ForgeConfig, layout: Layout, b: int, device: str) -> _ActivationParts:
     """The terms of :func:`estimate_activations` for micro-batches of ``b`` sequences."""
     m, t = cfg.model, layout.tp
-    kv_heads, ffn, hidden = m.n_kv_heads, m.ffn_dim, m.moe_ffn_dim
-    assert kv_heads and ffn and hidden  # filled in by (MoE)ModelConfig.__post_init__
+    kv_heads, ffn = m.n_kv_heads, m.ffn_dim
+    assert kv_heads and ffn  # filled in by ModelConfig.__post_init__
     sp, lp, cp = layout.sequence_parallel, layout.loss_parallel, layout.parallelism.cp
     e, d, whole = _itemsize(cfg), m.dim, cfg.training.seq_len
     s = whole // cp  # this rank's tokens of each sequence
@@ -380,28 +357,21 @@ def _activation_parts(cfg: ForgeConfig, layout: Layout, b: int, device: str) -> 
     low = e != 4  # below fp32: casts that fp32 does not make
     norm_in = 8 * b * r * d if device == "cpu" else b * r * d * e
     norm = norm_in + 4 * b * r + b * s * d * e
-    kv_seq = whole if cp > 1 else s  # CP: the all-gathered keys and values
-    attn = 2 * b * s * (d // t) * e + 2 * b * kv_seq * (kv_heads * m.head_dim // t) * e
-    if cp > 1:  # two SDPA calls (one per chunk) keep their outputs; wo keeps their concatenation
-        attn += b * s * (d // t) * e
+    kv_dim = kv_heads * m.head_dim
+    attn = 2 * b * s * (d // t) * e + 2 * b * s * (kv_dim // t) * e
+    attn += cp_attention_extra_bytes(
+        b=b, seq_len=whole, cp=cp, dim=d, kv_dim=kv_dim, tp=t, itemsize=e
+    )
     attn += 4 * b * s * (m.n_heads // t) + (4 * s * m.head_dim * e if low else 0)
     dense = moe = 2 * norm + attn + 4 * b * s * (ffn // t) * e
     if m.moe_layers:
-        tok, n_exp = b * s, m.num_experts
-        moe = 2 * norm + attn + 4 * tok * n_exp + 4 * n_exp + tok * m.top_k * 20
-        moe += _routed_rows(cfg, b, s) * (8 + 2 * d * e + 4 * hidden * e)
-        moe += 4 * d * (tok + n_exp) if low else 0
-        moe += 4 * tok * m.num_shared_experts * hidden * e
+        moe = 2 * norm + attn + moe_slot_activation_bytes(m, b, s, e)
     blocks = tuple(moe if m.is_moe_layer(i) else dense for i in range(m.n_layers))
     vocab = m.vocab_size // t if lp else m.vocab_size
     first = 8 * b * (s + (cp == 1))  # token ids (a cp rank's are a copy, without the last)
-    cp_once = 0
-    if cp > 1:  # the RoPE rows of this rank's positions (fp32), the CPU kernel's shared masks
-        chunk = whole // (2 * cp)
-        # the masks: one row of chunk + end - 1 values per chunk (end: (r + 1) c, (2 cp - r) c)
-        cp_once = (0 if low else 2 * s * m.head_dim * 4) + (
-            e * ((2 * cp + 3) * chunk - 2) if device == "cpu" else 0
-        )
+    cp_once = cp_kept_once_bytes(
+        seq_len=whole, cp=cp, head_dim=m.head_dim, itemsize=e, device=device
+    )
     last = 8 * b * s + 4 + norm + 4 * b * s * vocab  # targets, loss scalar, final norm, log-probs
     in_ac = "decoder" in _checkpointed(cfg)
     kept = blocks
@@ -413,20 +383,8 @@ def _activation_parts(cfg: ForgeConfig, layout: Layout, b: int, device: str) -> 
     first_full, first_top = first, 0
     v, a, vlm = cfg.vision, cfg.adapter, cfg.vlm
     if v is not None and a is not None and vlm is not None:  # a VLM (ForgeConfig: all or none)
-        n, n_img, tv = v.num_patches, num_image_tokens(v, a), t if vlm.encoder_tp else 1
-        extra = b * n * v.dim * e + 2 * b * n_img * (a.hidden_dim or d) * e + b * n_img * d * e
-        extra += 9 * b * s + (b * n_img * v.dim * e if a.pool > 1 else 0)
-        first, first_full = first + extra, first_full + extra
-        if not vlm.freeze_encoder:
-            mlp = v.mlp_dim
-            assert mlp  # filled in by VisionEncoderConfig.__post_init__
-            vit = 4 * b * n * v.dim * e + 16 * b * n + 4 * b * n * (v.dim // tv) * e
-            vit += 4 * b * n * (v.n_heads // tv) + 2 * b * n * (mlp // tv) * e
-            stem = b * v.in_channels * v.image_size**2 * e + b * n * v.dim * e + 8 * b * n
-            enc_ac = "encoder" in _checkpointed(cfg)
-            first += v.n_layers * vit + stem
-            first_full += v.n_layers * (b * n * v.dim * e if enc_ac else vit) + stem
-            first_top = vit if enc_ac else 0
+        vis = vlm_activation_bytes(v, a, vlm, b=b, s=s, dim=d, tp=t, itemsize=e)
+        first, first_full, first_top = first + vis.none, first_full + vis.full, vis.recompute
     first += cp_once  # NOTE: under AC full they are saved only while a block is recomputed
     return _ActivationParts(first, first_full, blocks, kept, recompute, first_top, last)
 
@@ -572,12 +530,6 @@ def _broken_rules(cfg: ForgeConfig, world_size: int) -> list[str]:
     return config_problems(cfg, world_size) or import_problems(cfg, world_size)
 
 
-def _fold(name: str) -> str:
-    """A module name with wrapper parts dropped and block numbers folded to ``*``."""
-    name = re.sub(r"\._checkpoint_wrapped_module|\._orig_mod", "", name)
-    return re.sub(r"\.\d+(\.|$)", r".*\1", name) or "(root)"
-
-
 @dataclass(frozen=True)
 class _Share:
     """What one pipeline rank runs per step (the whole model without pp): its decoder blocks,
@@ -613,34 +565,6 @@ def _pipeline_share(pipe: PipelinePlan, r: int) -> _Share:
     )
 
 
-class _Tally:
-    """Collectives of one step counted by (phase, kind, group, group size, bytes, what)."""
-
-    def __init__(self, par: ParallelismConfig) -> None:
-        self.sizes = {"tp": par.tp, "ep": par.ep, "dp": par.dp_degree}
-        self.sizes |= {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard}
-        self.sizes |= {"pp": par.pp, "cp": par.cp, "dp_cp": par.dp_degree * par.cp}
-        self.counts: dict[tuple[str, str, str, int, int, str], int] = {}
-
-    def add(self, op: str, group: str, nbytes: int, n: int, what: str, size: int = 0) -> None:
-        """``n`` calls of ``op`` ("phase kind") moving ``nbytes`` each on ``group`` (of
-        ``size`` ranks, the axis size unless given); nothing on a group of one rank."""
-        size = size or self.sizes[group]
-        if size > 1 and n > 0:
-            phase, kind = op.split()
-            key = (phase, kind, group, size, nbytes, what)
-            self.counts[key] = self.counts.get(key, 0) + n
-
-    def table(self) -> list[Collective]:
-        """The rows in step order (forward, backward, step), then by group and purpose."""
-        order = {"forward": 0, "backward": 1, "step": 2}
-        ranked = sorted(self.counts.items(), key=lambda kv: (order[kv[0][0]], kv[0][2], kv[0][5]))
-        return [
-            Collective(phase, kind, group, size, nbytes, count=n, what=what)
-            for (phase, kind, group, size, nbytes, what), n in ranked
-        ]
-
-
 def _collectives(
     cfg: ForgeConfig, layout: Layout, modules: Sequence[nn.Module], share: _Share
 ) -> list[Collective]:
@@ -649,14 +573,11 @@ def _collectives(
     ranks differ (rank 0's without pp, each pipeline rank's with it)."""
     m, tr, par = cfg.model, cfg.training, layout.parallelism
     e, b, s, acc = _itemsize(cfg), share.micro_batch, tr.seq_len // par.cp, share.passes
-    tally = _Tally(par)
-    _fsdp_collectives(tally, modules, share, e)
+    tally = CollectiveTally(_group_sizes(par))
+    fsdp_collectives(tally, modules, passes=acc, pipelined=share.pipelined, itemsize=e)
     params = unique_params(modules)
     if layout.data == "ddp":
-        total = sum(p.numel() * 4 for p in params if p.requires_grad)
-        for i in range(math.ceil(total / _DDP_BUCKET)):
-            nbytes = min(_DDP_BUCKET, total - i * _DDP_BUCKET)
-            tally.add("backward all_reduce", "dp_replicate", nbytes, 1, "DDP gradient bucket")
+        ddp_collectives(tally, params)
     top = unwrap(modules[0])
     applied = applied_tp_plan(getattr(top, "decoder", top))
     # AC full recomputes each block's forward up to its last saved tensor (w2's input / the MoE
@@ -664,124 +585,68 @@ def _collectives(
     # and op AC are counted as none.)
     ac = int(tr.ac_mode == "full" and "decoder" in _checkpointed(cfg))
     moe_blocks = sum(m.is_moe_layer(i) for i in share.blocks)
+    block_passes = len(share.blocks) * acc
     if par.tp > 1 and applied is not None:
-        _tp_collectives(tally, cfg, share, applied, ac, moe_blocks, b * s, e)
-    if par.cp > 1:  # each attention gathers k and v of the whole sequence (its local heads)
-        kv = 2 * b * tr.seq_len * (m.n_kv_heads or m.n_heads) * m.head_dim // par.tp * e
-        calls = len(share.blocks) * acc
-        tally.add("forward all_gather", "cp", kv, calls * (1 + ac), "CP: keys and values")
-        tally.add("backward reduce_scatter", "cp", kv, calls, "CP: their gradients")
+        tp_collectives(
+            tally,
+            applied,
+            dim=m.dim,
+            vocab_size=m.vocab_size,
+            tie_embeddings=m.tie_embeddings,
+            block_passes=block_passes,
+            replicated_passes=moe_blocks * acc,  # an MoE slot runs replicated: no TP inside
+            head_passes=acc if share.head else 0,  # the final norm + head (the last stage's)
+            ac=ac,
+            tokens=b * s,
+            itemsize=e,
+        )
+    if par.cp > 1:
+        kv_dim = (m.n_kv_heads or m.n_heads) * m.head_dim
+        cp_collectives(
+            tally,
+            b=b,
+            seq_len=tr.seq_len,
+            kv_dim=kv_dim,
+            tp=par.tp,
+            itemsize=e,
+            block_passes=block_passes,
+            ac=ac,
+        )
     if par.ep > 1 and moe_blocks:
-        _ep_collectives(tally, cfg, moe_blocks * acc, _routed_rows(cfg, b, s) * m.dim * e, ac)
+        ep_collectives(tally, m, moe_blocks * acc, routed_rows(m, b, s) * m.dim * e, ac)
     _step_collectives(tally, cfg, par, params, moe_blocks)
     if share.pipelined:
-        _pp_collectives(tally, share, b * s * m.dim * e)
+        hidden = b * s * m.dim * e
+        sends, recvs = len(share.sends_to), len(share.recvs_from)
+        pp_collectives(tally, sends=sends, recvs=recvs, passes=acc, hidden_bytes=hidden)
     return tally.table()
 
 
-def _fsdp_collectives(tally: _Tally, modules: Sequence[nn.Module], share: _Share, e: int) -> None:
-    """Each FSDP2 unit's all-gathers, reduce-scatters and HSDP all-reduces."""
-    acc = share.passes
-    # NOTE: torch leaves named_modules' return type unannotated (Any); typed here for the checker
-    named: list[tuple[str, nn.Module]] = [nu for module in modules for nu in module.named_modules()]
-    for name, unit in named:
-        if not isinstance(unit, FSDPModule):
-            continue
-        for group in fsdp_param_groups(unit):  # one per unit in forge
-            info, fps, what = group.mesh_info, group.fsdp_params, f"FSDP2 unit {_fold(name)}"
-            n, axis = info.shard_mesh_size, info.mesh.mesh_dim_names[info.shard_mesh_dim]
-            numel = sum(fp.padded_sharded_param_size.numel() for fp in fps)
-            trained = [fp for fp in fps if fp.sharded_param.requires_grad]
-            grads = sum(fp.padded_sharded_param_size.numel() for fp in trained)
-            post = group.post_forward_mesh_info
-            # NOTE: a pipeline stage keeps its gathered parameters from its first forward to its
-            # last backward (reshard_after_forward=False; torch's stage turns reshard after
-            # backward off until the step's gradient reduction): one all-gather per step.
-            gathers = 1 if share.pipelined and post is None else acc
-            tally.add("forward all_gather", axis, numel * n * e, gathers, what + " params", n)
-            # FSDP2 keeps the root's parameters after forward only when its reshard_after_forward
-            # was left unset (forge sets it); every other resharded unit is gathered again.
-            if post is not None and (name or not fsdp_reshards_root_after_forward(unit)):
-                again, size = what + " params again", post.shard_mesh_size
-                tally.add("backward all_gather", axis, numel * n * e, acc, again, size)
-            tally.add(
-                "backward reduce_scatter", axis, grads * n * 4, int(grads > 0), what + " grads", n
-            )
-            if hasattr(info, "replicate_mesh_size"):
-                rep, size = info.mesh.mesh_dim_names[0], info.replicate_mesh_size
-                tally.add(
-                    "backward all_reduce", rep, grads * 4, int(grads > 0), what + " (HSDP)", size
-                )
-
-
-def _tp_collectives(
-    tally: _Tally,
-    cfg: ForgeConfig,
-    share: _Share,
-    applied: AppliedPlan,
-    ac: int,
-    moe_blocks: int,
-    tokens: int,
-    e: int,
-) -> None:
-    """TP's and SP's activation collectives and the head's (``tokens``: one micro-batch's
-    tokens on this rank, batch x local sequence; ``e``: bytes per activation element)."""
-    m, acc = cfg.model, share.passes
-    head = acc if share.head else 0  # the final norm + head's passes (the last stage's)
-    act, blocks = tokens * m.dim * e, len(share.blocks) * acc
-    dense = blocks - moe_blocks * acc  # an MoE slot runs replicated: no TP inside
-    if applied.sequence_parallel:  # per block: gather in, reduce-scatter out (MoE: slice)
-        rows = [
-            ("forward all_gather", 2 * blocks * (1 + ac) + head, "SP: attention/FFN/head input"),
-            ("forward reduce_scatter", blocks * (1 + ac) + dense, "SP: wo/w2 output"),
-            ("backward reduce_scatter", blocks + dense + head, "SP: grads of gathered inputs"),
-            ("backward all_gather", 2 * blocks + head, "SP: grads of split outputs/block 0"),
-        ]
-        tally.add(
-            "backward all_reduce", "tp", m.dim * e, 2 * blocks + head, "SP: norm weight grads"
-        )
-    else:  # each column-parallel Linear's input gradient is reduced on its own
-        fwd = blocks * (1 + ac) + dense + head * m.tie_embeddings  # + the tied embedding
-        rows = [
-            ("forward all_reduce", fwd, "TP: row-parallel outputs"),
-            ("backward all_reduce", 3 * blocks + 2 * dense + head, "TP: column-parallel inputs"),
-        ]
-    for op, n, what in rows:
-        tally.add(op, "tp", act, n, what)
-    if applied.loss_parallel:
-        tally.add("forward all_reduce", "tp", 4 * tokens, 3 * head, "loss parallel: max/sum/target")
-    else:
-        tally.add("forward all_gather", "tp", tokens * m.vocab_size * e, head, "TP: logits")
-
-
-def _ep_collectives(tally: _Tally, cfg: ForgeConfig, layers: int, nbytes: int, ac: int) -> None:
-    """The all-to-alls of ``layers`` MoE layer passes moving ``nbytes`` each way."""
-    m, again = cfg.model, 1 + ac
-    how = "(balanced routing)"
-    if m.moe_dispatch == "capacity":
-        how = "(capacity buffer)"
-    else:
-        tally.add(
-            "forward all_to_all", "ep", 4 * m.num_experts, layers * again, "EP: expert counts"
-        )
-    tally.add("forward all_to_all", "ep", nbytes, 2 * layers * again, f"EP: dispatch+combine {how}")
-    tally.add("backward all_to_all", "ep", nbytes, 2 * layers, "EP: their gradients")
+def _group_sizes(par: ParallelismConfig) -> dict[str, int]:
+    """The size of each group name the cost terms count on."""
+    return {
+        "tp": par.tp,
+        "ep": par.ep,
+        "dp": par.dp_degree,
+        "dp_replicate": par.dp_replicate,
+        "dp_shard": par.dp_shard,
+        "pp": par.pp,
+        "cp": par.cp,
+        "dp_cp": par.dp_degree * par.cp,
+    }
 
 
 def _step_collectives(
-    tally: _Tally,
+    tally: CollectiveTally,
     cfg: ForgeConfig,
     par: ParallelismConfig,
     params: Sequence[nn.Parameter],
     moe_blocks: int,
 ) -> None:
     """The step's scalar reductions: loss average, MoE expert loads, grad norm partial sums."""
-    m = cfg.model
     for axis in ("dp_replicate", "dp_shard", "cp"):
         tally.add("step all_reduce", axis, 4, 1, "loss average (fp32 scalar)")
-    if moe_blocks and m.moe_bias_update_rate > 0:
-        loads = "dp_cp" if par.cp > 1 else "dp"  # every rank holding other tokens
-        tally.add("step all_reduce", loads, 4 * m.num_experts, moe_blocks, "MoE expert loads")
+    expert_load_collectives(tally, cfg.model, moe_blocks, cp=par.cp)
     sharded = {  # a gradient norm sums over every mesh dim some gradient is sharded on
         (_dim_name(p.device_mesh, j), p.device_mesh.shape[j]): None
         for p in params
@@ -791,20 +656,6 @@ def _step_collectives(
     }
     for axis, size in sharded:
         tally.add("step all_reduce", axis, 4, 1, "grad norm partial sum (fp32 scalar)", size)
-
-
-def _pp_collectives(tally: _Tally, share: _Share, hidden: int) -> None:
-    """Point to point with the neighbouring stages' ranks, per micro-batch, and the step's
-    scalar sums over the stages."""
-    acc = share.passes
-    for _ in share.sends_to:  # a stage whose next stage is on another pipeline rank
-        tally.add("forward send", "pp", hidden, acc, "PP: activations to the next stage")
-        tally.add("backward recv", "pp", hidden, acc, "PP: their gradients back")
-    for _ in share.recvs_from:  # a stage whose previous stage is on another pipeline rank
-        tally.add("forward recv", "pp", hidden, acc, "PP: activations from the previous stage")
-        tally.add("backward send", "pp", hidden, acc, "PP: their gradients back")
-    tally.add("step all_reduce", "pp", 4, 1, "PP: loss report summed over stages (fp32 scalar)")
-    tally.add("step all_reduce", "pp", 8, 1, "PP: grad norm of the other stages (fp64 scalar)")
 
 
 def _dim_index(mesh: DeviceMesh, name: str) -> int:

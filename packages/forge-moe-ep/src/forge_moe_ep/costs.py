@@ -1,0 +1,69 @@
+"""What an MoE layer costs in a training step, for ``forge plan``: the activations autograd
+keeps for one MoE slot, and expert parallelism's all-to-alls and load reductions.
+
+Routing is assumed balanced (dropless: every token's ``top_k`` rows; capacity: the capped
+buffer), so the counts are those of an average step.
+"""
+
+from __future__ import annotations
+
+import math
+
+from forge_core.costs import CollectiveTally
+
+from .config import MoEModelConfig
+
+__all__ = ["ep_collectives", "expert_load_collectives", "moe_slot_activation_bytes", "routed_rows"]
+
+
+def routed_rows(m: MoEModelConfig, b: int, s: int) -> int:
+    """Rows an MoE layer sends to its experts for ``b`` sequences of ``s`` tokens (a cp rank's
+    share): ``T k`` dropless, ``E b capacity`` capped."""
+    if m.moe_dispatch == "dropless":
+        return b * s * m.top_k
+    return m.num_experts * b * max(1, math.ceil(m.capacity_factor * s * m.top_k / m.num_experts))
+
+
+def moe_slot_activation_bytes(m: MoEModelConfig, b: int, s: int, itemsize: int) -> int:
+    """What autograd keeps for one MoE slot (the block's FFN position) for ``b`` sequences of
+    ``s`` tokens, replicated on tp: scores ``4 T E``, offsets ``4 E``, per (token, choice) ids,
+    float32 weight and scatter index ``20 T k``, per routed row the permuted input, grouped
+    SwiGLU, expert output (kept by the combine) and gather index ``R (2 d e + 4 moe_ffn e + 8)``,
+    below fp32 the router's float32 input and weight ``4 T d + 4 E d``, and the shared expert
+    ``4 T shared_hidden e``."""
+    hidden, d, e = m.moe_ffn_dim, m.dim, itemsize
+    assert hidden  # filled in by MoEModelConfig.__post_init__
+    tok, n_exp = b * s, m.num_experts
+    kept = 4 * tok * n_exp + 4 * n_exp + tok * m.top_k * 20
+    kept += routed_rows(m, b, s) * (8 + 2 * d * e + 4 * hidden * e)
+    kept += 4 * d * (tok + n_exp) if e != 4 else 0
+    return kept + 4 * tok * m.num_shared_experts * hidden * e
+
+
+def ep_collectives(
+    tally: CollectiveTally, m: MoEModelConfig, layer_passes: int, nbytes: int, ac: int
+) -> None:
+    """The ``ep`` all-to-alls of ``layer_passes`` MoE layer forwards moving ``nbytes`` each way
+    (``ac``: 1 when AC full runs each forward again in backward)."""
+    again = 1 + ac
+    how = "(balanced routing)"
+    if m.moe_dispatch == "capacity":
+        how = "(capacity buffer)"
+    else:
+        tally.add(
+            "forward all_to_all", "ep", 4 * m.num_experts, layer_passes * again, "EP: expert counts"
+        )
+    tally.add(
+        "forward all_to_all", "ep", nbytes, 2 * layer_passes * again, f"EP: dispatch+combine {how}"
+    )
+    tally.add("backward all_to_all", "ep", nbytes, 2 * layer_passes, "EP: their gradients")
+
+
+def expert_load_collectives(
+    tally: CollectiveTally, m: MoEModelConfig, moe_layers: int, *, cp: int
+) -> None:
+    """The step's expert-load sums (the router bias update): one per MoE layer, over every
+    rank holding other tokens (data parallel, and cp when it is on)."""
+    if moe_layers and m.moe_bias_update_rate > 0:
+        loads = "dp_cp" if cp > 1 else "dp"
+        tally.add("step all_reduce", loads, 4 * m.num_experts, moe_layers, "MoE expert loads")
