@@ -29,7 +29,6 @@ MODULE_LINES = 500
 #: Modules still over MODULE_LINES, each held at its length when the measure came in (issue 32):
 #: lower a ceiling when its module shrinks; remove it once the module is under the bound.
 OVER_LINES = {
-    "packages/forge/src/forge/plan.py": 794,
     "packages/forge/src/forge/build.py": 778,
     "packages/forge/src/forge/train.py": 562,
     "packages/forge-tp-plans/src/forge_tp_plans/fused_styles.py": 568,

@@ -1,0 +1,288 @@
+"""``forge plan``'s activation memory: what autograd keeps per micro-batch on a rank
+(:func:`estimate_activations`, the formula in its docstring; the tests compare it with the
+tensors autograd saves on real runs) and, with pipeline parallelism, each pipeline rank's peak
+under its schedule (:func:`estimate_pipeline_activations`). The layers' own terms come from
+their ``costs`` modules (MoE slots, CP's gathered keys and values, a VLM's vision side)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from forge_core import ForgeConfigError
+from forge_cp.costs import cp_attention_extra_bytes, cp_kept_once_bytes
+from forge_moe_ep.costs import moe_slot_activation_bytes
+from forge_pp import bubble_fraction, pipeline_actions, replay_peak
+from forge_pp.split import balanced_blocks, stage_indices
+from forge_vlm import ac_components
+from forge_vlm.costs import vlm_activation_bytes
+
+from .config import ForgeConfig
+from .layout import Layout, resolve_layout
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """Bytes autograd keeps per micro-batch on a rank: ``none`` without AC; with AC full,
+    ``full_saved`` after the forward plus ``full_block`` (one block recomputed in backward)."""
+
+    none: int
+    full_saved: int
+    full_block: int
+
+    @property
+    def full(self) -> int:
+        return self.full_saved + self.full_block
+
+
+def itemsize_of(cfg: ForgeConfig) -> int:
+    return getattr(torch, cfg.training.param_dtype).itemsize
+
+
+def checkpointed_components(cfg: ForgeConfig) -> tuple[str, ...]:
+    """The components AC full wraps (a plain model: its decoder blocks)."""
+    vlm = cfg.vlm
+    return ac_components(vlm.ac_scope, vlm.freeze_encoder) if vlm else ("decoder",)
+
+
+@dataclass(frozen=True)
+class _ActivationParts:
+    """:func:`estimate_activations`' bytes per micro-batch, by where they are made: ``first``
+    before the decoder blocks (token ids; a VLM's encoder, adapter and image embeddings; what a
+    first pipeline stage adds), one entry per decoder block, ``last`` after the blocks (final
+    norm, targets, the loss: what a last stage adds). ``*_full``: under AC full (a block keeps its
+    checkpointed input); ``recompute``: what AC full recomputes in backward, per block (0 when
+    the decoder is not checkpointed) and for the first part (a checkpointed ViT block)."""
+
+    first: int
+    first_full: int
+    blocks: tuple[int, ...]
+    blocks_full: tuple[int, ...]
+    block_recompute: tuple[int, ...]
+    first_recompute: int
+    last: int
+
+
+def estimate_activations(
+    cfg: ForgeConfig, world_size: int, *, device: str = "cuda"
+) -> ActivationEstimate:
+    """What autograd saves for backward per micro-batch on one rank, in bytes.
+
+    ``b = global_batch_size / dp_degree / grad_accum`` sequences of ``s = seq_len``; ``e`` bytes
+    per ``param_dtype`` element; tp degree ``t``; ``r = s/t`` with sequence parallelism (SP),
+    else ``s``. Per dense block without AC:
+
+    - each RMSNorm (2): on ``device="cuda"`` (torch's fused kernel) its input and float32
+      ``rstd`` (``b r e + 4 b r``), on ``"cpu"`` (the composite, computed in float32) the float32
+      input and ``x*rstd`` and ``rstd`` (``8 b r d + 4 b r``); and its output as the projections
+      keep it (``b s d e``; under SP the all-gathered copy);
+    - attention: q and the SDPA output ``2 b s d/t e``, k and v ``2 b s kv_dim/t e``, the
+      logsumexp ``4 b s h/t`` (a fused SDPA: no ``s x s`` matrix); below fp32 also the RoPE tables
+      cast per call ``4 s head_dim e``;
+    - SwiGLU FFN: w1 out, silu out, w3 out and their product, ``4 b s ffn/t e``;
+    - an MoE slot instead (replicated on tp, ``T = b s`` tokens, ``R`` routed rows: ``T k``
+      dropless with balanced routing, or ``E b capacity``): scores ``4 T E``, per routed row the
+      permuted input, grouped SwiGLU, expert output (kept by the combine) and gather index
+      ``R (2 d e + 4 moe_ffn e + 8)``, per (token, choice) ids, float32 weight and scatter index
+      ``20 T k``, offsets ``4 E``, the shared expert ``4 T shared_hidden e``, below fp32 the
+      router's float32 input and weight ``4 T d + 4 E d``.
+
+    Outside the blocks: token ids ``8 b (s+1)`` and targets ``8 b s``, the final norm, the loss's
+    float32 log-probabilities ``4 b s V`` (``V/t`` with loss parallel). A VLM adds the adapter,
+    the image embeddings and, when trainable, the ViT encoder (per block LayerNorm inputs/outputs
+    and mean/rstd, q/k/v/out, logsumexp, GELU MLP; the patch stem). AC full keeps each block's
+    input (``b r d e``; the first block's unsplit, ``b s d e``: its checkpoint wraps the SP split)
+    and recomputes one block in backward. The tests measure it exact on CPU (float32 and
+    bfloat16, with TP and SP); the CUDA norm term follows the fused kernel's backward signature.
+
+    Context parallelism (``cp > 1``): a rank holds ``s = seq_len / cp`` tokens of each sequence
+    and every term above uses that ``s``, except k and v: attention keeps the all-gathered
+    ``2 b seq_len kv_dim/t e`` instead, and the output of its two SDPA calls (one per chunk) is
+    kept twice, by them and concatenated by ``wo`` (``+ b s d/t e``). Once per rank (AC none): in fp32 the RoPE rows of its
+    positions ``2 s head_dim 4``, and on ``device="cpu"`` the two mask rows the kernel shares by
+    every layer, ``e ((2 cp + 3) c - 2)`` with ``c = seq_len / 2 cp`` (CUDA's kernels need none).
+    """
+    layout = resolve_layout(cfg, world_size)
+    parts = _activation_parts(cfg, layout, layout.micro_batch, device)
+    none = parts.first + sum(parts.blocks) + parts.last
+    full = parts.first_full + sum(parts.blocks_full) + parts.last
+    top = max((*parts.block_recompute, parts.first_recompute))
+    return ActivationEstimate(none=none, full_saved=full, full_block=top)
+
+
+def _activation_parts(cfg: ForgeConfig, layout: Layout, b: int, device: str) -> _ActivationParts:
+    """The terms of :func:`estimate_activations` for micro-batches of ``b`` sequences."""
+    m, t = cfg.model, layout.tp
+    kv_heads, ffn = m.n_kv_heads, m.ffn_dim
+    assert kv_heads and ffn  # filled in by ModelConfig.__post_init__
+    sp, lp, cp = layout.sequence_parallel, layout.loss_parallel, layout.parallelism.cp
+    e, d, whole = itemsize_of(cfg), m.dim, cfg.training.seq_len
+    s = whole // cp  # this rank's tokens of each sequence
+    r = s // t if sp else s
+    low = e != 4  # below fp32: casts that fp32 does not make
+    norm_in = 8 * b * r * d if device == "cpu" else b * r * d * e
+    norm = norm_in + 4 * b * r + b * s * d * e
+    kv_dim = kv_heads * m.head_dim
+    attn = 2 * b * s * (d // t) * e + 2 * b * s * (kv_dim // t) * e
+    attn += cp_attention_extra_bytes(
+        b=b, seq_len=whole, cp=cp, dim=d, kv_dim=kv_dim, tp=t, itemsize=e
+    )
+    attn += 4 * b * s * (m.n_heads // t) + (4 * s * m.head_dim * e if low else 0)
+    dense = moe = 2 * norm + attn + 4 * b * s * (ffn // t) * e
+    if m.moe_layers:
+        moe = 2 * norm + attn + moe_slot_activation_bytes(m, b, s, e)
+    blocks = tuple(moe if m.is_moe_layer(i) else dense for i in range(m.n_layers))
+    vocab = m.vocab_size // t if lp else m.vocab_size
+    first = 8 * b * (s + (cp == 1))  # token ids (a cp rank's are a copy, without the last)
+    cp_once = cp_kept_once_bytes(
+        seq_len=whole, cp=cp, head_dim=m.head_dim, itemsize=e, device=device
+    )
+    last = 8 * b * s + 4 + norm + 4 * b * s * vocab  # targets, loss scalar, final norm, log-probs
+    in_ac = "decoder" in checkpointed_components(cfg)
+    kept = blocks
+    if in_ac:  # AC full: each block keeps its input (the first block's unsplit under SP)
+        kept = tuple(
+            b * r * d * e + (b * (s - r) * d * e if i == 0 else 0) for i in range(len(blocks))
+        )
+    recompute = blocks if in_ac else tuple(0 for _ in blocks)
+    first_full, first_top = first, 0
+    v, a, vlm = cfg.vision, cfg.adapter, cfg.vlm
+    if v is not None and a is not None and vlm is not None:  # a VLM (ForgeConfig: all or none)
+        vis = vlm_activation_bytes(v, a, vlm, b=b, s=s, dim=d, tp=t, itemsize=e)
+        first, first_full, first_top = first + vis.none, first_full + vis.full, vis.recompute
+    first += cp_once  # NOTE: under AC full they are saved only while a block is recomputed
+    return _ActivationParts(first, first_full, blocks, kept, recompute, first_top, last)
+
+
+# ------------------------------------------------------------------------ pipeline parallelism
+@dataclass(frozen=True)
+class PipelinePlan:
+    """What ``parallelism.pp > 1`` adds to a plan.
+
+    ``microbatches`` of ``micro_batch`` sequences per step (each data-parallel rank's batch
+    split); ``stage_blocks``: the decoder blocks of each stage (stage 0 also holds the embedding,
+    the last stage the final norm and head); ``rank_stages``: the stages of each pipeline rank;
+    ``in_flight``: per pipeline rank, the micro-batches of each of its stages whose activations
+    are held at that rank's peak (AC none); ``bubble``: the idle fraction in theory
+    (:func:`forge_pp.bubble_fraction`); ``order``: where the action order came from (see
+    :func:`forge_pp.pipeline_actions`)."""
+
+    schedule: str
+    pp: int
+    microbatches: int
+    micro_batch: int
+    stages_per_rank: int
+    stage_blocks: tuple[range, ...]
+    rank_stages: tuple[tuple[int, ...], ...]
+    in_flight: tuple[dict[int, int], ...]
+    bubble: float
+    order: str
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_blocks)
+
+
+def pipeline_plan(
+    cfg: ForgeConfig, layout: Layout, device: str
+) -> tuple[PipelinePlan, list[ActivationEstimate], list[str]]:
+    """The pipeline section, each pipeline rank's activations (peak in flight) and the settings
+    torch refuses when it builds the schedule."""
+    pp_cfg, pp = cfg.pp, layout.parallelism.pp
+    v, m = pp_cfg.local_stages(), pp_cfg.num_microbatches(pp)
+    b = max(1, layout.batch_per_rank // m)
+    n_stages = pp * v
+    problems: list[str] = []
+    ranges = balanced_blocks(cfg.model.n_layers, n_stages, pp_cfg.split_points)
+    try:
+        ranks, order = pipeline_actions(pp_cfg.schedule, pp, m, v)
+    except ValueError as err:
+        problems.append(
+            f"pp.schedule={pp_cfg.schedule!r} with parallelism.pp={pp}, {m} micro-batches, "
+            f"{v} stages per rank: torch refuses it: {err}"
+        )
+        ranks, order = pipeline_actions("GPipe", pp, m, 1)
+    parts = _activation_parts(cfg, layout, b, device)
+    e, s, d = itemsize_of(cfg), cfg.training.seq_len, cfg.model.dim
+    # NOTE: a stage keeps its output until that micro-batch's backward (hidden states; the
+    # last stage its logits), and nothing longer: forge_pp runs the schedule with
+    # return_outputs=False (the merged logits are never kept).
+    hidden, logits = b * s * d * e, b * s * cfg.model.vocab_size * e
+    last = n_stages - 1
+    out_mb = {st: logits if st == last else hidden for st in range(n_stages)}
+
+    def stage_bytes(stage: int, full: bool) -> int:
+        blocks = parts.blocks_full if full else parts.blocks
+        out = sum(blocks[i] for i in ranges[stage])
+        if stage == 0:
+            out += parts.first_full if full else parts.first
+        return out + (parts.last if stage == last else 0)
+
+    none_mb = {st: stage_bytes(st, False) for st in range(n_stages)}
+    full_mb = {st: stage_bytes(st, True) for st in range(n_stages)}
+    recompute = {  # AC full: a stage's backward recomputes one of its blocks at a time
+        st: max(
+            [parts.block_recompute[i] for i in ranges[st]] + [parts.first_recompute] * (st == 0)
+        )
+        for st in range(n_stages)
+    }
+    placement = pp_cfg.info.placement
+    rank_stages = tuple(tuple(stage_indices(r, pp, v, placement)) for r in range(pp))
+    estimates, in_flight = [], []
+    for actions in ranks:
+        none, held = replay_peak(actions, none_mb, out_mb)
+        saved = replay_peak(actions, full_mb, out_mb)[0]
+        full = replay_peak(actions, full_mb, out_mb, recompute)[0]
+        estimates.append(ActivationEstimate(none=none, full_saved=saved, full_block=full - saved))
+        in_flight.append(held)
+    pipe = PipelinePlan(
+        schedule=pp_cfg.schedule,
+        pp=pp,
+        microbatches=m,
+        micro_batch=b,
+        stages_per_rank=v,
+        stage_blocks=tuple(ranges),
+        rank_stages=rank_stages,
+        in_flight=tuple(in_flight),
+        bubble=bubble_fraction(pp_cfg.schedule, pp, m, v),
+        order=order,
+    )
+    return pipe, estimates, problems
+
+
+def estimate_pipeline_activations(
+    cfg: ForgeConfig, world_size: int, *, device: str = "cuda"
+) -> list[ActivationEstimate]:
+    """Each pipeline rank's activation peak under ``cfg``'s schedule (``parallelism.pp > 1``).
+
+    What a (stage, micro-batch) holds, for micro-batches of ``b = batch_per_rank / microbatches``
+    sequences: the :func:`estimate_activations` terms of the stage's blocks (stage 0 also the
+    token ids and a VLM's encoder, adapter and image embeddings; the last stage the final norm,
+    targets and loss) and its output (``b s d e``, the last stage's logits ``b s V e``: torch's
+    stage keeps it for the backward). Nothing outlives its micro-batch's backward: forge_pp runs
+    the schedule without merging the last stage's outputs (``return_outputs=False``).
+
+    When: the rank's actions in order (:func:`forge_pp.pipeline_actions`) are replayed; a forward adds
+    its (stage, micro-batch), the full backward frees it, or for the zero-bubble schedules
+    (backward split into input and weight gradients) the weight gradient, which still needs the
+    saved inputs (an upper bound: the input step frees a little). ``none`` and ``full_saved`` (AC
+    full: each block keeps its input) are the peaks of that sum; ``full_block`` what AC full adds
+    at its own peak, where a backward recomputes one block of its stage on top.
+
+    Micro-batches in flight at most on pipeline rank ``r`` of ``p`` (``m`` micro-batches, ``v``
+    stages per rank, ``q = m / max(1, m // p)`` per round): GPipe ``m`` (all forwards, then all
+    backwards); 1F1B ``min(m, p - r)`` (that many warm-up forwards, then a backward before each
+    forward); LoopedBFS ``v m``; Interleaved1F1B ``w + 1`` with ``w = min((v-1) q + 2 (p-1-r),
+    v m)`` (``w`` when that is ``v m``); InterleavedZeroBubble ``(v-1) q + p``; ZBVZeroBubble
+    ``min(m, 2p-1-r)`` of stage ``r`` and ``r + 1`` of stage ``2p-1-r``; DualPipeV
+    ``min(m, 2p-r)`` and ``r + 1``. Where a rank's stages differ in size (interleaved: the
+    balanced split's stages hold different block counts, the first and last stage more) the
+    byte peak can fall at another moment than the count's: the replay finds it.
+    """
+    layout = resolve_layout(cfg, world_size)
+    if layout.parallelism.pp <= 1:
+        raise ForgeConfigError("estimate_pipeline_activations needs parallelism.pp > 1")
+    _, estimates, problems = pipeline_plan(cfg, layout, device)
+    if problems:
+        raise ForgeConfigError(problems[0])
+    return estimates
