@@ -129,26 +129,6 @@ def test_a_rank_resolves_the_layout_once_per_job(run_on_ranks, tmp_path: Path):
         assert (build, train) == (1, 1)
 
 
-def _plans_sequence_parallel() -> list[bool | None]:
-    from forge import ParallelPlan
-    from forge_mesh import build_device_mesh
-
-    found = []
-    for cfg in (AUTO, {**AUTO, "model": {"preset": "debug_tied"}}):
-        loaded = load_config(cfg)
-        assert loaded.tp.sequence_parallel_flag is None  # "auto"
-        layout = resolve_layout(loaded, 4)
-        mesh = build_device_mesh(layout.parallelism, "cpu")
-        found.append(ParallelPlan.from_config(loaded, mesh, layout=layout).sequence_parallel)
-    return found
-
-
-def test_parallel_plan_takes_the_layouts_sequence_parallel_not_the_raw_flag(run_on_ranks):
-    """ParallelPlan.from_config reads the resolved Layout: the raw "auto" (None) never reaches
-    the TP layer, which would otherwise decide the default a second time."""
-    assert run_on_ranks(4, _plans_sequence_parallel) == [[True, False]] * 4
-
-
 def test_what_pipeline_stages_cannot_give_is_refused_in_the_tp_layers_words():
     from forge_tp_plans.checks import pipeline_stage_problems
 

@@ -247,9 +247,9 @@ class ParallelPlan:
 
         ``config``: a loaded ``ForgeConfig``, a dict of sections or a TOML path (both read with
         ``forge.config.load_config``). What the plan takes from it: the resolved layout
-        (:func:`forge.layout.resolve_layout`: ``data``, ``sequence_parallel``, ``loss_parallel``),
-        ``[training]`` ``ac_mode``, ``compile``, ``compile_scope``, ``param_dtype``,
-        ``reshard_after_forward``, ``cpu_offload``; ``[tp]`` ``plan``, ``allow_import``; the
+        (:func:`forge.layout.resolve_layout`: ``data``, ``loss_parallel``), ``[training]``
+        ``ac_mode``, ``compile``, ``compile_scope``, ``param_dtype``, ``reshard_after_forward``,
+        ``cpu_offload``; ``[tp]`` ``plan``, ``sequence_parallel``, ``allow_import``; the
         ``[float8]`` and ``[vlm]`` sections as they are. Without a mesh ``data`` is ``"none"``.
 
         The mesh must have the layout ``[parallelism]`` resolves to for its number of ranks (a
@@ -294,7 +294,7 @@ class ParallelPlan:
             "reshard_after_forward": t.reshard_after_forward,
             "cpu_offload": t.cpu_offload,
             "tp_plan": cfg.tp.plan,
-            "sequence_parallel": layout.sequence_parallel,  # decided once, by resolve_layout
+            "sequence_parallel": cfg.tp.sequence_parallel_flag,  # None: per model, by forge_tp_plans
             "loss_parallel": layout.loss_parallel,
             "allow_plan_import": cfg.tp.allow_import,
             "float8": cfg.float8,

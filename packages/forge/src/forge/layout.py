@@ -32,7 +32,9 @@ class Layout:
     (``tp.sequence_parallel``, or for ``"auto"`` the TP layer's own rule,
     :func:`forge_tp_plans.checks.default_sequence_parallel`, for forge's models: they all have a
     registered plan); false without tp, and false on pipeline stages (``parallelism.pp > 1``),
-    as is ``loss_parallel``.
+    as is ``loss_parallel``. ``ParallelPlan.from_config`` hands the TP layer the ask
+    (``tp.sequence_parallel``) instead: its plan may parallelize a Hugging Face model, whose
+    plan is basic TP, so "auto" is decided there, for the model it meets.
     ``batch_per_rank``: samples of the global batch on each data-parallel rank;
     ``micro_batch``: of those, per gradient-accumulation micro-step (the last one of a
     non-divisible split is refused by the checks).
