@@ -250,6 +250,17 @@ def bench_interpreter_toy() -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _descriptor_types(rows: bool, cfg: Any, dtype: str, b_trans: bool) -> dict[str, str]:
+    """Signature types of the kernels' tensor-descriptor arguments under ``cfg``."""
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    if rows:
+        b_block = [1, bn, bk] if b_trans else [1, bk, bn]
+        blocks = {"a_desc": [bm, bk], "b_desc": b_block}
+    else:
+        blocks = {"a_desc": [bk, bm], "b_desc": [bk, bn]}
+    return {name: f"tensordesc<{dtype}[{','.join(map(str, b))}]>" for name, b in blocks.items()}
+
+
 def _compile_check_child() -> list[dict[str, Any]]:
     """Compile each autotune config for sm90 (runs with TRITON_INTERPRET unset)."""
     import inspect
@@ -263,12 +274,20 @@ def _compile_check_child() -> list[dict[str, Any]]:
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     new_api = "constexprs" in inspect.signature(ASTSource.__init__).parameters
     results = []
+    rows, dw = kern._gmm_rows_kernel, kern._gmm_ragged_k_kernel
+    rows16 = kern.candidates("rows", False, False) + kern.candidates("rows", False, True)
     plans = [
-        ("rows (fwd)", kern._gmm_rows_kernel, kern._CONFIGS_16BIT, "*bf16", {"stride_bn": 1}),
-        ("rows (dX)", kern._gmm_rows_kernel, kern._CONFIGS_16BIT[:1], "*bf16", {"stride_bk": 1}),
-        ("rows (fwd)", kern._gmm_rows_kernel, kern._CONFIGS_FP32, "*fp32", {"stride_bn": 1}),
-        ("ragged_k (dW)", kern._gmm_ragged_k_kernel, kern._DW_CONFIGS_16BIT, "*bf16", {}),
-        ("ragged_k (dW)", kern._gmm_ragged_k_kernel, kern._DW_CONFIGS_FP32, "*fp32", {}),
+        ("rows (fwd)", rows, rows16, "*bf16", {"stride_bn": 1, "B_TRANS": False}),
+        ("rows (dX)", rows, rows16[:1] + rows16[-1:], "*bf16", {"stride_bk": 1, "B_TRANS": True}),
+        (
+            "rows (fwd)",
+            rows,
+            kern.candidates("rows", True, False),
+            "*fp32",
+            {"stride_bn": 1, "B_TRANS": False},
+        ),
+        ("ragged_k (dW)", dw, kern.candidates("ragged_k", False, True), "*bf16", {}),
+        ("ragged_k (dW)", dw, kern.candidates("ragged_k", True, False), "*fp32", {}),
     ]
     for label, fn, configs, ptr_type, layout in plans:
         for cfg in configs:
@@ -277,15 +296,20 @@ def _compile_check_child() -> list[dict[str, Any]]:
                 "INPUT_PRECISION": "ieee" if ptr_type == "*fp32" else "tf32",
                 "stride_ak": 1,
                 "stride_cn": 1,
-                **({"stride_bn": 1} if fn is kern._gmm_ragged_k_kernel else {}),
+                **({"stride_bn": 1} if fn is dw else {}),
                 **layout,
             }
-            if fn is kern._gmm_rows_kernel:
+            if fn is rows:
                 consts["E_POW2"] = 256
+            descs = _descriptor_types(fn is rows, cfg, ptr_type[1:], layout.get("B_TRANS", False))
+            if not cfg.tma:
+                consts.update(a_desc=None, b_desc=None)
             names = fn.arg_names
             sig = {
                 a: "constexpr"
                 if a in consts
+                else descs[a]
+                if a in descs
                 else ("*i32" if a == "offs_ptr" else ptr_type)
                 if a.endswith("_ptr")
                 else "i32"
@@ -306,7 +330,7 @@ def _compile_check_child() -> list[dict[str, Any]]:
 
                 attrs = AttrsDescriptor.from_hints({names.index(a): 16 for a in div16})
                 src = ASTSource(fn, sig, constants=consts, attrs=attrs)
-            row = {"kernel": label, "dtype": ptr_type[1:], "config": cfg.__dict__}
+            row: dict[str, Any] = {"kernel": label, "dtype": ptr_type[1:], "config": cfg.__dict__}
             try:
                 compiled = triton.compile(
                     src,
@@ -319,7 +343,10 @@ def _compile_check_child() -> list[dict[str, Any]]:
                 continue
             ptx = compiled.asm["ptx"]
             row.update(
-                smem=compiled.metadata.shared, wgmma="wgmma" in ptx, cp_async="cp.async" in ptx
+                smem=compiled.metadata.shared,
+                wgmma="wgmma" in ptx,
+                cp_async="cp.async" in ptx,
+                tma="cp.async.bulk.tensor" in ptx,
             )
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                 f.write(compiled.asm["cubin"])
@@ -455,6 +482,7 @@ def render(
     compile_error: str,
     reps: int,
     tokens: tuple[int, ...],
+    picked: list[tuple[str, Any, Any]] = (),  # type: ignore[assignment]
 ) -> str:
     out = [
         "# Grouped GEMM benchmarks",
@@ -474,9 +502,10 @@ def render(
         "(reduction over each expert's rows). No host sync: the grid is "
         "`(M // BLOCK_M + E + 1) x N tiles`, each program finds its expert by a prefix sum over "
         "`offs` on the device; rows past `offs[-1]` are written as zeros.",
-        "- Autotuned on the GPU over the Hopper configs in the kernel file (key: N, K, log2 "
-        "rows per expert, layout), so the first call per shape pays for tuning (done in the "
-        "warm-up here).",
+        "- Autotuned on the GPU over the Hopper configs in `forge_kernels/_grouped_gemm_configs.py` "
+        "(key: N, K, log2 rows per expert, layout; TMA candidates join when the operands allow "
+        "tensor descriptors), so the first call per shape pays for tuning (done in the warm-up "
+        "here); the configs picked are listed below the results.",
         "",
     ]
     if on_gpu:
@@ -497,6 +526,10 @@ def render(
             f"{max(ratios_d):.0%} (target >= 65%).",
             "",
             *_table(rows, on_gpu),
+            "",
+            "Configs the autotuner picked (kernel, tuning key, config):",
+            "",
+            *[f"- {kernel} {key}: {cfg}" for kernel, key, cfg in picked],
             "",
         ]
     else:
@@ -546,8 +579,8 @@ def render(
             "`input_precision='ieee'` (no tensor cores; `fp32_precision='tf32'` opts in).",
             "",
             "| kernel | dtype | block m x n x k | warps | stages | persistent | smem | regs | "
-            "spill | wgmma | cp.async |",
-            "|---|---|---|---:|---:|---|---:|---:|---:|---|---|",
+            "spill | wgmma | cp.async | TMA |",
+            "|---|---|---|---:|---:|---|---:|---:|---:|---|---|---|",
         ]
         for r in compiled:
             c = r["config"]
@@ -560,7 +593,7 @@ def render(
             out.append(
                 f"| {r['kernel']} | {r['dtype']} | {shape} | {c['num_warps']} | "
                 f"{c['num_stages']} | {c['persistent']} | {r['smem'] // 1024} KiB | {r['regs']} | "
-                f"{r['spill_bytes']} | {r['wgmma']} | {r['cp_async']} |"
+                f"{r['spill_bytes']} | {r['wgmma']} | {r['cp_async']} | {r.get('tma', False)} |"
             )
         out.append("")
     else:
@@ -629,7 +662,14 @@ def main() -> None:
     else:
         print("sm90 compile check ...", flush=True)
         compiled, compile_error = compile_check()
-    text = render(rows, on_gpu, machine_facts(on_gpu), toy, compiled, compile_error, reps, tokens)
+    picked = []
+    if on_gpu:
+        from forge_kernels import _grouped_gemm_triton as kern
+
+        picked = kern.best_configs()
+    text = render(
+        rows, on_gpu, machine_facts(on_gpu), toy, compiled, compile_error, reps, tokens, picked
+    )
     print()
     print(text)
     record_targets(rows, on_gpu)

@@ -115,20 +115,20 @@ RoutingLayout routing_layout_cpu(const at::Tensor& expert_ids, int64_t num_exper
 }
 
 void stage_to_host(const at::Tensor& src, const at::Tensor& pinned_dst) {
-  TORCH_CHECK_VALUE(
+  FORGE_CHECK_VALUE(
       pinned_dst.device().is_cpu(), "stage_to_host: pinned_dst must be a CPU tensor, got ",
       pinned_dst.device());
-  TORCH_CHECK_VALUE(
+  FORGE_CHECK_VALUE(
       pinned_dst.is_contiguous(), "stage_to_host: pinned_dst must be contiguous");
-  TORCH_CHECK_VALUE(
+  FORGE_CHECK_VALUE(
       src.numel() == pinned_dst.numel(), "stage_to_host: src has ", src.numel(),
       " elements but pinned_dst has ", pinned_dst.numel());
-  TORCH_CHECK_VALUE(
+  FORGE_CHECK_VALUE(
       src.scalar_type() == pinned_dst.scalar_type(), "stage_to_host: src is ",
       src.scalar_type(), " but pinned_dst is ", pinned_dst.scalar_type(),
       "; convert src on its device first");
   if (!src.device().is_cpu()) {
-    TORCH_CHECK_VALUE(
+    FORGE_CHECK_VALUE(
         pinned_dst.is_pinned(), "stage_to_host: pinned_dst is not in pinned memory, so a copy from ",
         src.device(), " would block the host; allocate it with pin_memory=True");
   }

@@ -176,6 +176,52 @@ def test_triton_launchers_write_every_element_for_each_config(kern, config):
         _assert_close(dw, ref_dw, torch.float32, "dW")
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(dict(block_m=16, block_n=16, block_k=16, tma=True), id="tma"),
+        pytest.param(dict(block_m=16, block_n=32, block_k=16, tma=True, group_m=2), id="tma-wide"),
+        pytest.param(
+            dict(block_m=16, block_n=16, block_k=32, tma=True, persistent=True),
+            id="tma-persistent",
+        ),
+    ],
+)
+def test_triton_tma_loads_match_the_reference_and_never_cross_a_group(kern, config):
+    # Groups of 3, 34 (two whole 16-row tiles and a tail of 2), 1, 22 and 0 rows, 4 rows past
+    # offs[-1]: row tiles of `a` read into the next group, which the stores must not show, and
+    # dW's whole tiles go through descriptors while each tail is masked.
+    m, k, n, offs = 64, 32, 48, [3, 37, 38, 60, 60]
+    x, w, offs_t, dout = _inputs(m, k, n, offs, torch.float32, seed=4)
+    ref_out, ref_dx, ref_dw = _reference(x, w, offs_t, dout)
+    cfg = kern.GemmConfig(**config)
+
+    def poisoned(*shape: int) -> torch.Tensor:
+        return torch.full(shape, float("nan"), device=x.device)
+
+    out = kern.gmm_rows(x, w, offs_t, out=poisoned(m, n), config=cfg)
+    dx = kern.gmm_rows(dout, w.transpose(1, 2), offs_t, out=poisoned(m, k), config=cfg)
+    _assert_close(out, ref_out, torch.float32, "out")
+    _assert_close(dx, ref_dx, torch.float32, "dX")
+    _check_zeros_past_offs(out, offs_t, "out")
+    if not cfg.persistent:
+        dw = kern.gmm_ragged_k(x, dout, offs_t, out=poisoned(len(offs), k, n), config=cfg)
+        _assert_close(dw, ref_dw, torch.float32, "dW")
+        assert (dw[4] == 0).all(), "dW of the empty last group is not zero"
+
+
+def test_triton_tma_config_refuses_operands_tma_cannot_address(kern):
+    x, w, offs_t, _ = _inputs(20, 33, 8, [5, 20], torch.float32)  # K = 33: 132-byte rows
+    assert not kern.tma_eligible(x)
+    cfg = kern.GemmConfig(16, 16, 16, tma=True)
+    with pytest.raises(ValueError, match="tma=False"):
+        kern.gmm_rows(x, w, offs_t, config=cfg)
+    assert not any(c.tma for c in kern.candidates("rows", fp32=False, tma=False))
+    assert not any(c.tma for c in kern.candidates("ragged_k", fp32=True, tma=True))
+    assert all(c.tma for c in kern.candidates("rows", fp32=False, tma=True))
+    assert any(c.tma for c in kern.candidates("ragged_k", fp32=False, tma=True))
+
+
 def test_triton_handles_strided_inputs_and_int64_offs(kern):
     m, k, n, offs = 29, 20, 24, [6, 6, 25]
     x, w, offs_t, dout = _inputs(m, k, n, offs, torch.float32, seed=2)
@@ -479,3 +525,47 @@ def test_gpu_triton_tf32_opt_in_is_within_tf32_error():
 @gpu
 def test_gpu_default_backend_is_triton():
     assert grouped_gemm_backend(torch.zeros(2, 2, device="cuda", dtype=torch.bfloat16)) == "triton"
+
+
+@gpu
+@pytest.mark.parametrize("kernel", ["rows", "ragged_k"])
+def test_gpu_every_bf16_candidate_config_matches_the_reference(kern, kernel):
+    # The autotuner keeps one config per shape, so each candidate (TMA or not) is run here by
+    # itself, poisoned output, ragged groups with a group of several whole tiles and a tail.
+    m, k, n, offs = 1200, 256, 384, [0, 130, 131, 700, 1100, 1100]
+    x, w, offs_t, dout = _inputs(m, k, n, offs, torch.bfloat16, seed=5)
+    ref_out, ref_dx, ref_dw = _reference(x, w, offs_t, dout)
+    configs = dict.fromkeys(
+        kern.candidates(kernel, fp32=False, tma=True) + kern.candidates(kernel, False, False)
+    )
+    assert any(c.tma for c in configs) and any(not c.tma for c in configs)
+    for cfg in configs:
+        what = f"{kernel} {cfg}"
+        if kernel == "rows":
+            out = kern.gmm_rows(
+                x,
+                w,
+                offs_t,
+                out=torch.full_like(ref_out, float("nan"), dtype=x.dtype, device=x.device),
+                config=cfg,
+            )
+            dx = kern.gmm_rows(dout, w.transpose(1, 2), offs_t, config=cfg)
+            _assert_close(out, ref_out, torch.bfloat16, f"out {what}")
+            _assert_close(dx, ref_dx, torch.bfloat16, f"dX {what}")
+            _check_zeros_past_offs(out, offs_t, f"out {what}")
+        else:
+            dw = kern.gmm_ragged_k(x, dout, offs_t, config=cfg)
+            _assert_close(dw, ref_dw, torch.bfloat16, f"dW {what}")
+
+
+def test_small_problems_get_one_autotune_candidate(kern):
+    # A compile per candidate costs about a second on first use; a problem below
+    # SMALL_PROBLEM_MACS runs in microseconds, so it is not worth tuning.
+    from forge_kernels import _grouped_gemm_tuning as tuning
+
+    small = kern._m_bucket(1000, 256, 384, 6)
+    large = kern._m_bucket(65536, 2048, 768, 128)
+    assert small == tuning.SMALL_BUCKET and large == 10  # 512 rows per expert
+    configs = list(kern.candidates("rows", fp32=False, tma=True))
+    assert tuning._prune_small(configs, {"M_BUCKET": small}) == configs[:1]
+    assert tuning._prune_small(configs, {"M_BUCKET": large}) == configs

@@ -2,7 +2,9 @@
 
 Provides:
 
-- :class:`GemmConfig`: one tile shape / launch configuration (frozen).
+- :class:`GemmConfig` (from :mod:`forge_kernels._grouped_gemm_tuning`): one launch
+  configuration; :func:`candidates` lists what the autotuner times, :func:`best_configs` what
+  it picked.
 - :func:`gmm_rows`: ``out[M, N] = a[rows_e] @ b[e]`` per group, rows past ``offs[-1]`` written as
   zeros. Used for the forward (``b = w``) and for dX (``b = w.transpose(1, 2)``, a strided view:
   the kernel takes arbitrary strides, so no transpose is materialized).
@@ -37,12 +39,14 @@ Notable choices:
   integer division): then the mode depends on this module alone, which
   :mod:`forge_kernels.grouped_gemm` imports lazily, when the Triton path first runs, and which
   a test can reload. Under the interpreter autotuning is bypassed (:data:`INTERPRETER_CONFIG`).
-- **Hopper tuning** (bf16/fp16, sm90): see :data:`_CONFIGS_16BIT`. No TMA: see the note there.
+- **Hopper tuning** (bf16/fp16, sm90): the candidates and their reasoning live in
+  :mod:`forge_kernels._grouped_gemm_tuning`. On sm90+ with operands TMA can address, the
+  autotuner also times configs that load tiles through host-side tensor descriptors (TMA);
+  stores stay masked pointer stores, so a tile never writes another group's rows.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from typing import Any
@@ -51,12 +55,29 @@ import torch
 import triton
 import triton.language as tl
 
+from forge_kernels import _grouped_gemm_tuning as _tuning
+from forge_kernels._grouped_gemm_tuning import (
+    INTERPRETER_CONFIG,
+    GemmConfig,
+    best_configs,
+    candidates,
+    tma_eligible,
+)
+
+try:  # host-side tensor descriptors: triton >= 3.4 (forge supports older tritons without TMA)
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:  # pragma: no cover - old triton
+    _TensorDescriptor = None
+
 __all__ = [
     "INTERPRETED",
     "INTERPRETER_CONFIG",
     "GemmConfig",
+    "best_configs",
+    "candidates",
     "gmm_ragged_k",
     "gmm_rows",
+    "tma_eligible",
 ]
 
 
@@ -69,41 +90,6 @@ def _interpret_mode() -> bool:
 
 #: Decided once, when this module's kernels are decorated (that is when triton decides too).
 INTERPRETED: bool = _interpret_mode()
-
-
-@dataclasses.dataclass(frozen=True)
-class GemmConfig:
-    """One launch configuration of the grouped GEMM kernels.
-
-    For :func:`gmm_rows` ``block_m`` tiles the rows (tokens), ``block_n`` the output columns and
-    ``block_k`` the reduction. For :func:`gmm_ragged_k` ``block_m`` tiles the K rows of the
-    weight gradient, ``block_n`` its columns, ``block_k`` the reduction over tokens.
-    ``group_m`` is the L2 swizzle width (row tiles visited together per column band) and
-    ``persistent`` launches one program per SM that loops over tiles (``gmm_rows`` only).
-    """
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 3
-    group_m: int = 8
-    persistent: bool = False
-
-    def meta(self) -> dict[str, int | bool]:
-        """The kernel meta-parameters this config fixes (names as in the kernels)."""
-        return {
-            "BLOCK_M": self.block_m,
-            "BLOCK_N": self.block_n,
-            "BLOCK_K": self.block_k,
-            "GROUP_M": self.group_m,
-            "PERSISTENT": self.persistent,
-        }
-
-
-#: The one config used under the interpreter: big blocks (few ``tl.dot`` calls, ~10 ms each on
-#: numpy) for the tiny shapes tests use.
-INTERPRETER_CONFIG = GemmConfig(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,6 +136,8 @@ def _gmm_rows_tile(
     b_ptr,
     c_ptr,
     offs_ptr,
+    a_desc,
+    b_desc,
     tile_id,
     M,
     N,
@@ -168,6 +156,8 @@ def _gmm_rows_tile(
     GROUP_M: tl.constexpr,
     E_POW2: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
+    B_TRANS: tl.constexpr,
 ):
     num_tiles_n = (N + BLOCK_N - 1) // BLOCK_N
     num_tiles_m = M // BLOCK_M + E + 1  # static upper bound, see the module docstring
@@ -187,23 +177,36 @@ def _gmm_rows_tile(
         ks = tl.arange(0, BLOCK_K)
         row_mask = rows < seg_end
         col_mask = cols < N
-        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + ks[None, :] * stride_ak
-        b_ptrs = (
-            b_ptr
-            + seg.to(tl.int64) * stride_be
-            + ks[:, None] * stride_bk
-            + cols.to(tl.int64)[None, :] * stride_bn
-        )
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
         # The tail segment (rows past offs[-1]) runs zero iterations and stores zeros.
         k_tiles = tl.where(seg < E, (K + BLOCK_K - 1) // BLOCK_K, 0)
-        for kt in range(0, k_tiles):
-            k_mask = ks < K - kt * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
+        if TMA:
+            # Rows of the next group (or past M: zero-filled) may enter the tile; only the
+            # store below is masked to this group's rows. K past its end is zero-filled.
+            for kt in range(0, k_tiles):
+                a = a_desc.load([row0, kt * BLOCK_K])
+                if B_TRANS:  # b_desc addresses w [E, N, K]: dX reads w[e] transposed
+                    b = b_desc.load([seg, tile_n * BLOCK_N, kt * BLOCK_K])
+                    b = b.reshape(BLOCK_N, BLOCK_K).trans(1, 0)
+                else:
+                    b = b_desc.load([seg, kt * BLOCK_K, tile_n * BLOCK_N])
+                    b = b.reshape(BLOCK_K, BLOCK_N)
+                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        else:
+            a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + ks[None, :] * stride_ak
+            b_ptrs = (
+                b_ptr
+                + seg.to(tl.int64) * stride_be
+                + ks[:, None] * stride_bk
+                + cols.to(tl.int64)[None, :] * stride_bn
+            )
+            for kt in range(0, k_tiles):
+                k_mask = ks < K - kt * BLOCK_K
+                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
         c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
         tl.store(
             c_ptrs,
@@ -218,6 +221,8 @@ def _gmm_rows_kernel(
     b_ptr,
     c_ptr,
     offs_ptr,
+    a_desc,  # tensor descriptors of a and b when TMA, else None
+    b_desc,
     M,
     N,
     K,
@@ -237,6 +242,8 @@ def _gmm_rows_kernel(
     PERSISTENT: tl.constexpr,
     E_POW2: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
+    B_TRANS: tl.constexpr,
 ):
     """c[rows_e, :] = a[rows_e, :] @ b[e] for each group e; c[offs[-1]:, :] = 0."""
     pid = tl.program_id(0)
@@ -244,15 +251,15 @@ def _gmm_rows_kernel(
         total = (M // BLOCK_M + E + 1) * ((N + BLOCK_N - 1) // BLOCK_N)
         for tile_id in range(pid, total, tl.num_programs(0)):
             _gmm_rows_tile(
-                a_ptr, b_ptr, c_ptr, offs_ptr, tile_id, M, N, K, E,
+                a_ptr, b_ptr, c_ptr, offs_ptr, a_desc, b_desc, tile_id, M, N, K, E,
                 stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, E_POW2, INPUT_PRECISION,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, E_POW2, INPUT_PRECISION, TMA, B_TRANS,
             )  # fmt: skip
     else:
         _gmm_rows_tile(
-            a_ptr, b_ptr, c_ptr, offs_ptr, pid, M, N, K, E,
+            a_ptr, b_ptr, c_ptr, offs_ptr, a_desc, b_desc, pid, M, N, K, E,
             stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, E_POW2, INPUT_PRECISION,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, E_POW2, INPUT_PRECISION, TMA, B_TRANS,
         )  # fmt: skip
 
 
@@ -262,6 +269,8 @@ def _gmm_ragged_k_kernel(
     b_ptr,
     c_ptr,
     offs_ptr,
+    a_desc,  # tensor descriptors of a and b when TMA, else None
+    b_desc,
     M,
     N,
     K,
@@ -280,6 +289,7 @@ def _gmm_ragged_k_kernel(
     GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """c[e] = a[rows_e, :].T @ b[rows_e, :] ([K, N] per group; zeros for an empty group)."""
     pid = tl.program_id(0)
@@ -301,10 +311,24 @@ def _gmm_ragged_k_kernel(
     rs = tl.arange(0, BLOCK_K)
     k_mask = ks < K
     col_mask = cols < N
-    a_ptrs = a_ptr + (start + rs).to(tl.int64)[None, :] * stride_am + ks[:, None] * stride_ak
-    b_ptrs = b_ptr + (start + rs).to(tl.int64)[:, None] * stride_bm + cols[None, :] * stride_bn
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
-    for r0 in range(start, end, BLOCK_K):  # device-side bounds: no host sync, empty -> 0 trips
+    masked_start = start
+    if TMA:
+        # Whole row tiles of the group through descriptors (no masks needed: every row is the
+        # group's); the partial last tile goes through the masked loop below.
+        full_tiles = (end - start) // BLOCK_K
+        for i in range(0, full_tiles):
+            r = start + i * BLOCK_K
+            a = a_desc.load([r, tile_k * BLOCK_M]).trans(1, 0)
+            b = b_desc.load([r, tile_n * BLOCK_N])
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        masked_start = start + full_tiles * BLOCK_K
+    a_ptrs = a_ptr + (masked_start + rs).to(tl.int64)[None, :] * stride_am + ks[:, None] * stride_ak
+    b_ptrs = (
+        b_ptr + (masked_start + rs).to(tl.int64)[:, None] * stride_bm + cols[None, :] * stride_bn
+    )
+    # device-side bounds: no host sync, empty -> 0 trips (and at most 1 trip under TMA)
+    for r0 in range(masked_start, end, BLOCK_K):
         r_mask = rs < end - r0
         a = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=r_mask[:, None] & col_mask[None, :], other=0.0)
@@ -321,89 +345,15 @@ def _gmm_ragged_k_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Hopper configurations and autotuning
-# ---------------------------------------------------------------------------------------------
-#
-# Reasoning (H100 SXM / H200: sm90, 132 SMs, up to 227 KB of shared memory per block):
-# - 16-bit inputs: 128x256x64 with 8 warps (two warpgroups, each a 64x256 wgmma) is the
-#   highest-throughput triton tile on sm90 for K >= 1k; 3 stages = 3 x 48 KB of shared memory.
-#   128x128x64 (4 stages, 32 KB each) keeps more CTAs in flight when N or the number of row tiles
-#   is small (Qwen3 down-projection dX: N = 768 -> only 3 column tiles of 256).
-# - Ragged groups waste on average half a row tile per expert: with DeepSeek-V3 at 4k tokens an
-#   expert averages 128 rows, so 64-row tiles are offered too (M_BUCKET in the autotune key is
-#   log2 of the average rows per group, so small and large batches tune separately).
-# - The persistent variant (one program per SM looping over tiles) saves the launch and
-#   early-exit cost of the E + 1 spare row tiles and smooths the last wave; without TMA or warp
-#   specialization it does not overlap the epilogue, so it is one candidate, not the default.
-# - No TMA. Row tiles of a group end at arbitrary rows, so loads of `a` and stores of `c` would
-#   need masking on top of a bounding box (a TMA store would clobber the next group's rows), and
-#   only the dense per-expert `b` operand is a clean TMA candidate. triton's pointer path on sm90
-#   already lowers these loads to multi-stage cp.async pipelines feeding wgmma. Host-side
-#   descriptors need triton >= 3.4 and device-side ones a global allocator (module state), and
-#   this had no GPU to prove the gain: left for a measured follow-up.
-# - fp32 inputs: block_k 32 keeps 4-byte tiles inside shared memory (TF32/IEEE paths).
-# The weight-gradient kernel reduces over tokens (block_k) and tiles K x N of the weight.
-
-_CONFIGS_16BIT: tuple[GemmConfig, ...] = (
-    GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
-    GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
-    GemmConfig(128, 128, 64, num_warps=4, num_stages=4),
-    GemmConfig(64, 256, 64, num_warps=4, num_stages=4),
-    GemmConfig(64, 128, 64, num_warps=4, num_stages=5),
-    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, persistent=True),
-    GemmConfig(128, 128, 64, num_warps=8, num_stages=4, persistent=True),
-)
-_CONFIGS_FP32: tuple[GemmConfig, ...] = (
-    GemmConfig(128, 128, 32, num_warps=8, num_stages=3),
-    GemmConfig(128, 64, 32, num_warps=4, num_stages=4),
-    GemmConfig(64, 128, 32, num_warps=4, num_stages=4),
-)
-_DW_CONFIGS_16BIT: tuple[GemmConfig, ...] = (
-    GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
-    GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
-    GemmConfig(128, 128, 64, num_warps=4, num_stages=4),
-    GemmConfig(64, 128, 64, num_warps=4, num_stages=4),
-)
-_DW_CONFIGS_FP32: tuple[GemmConfig, ...] = (
-    GemmConfig(128, 128, 32, num_warps=8, num_stages=3),
-    GemmConfig(64, 128, 32, num_warps=4, num_stages=4),
-)
-
-
-def _triton_configs(configs: tuple[GemmConfig, ...]) -> list[triton.Config]:
-    return [
-        triton.Config(c.meta(), num_warps=c.num_warps, num_stages=c.num_stages) for c in configs
-    ]
-
-
-# Autotuned entry points (compiled mode only), built on first use: triton < 3.4 binds the
-# autotuner to the active GPU driver when it is constructed, which fails on a CPU-only machine.
-# The strides are in the key because the forward (b = w) and dX (b = w^T) can share N and K but
-# not the layout.
-_ROWS_KEY = ["N", "K", "M_BUCKET", "stride_bk", "stride_bn"]
-_DW_KEY = ["N", "K", "M_BUCKET", "stride_am", "stride_bm"]
-
-
-@functools.cache
-def _autotuned(kernel: str, fp32: bool):
-    """The autotuned launcher for ``kernel`` ("rows" or "ragged_k") and input width.
-
-    NOTE: memoized so each autotuner (and its per-key tuning cache) is built once per process.
-    """
-    if kernel == "rows":
-        configs = _CONFIGS_FP32 if fp32 else _CONFIGS_16BIT
-        return triton.autotune(_triton_configs(configs), key=_ROWS_KEY)(_gmm_rows_kernel)
-    configs = _DW_CONFIGS_FP32 if fp32 else _DW_CONFIGS_16BIT
-    return triton.autotune(_triton_configs(configs), key=_DW_KEY)(_gmm_ragged_k_kernel)
-
-
-# ---------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------
 
 
-def _m_bucket(m: int, e: int) -> int:
-    """log2 bucket of the average rows per group (autotune key; static, no sync)."""
+def _m_bucket(m: int, n: int, k: int, e: int) -> int:
+    """log2 bucket of the average rows per group (autotune key; static, no sync), or
+    :data:`~forge_kernels._grouped_gemm_tuning.SMALL_BUCKET` for a problem too small to tune."""
+    if m * n * k < _tuning.SMALL_PROBLEM_MACS:
+        return _tuning.SMALL_BUCKET
     avg = max(1, m // max(e, 1))
     return min(max(avg.bit_length(), 4), 14)
 
@@ -430,18 +380,53 @@ def _check_interpreter(t: torch.Tensor) -> None:
         )
 
 
-def _launcher(
-    kernel: str, config: GemmConfig | None, dtype: torch.dtype
-) -> tuple[Any, dict[str, int | bool]]:
-    """``kernel`` ("rows" or "ragged_k") to launch, and its launch options: the jit kernel with
-    ``config``'s (the interpreter's config under the interpreter when ``None``), else the
-    autotuner for ``dtype``'s width, which picks them itself."""
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    # NOTE: memoized device property, like _num_sms.
+    return torch.cuda.get_device_capability(device_index)
+
+
+def _descriptors(kernel: str, a: torch.Tensor, b: torch.Tensor) -> tuple[Any, Any, bool]:
+    """Tensor descriptors of ``a`` and ``b`` (block shapes set per config by the hooks), or
+    ``(None, None)`` where TMA cannot run; and whether ``b`` is read transposed (dX)."""
+    b_trans = kernel == "rows" and b.stride(2) != 1 and b.stride(1) == 1
+    b_base = b.transpose(1, 2) if b_trans else b
+    supported = _TensorDescriptor is not None and (
+        INTERPRETED or (a.is_cuda and _capability(a.device.index or 0) >= (9, 0))
+    )
+    if not (supported and tma_eligible(a, b_base)):
+        return None, None, b_trans
+
+    def desc(t: torch.Tensor) -> Any:
+        return _TensorDescriptor(t, list(t.shape), list(t.stride()), [16] * t.dim())
+
+    return desc(a), desc(b_base), b_trans
+
+
+def _launch(
+    kernel: str, grid: Any, args: tuple, consts: dict[str, Any], config: GemmConfig | None
+) -> None:
+    """Launch ``kernel`` ("rows" or "ragged_k"): with ``config`` (the interpreter's config
+    under the interpreter when ``None``), else through the autotuner for the inputs' width and
+    TMA eligibility. ``args[4:6]`` are the descriptors from :func:`_descriptors`."""
+    tma_ok = args[4] is not None
     if config is None and INTERPRETED:
         config = INTERPRETER_CONFIG
     if config is None:
-        return _autotuned(kernel, dtype == torch.float32), {}
+        jit = _gmm_rows_kernel if kernel == "rows" else _gmm_ragged_k_kernel
+        _tuning.autotuned(kernel, jit, args[0].dtype == torch.float32, tma_ok)[grid](
+            *args, **consts
+        )
+        return
+    if config.tma and not tma_ok:
+        raise ValueError(
+            f"config.tma=True, but TMA cannot address these operands ({args[0].device.type}, "
+            "needs sm90+, unit last stride, 16-byte aligned base and strides); use tma=False"
+        )
+    meta = config.meta()
+    _tuning.BLOCK_HOOKS[kernel]({"a_desc": args[4], "b_desc": args[5], **meta, **consts})
     jit = _gmm_rows_kernel if kernel == "rows" else _gmm_ragged_k_kernel
-    return jit, {**config.meta(), "num_warps": config.num_warps, "num_stages": config.num_stages}
+    jit[grid](*args, **meta, num_warps=config.num_warps, num_stages=config.num_stages, **consts)
 
 
 def gmm_rows(
@@ -474,14 +459,16 @@ def gmm_rows(
         out = torch.empty((m, n), device=a.device, dtype=a.dtype)
     if out.numel() == 0:
         return out
+    a_desc, b_desc, b_trans = _descriptors("rows", a, b)
     args = (
-        a, b, out, offs, m, n, k, e,
+        a, b, out, offs, a_desc, b_desc, m, n, k, e,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
-        out.stride(0), out.stride(1), _m_bucket(m, e),
+        out.stride(0), out.stride(1), _m_bucket(m, n, k, e),
     )  # fmt: skip
     consts = {
         "E_POW2": triton.next_power_of_2(e + 1),
         "INPUT_PRECISION": _input_precision(a.dtype, fp32_precision),
+        "B_TRANS": b_trans,
     }
 
     def grid(meta: dict) -> tuple[int]:
@@ -491,8 +478,7 @@ def gmm_rows(
             return (min(tiles, sms),)
         return (tiles,)
 
-    launcher, options = _launcher("rows", config, a.dtype)
-    launcher[grid](*args, **options, **consts)
+    _launch("rows", grid, args, consts, config)
     return out
 
 
@@ -529,10 +515,11 @@ def gmm_ragged_k(
         out = torch.empty((e, k, n), device=a.device, dtype=out_dtype or a.dtype)
     if out.numel() == 0:
         return out
+    a_desc, b_desc, _ = _descriptors("ragged_k", a, b)
     args = (
-        a, b, out, offs, m, n, k, e,
+        a, b, out, offs, a_desc, b_desc, m, n, k, e,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        out.stride(0), out.stride(1), out.stride(2), _m_bucket(m, e),
+        out.stride(0), out.stride(1), out.stride(2), _m_bucket(m, n, k, e),
     )  # fmt: skip
     consts = {"INPUT_PRECISION": _input_precision(a.dtype, fp32_precision)}
 
@@ -541,6 +528,5 @@ def gmm_ragged_k(
 
     if config is not None and config.persistent:
         raise ValueError("gmm_ragged_k has no persistent variant; use persistent=False")
-    launcher, options = _launcher("ragged_k", config, a.dtype)
-    launcher[grid](*args, **options, **consts)
+    _launch("ragged_k", grid, args, consts, config)
     return out
