@@ -32,7 +32,6 @@ OVER_LINES = {
     "packages/forge/src/forge/build.py": 778,
     "packages/forge/src/forge/train.py": 562,
     "packages/forge-tp-plans/src/forge_tp_plans/fused_styles.py": 568,
-    "kernels/src/forge_kernels/_grouped_gemm_triton.py": 532,
     "kernels/src/forge_kernels/_permute_triton.py": 525,
 }
 

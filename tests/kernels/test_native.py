@@ -457,3 +457,19 @@ def test_staged_splits_wait_is_reported_to_sync_debug_mode(forge_ops):
             staged.wait()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_cmake_and_ninja_are_only_the_native_extra():
+    # The Triton and PyTorch paths import and run without a build toolchain; the workspace
+    # installs the extra so the native ops build in development and CI.
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "kernels" / "pyproject.toml").read_text())["project"]
+    names = {dep.split(">")[0].split("=")[0].split("<")[0] for dep in project["dependencies"]}
+    assert not names & {"cmake", "ninja"}, project["dependencies"]
+    native = project["optional-dependencies"]["native"]
+    assert {d.split(">")[0] for d in native} == {"cmake", "ninja"}
+    dev = tomllib.loads((root / "pyproject.toml").read_text())["dependency-groups"]["dev"]
+    assert "forge-parallel-kernels[native]" in dev

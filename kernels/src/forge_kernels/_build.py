@@ -184,8 +184,8 @@ def find_tools(search_dirs: list[Path] | None = None) -> dict[str, Path]:
     cxx_env = os.environ.get("CXX", "").split()
     cxx_names = (cxx_env[0],) if cxx_env else ("c++", "g++", "clang++")
     hints = {
-        "cmake": "install it with `uv pip install cmake` (a forge-kernels dependency)",
-        "ninja": "install it with `uv pip install ninja` (a forge-kernels dependency)",
+        "cmake": "install forge-parallel-kernels[native] (or `uv pip install cmake`)",
+        "ninja": "install forge-parallel-kernels[native] (or `uv pip install ninja`)",
         "c++ compiler": "install g++ (e.g. `apt-get install g++`) or point $CXX at a compiler",
     }
     tools = {

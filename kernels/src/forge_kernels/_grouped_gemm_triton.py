@@ -26,11 +26,9 @@ Notable choices:
 - **Every output element is written exactly once** per launch (no atomics, no split-K, no
   accumulation into the output). Relaunching is idempotent, which keeps the autotuner's repeated
   benchmark launches harmless and lets callers pass a preallocated (even NaN-poisoned) ``out``.
-- **Accumulation in fp32**; fp32 inputs use ``input_precision="ieee"`` by default (the same math
-  as ``torch.matmul`` under torch's default ``allow_tf32=False``); ``fp32_precision="tf32"``
-  opts into TF32 tensor cores (about 1e-3 relative error).
-- **64-bit addressing** for the group/row offsets: DeepSeek-V3-sized weights (256 x 7168 x 2048)
-  have more than 2**31 elements.
+- **Accumulation in fp32**; fp32 inputs use ``input_precision="ieee"`` by default (torch's
+  ``allow_tf32=False`` math); ``fp32_precision="tf32"`` opts into TF32 (about 1e-3 relative).
+- **64-bit addressing** of groups and rows: DeepSeek-V3 weights have over 2**31 elements.
 - **Interpreter.** ``triton.jit`` decides at *decoration* time whether a kernel is compiled or
   interpreted (``TRITON_INTERPRET``, read through ``triton.knobs`` on triton >= 3.4, through
   ``os.environ`` before). triton's own ``@jit`` library functions (``tl.sum``, ``tl.cumsum``,
@@ -39,10 +37,8 @@ Notable choices:
   integer division): then the mode depends on this module alone, which
   :mod:`forge_kernels.grouped_gemm` imports lazily, when the Triton path first runs, and which
   a test can reload. Under the interpreter autotuning is bypassed (:data:`INTERPRETER_CONFIG`).
-- **Hopper tuning** (bf16/fp16, sm90): the candidates and their reasoning live in
-  :mod:`forge_kernels._grouped_gemm_tuning`. On sm90+ with operands TMA can address, the
-  autotuner also times configs that load tiles through host-side tensor descriptors (TMA);
-  stores stay masked pointer stores, so a tile never writes another group's rows.
+- **Hopper tuning** (bf16/fp16, sm90) and **TMA** loads (stores stay masked pointer stores, so
+  a tile never writes another group's rows): :mod:`forge_kernels._grouped_gemm_tuning`.
 """
 
 from __future__ import annotations
@@ -63,11 +59,6 @@ from forge_kernels._grouped_gemm_tuning import (
     candidates,
     tma_eligible,
 )
-
-try:  # host-side tensor descriptors: triton >= 3.4 (forge supports older tritons without TMA)
-    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
-except ImportError:  # pragma: no cover - old triton
-    _TensorDescriptor = None
 
 __all__ = [
     "INTERPRETED",
@@ -380,35 +371,12 @@ def _check_interpreter(t: torch.Tensor) -> None:
         )
 
 
-@functools.cache
-def _capability(device_index: int) -> tuple[int, int]:
-    # NOTE: memoized device property, like _num_sms.
-    return torch.cuda.get_device_capability(device_index)
-
-
-def _descriptors(kernel: str, a: torch.Tensor, b: torch.Tensor) -> tuple[Any, Any, bool]:
-    """Tensor descriptors of ``a`` and ``b`` (block shapes set per config by the hooks), or
-    ``(None, None)`` where TMA cannot run; and whether ``b`` is read transposed (dX)."""
-    b_trans = kernel == "rows" and b.stride(2) != 1 and b.stride(1) == 1
-    b_base = b.transpose(1, 2) if b_trans else b
-    supported = _TensorDescriptor is not None and (
-        INTERPRETED or (a.is_cuda and _capability(a.device.index or 0) >= (9, 0))
-    )
-    if not (supported and tma_eligible(a, b_base)):
-        return None, None, b_trans
-
-    def desc(t: torch.Tensor) -> Any:
-        return _TensorDescriptor(t, list(t.shape), list(t.stride()), [16] * t.dim())
-
-    return desc(a), desc(b_base), b_trans
-
-
 def _launch(
     kernel: str, grid: Any, args: tuple, consts: dict[str, Any], config: GemmConfig | None
 ) -> None:
     """Launch ``kernel`` ("rows" or "ragged_k"): with ``config`` (the interpreter's config
     under the interpreter when ``None``), else through the autotuner for the inputs' width and
-    TMA eligibility. ``args[4:6]`` are the descriptors from :func:`_descriptors`."""
+    TMA eligibility. ``args[4:6]`` are the descriptors from ``_tuning.descriptors``."""
     tma_ok = args[4] is not None
     if config is None and INTERPRETED:
         config = INTERPRETER_CONFIG
@@ -459,7 +427,7 @@ def gmm_rows(
         out = torch.empty((m, n), device=a.device, dtype=a.dtype)
     if out.numel() == 0:
         return out
-    a_desc, b_desc, b_trans = _descriptors("rows", a, b)
+    a_desc, b_desc, b_trans = _tuning.descriptors("rows", a, b, interpreted=INTERPRETED)
     args = (
         a, b, out, offs, a_desc, b_desc, m, n, k, e,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
@@ -515,7 +483,7 @@ def gmm_ragged_k(
         out = torch.empty((e, k, n), device=a.device, dtype=out_dtype or a.dtype)
     if out.numel() == 0:
         return out
-    a_desc, b_desc, _ = _descriptors("ragged_k", a, b)
+    a_desc, b_desc, _ = _tuning.descriptors("ragged_k", a, b, interpreted=INTERPRETED)
     args = (
         a, b, out, offs, a_desc, b_desc, m, n, k, e,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),

@@ -20,10 +20,16 @@ without this one; its kernels are handed to :func:`autotuned`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
 import triton
+
+try:  # host-side tensor descriptors: triton >= 3.4 (forge supports older tritons without TMA)
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:  # pragma: no cover - old triton
+    _TensorDescriptor = None
 
 __all__ = [
     "BLOCK_HOOKS",
@@ -38,6 +44,7 @@ __all__ = [
     "autotuned",
     "best_configs",
     "candidates",
+    "descriptors",
     "tma_eligible",
 ]
 
@@ -239,3 +246,28 @@ def best_configs() -> list[tuple[str, tuple, GemmConfig]]:
             )  # fmt: skip
             picked.append((kernel, key, chosen))
     return picked
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    # NOTE: memoized device property (not configuration).
+    return torch.cuda.get_device_capability(device_index)
+
+
+def descriptors(
+    kernel: str, a: torch.Tensor, b: torch.Tensor, *, interpreted: bool
+) -> tuple[Any, Any, bool]:
+    """Tensor descriptors of ``a`` and ``b`` (block shapes set per config by the hooks), or
+    ``(None, None)`` where TMA cannot run; and whether ``b`` is read transposed (dX)."""
+    b_trans = kernel == "rows" and b.stride(2) != 1 and b.stride(1) == 1
+    b_base = b.transpose(1, 2) if b_trans else b
+    supported = _TensorDescriptor is not None and (
+        interpreted or (a.is_cuda and _capability(a.device.index or 0) >= (9, 0))
+    )
+    if not (supported and tma_eligible(a, b_base)):
+        return None, None, b_trans
+
+    def desc(t: torch.Tensor) -> Any:
+        return _TensorDescriptor(t, list(t.shape), list(t.stride()), [16] * t.dim())
+
+    return desc(a), desc(b_base), b_trans
