@@ -159,10 +159,14 @@ def test_triton_fwd_dx_dw_match_float64_reference_with_poisoned_buffers(
     ],
 )
 def test_triton_launchers_write_every_element_for_each_config(kern, config):
-    m, k, n, offs = 51, 33, 47, [3, 17, 18, 40, 40]
-    x, w, offs_t, dout = _inputs(m, k, n, offs, torch.float32, seed=1)
+    _check_launchers(kern, kern.GemmConfig(**config), 51, 33, 47, [3, 17, 18, 40, 40], seed=1)
+
+
+def _check_launchers(kern, cfg, m, k, n, offs, seed):
+    """fwd, dX and (not persistent) dW with ``cfg`` into NaN-poisoned outputs, against float64;
+    rows past offs[-1] zero; returns dW (or None)."""
+    x, w, offs_t, dout = _inputs(m, k, n, offs, torch.float32, seed=seed)
     ref_out, ref_dx, ref_dw = _reference(x, w, offs_t, dout)
-    cfg = kern.GemmConfig(**config)
 
     def poisoned(*shape: int) -> torch.Tensor:
         return torch.full(shape, float("nan"), device=x.device)
@@ -171,9 +175,12 @@ def test_triton_launchers_write_every_element_for_each_config(kern, config):
     dx = kern.gmm_rows(dout, w.transpose(1, 2), offs_t, out=poisoned(m, k), config=cfg)
     _assert_close(out, ref_out, torch.float32, "out")
     _assert_close(dx, ref_dx, torch.float32, "dX")
-    if not cfg.persistent:
-        dw = kern.gmm_ragged_k(x, dout, offs_t, out=poisoned(len(offs), k, n), config=cfg)
-        _assert_close(dw, ref_dw, torch.float32, "dW")
+    _check_zeros_past_offs(out, offs_t, "out")
+    if cfg.persistent:
+        return None
+    dw = kern.gmm_ragged_k(x, dout, offs_t, out=poisoned(len(offs), k, n), config=cfg)
+    _assert_close(dw, ref_dw, torch.float32, "dW")
+    return dw
 
 
 @pytest.mark.parametrize(
@@ -191,22 +198,8 @@ def test_triton_tma_loads_match_the_reference_and_never_cross_a_group(kern, conf
     # Groups of 3, 34 (two whole 16-row tiles and a tail of 2), 1, 22 and 0 rows, 4 rows past
     # offs[-1]: row tiles of `a` read into the next group, which the stores must not show, and
     # dW's whole tiles go through descriptors while each tail is masked.
-    m, k, n, offs = 64, 32, 48, [3, 37, 38, 60, 60]
-    x, w, offs_t, dout = _inputs(m, k, n, offs, torch.float32, seed=4)
-    ref_out, ref_dx, ref_dw = _reference(x, w, offs_t, dout)
-    cfg = kern.GemmConfig(**config)
-
-    def poisoned(*shape: int) -> torch.Tensor:
-        return torch.full(shape, float("nan"), device=x.device)
-
-    out = kern.gmm_rows(x, w, offs_t, out=poisoned(m, n), config=cfg)
-    dx = kern.gmm_rows(dout, w.transpose(1, 2), offs_t, out=poisoned(m, k), config=cfg)
-    _assert_close(out, ref_out, torch.float32, "out")
-    _assert_close(dx, ref_dx, torch.float32, "dX")
-    _check_zeros_past_offs(out, offs_t, "out")
-    if not cfg.persistent:
-        dw = kern.gmm_ragged_k(x, dout, offs_t, out=poisoned(len(offs), k, n), config=cfg)
-        _assert_close(dw, ref_dw, torch.float32, "dW")
+    dw = _check_launchers(kern, kern.GemmConfig(**config), 64, 32, 48, [3, 37, 38, 60, 60], 4)
+    if dw is not None:
         assert (dw[4] == 0).all(), "dW of the empty last group is not zero"
 
 
