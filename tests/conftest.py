@@ -43,8 +43,8 @@ _LAZY_IMPORTS = {
     "tests.zoo.test_hf_zoo": ["transformers"],
     "tests.tp_plans.test_hf_classics": ["transformers"],
     "tests.tp_plans.test_packed_styles": ["transformers"],
-    "tests.moe_ep.test_hf_moe": ["transformers"],
-    "tests.vlm.test_hf_vlm": ["transformers"],
+    "tests.integration.moe_ep.test_hf_moe_training": ["transformers"],
+    "tests.integration.vlm.test_hf_vlm": ["transformers"],
     "tests.tp_plans.test_hf_models": [
         "transformers",
         "transformers.models.llama.modeling_llama",

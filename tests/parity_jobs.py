@@ -1,13 +1,11 @@
-"""Rank functions shared by several test modules (module-level so the rank pool can pickle them)."""
+"""Helpers shared by several test modules: a tiny Hugging Face decoder config and the logits
+wrapper for the parity harness (rank functions that build through forge's ParallelPlan:
+tests/integration/parity_jobs.py)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from forge.build import ParallelPlan, build_parallel_model
-from forge_core import ModelConfig, Transformer
-from forge_core.testing import ParityResult, run_parity
-from forge_mesh import build_device_mesh
 
 #: The sizes of a tiny Hugging Face decoder config (transformers' key names), shared by the
 #: tests that build Hugging Face models from configs with random weights.
@@ -31,21 +29,3 @@ class HFLogits(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens).logits
-
-
-def compiled_parity(layout: dict) -> ParityResult:
-    """AC full + per-block torch.compile (aot_eager) + FSDP2 (x TP if the layout has tp) vs single device."""
-    cfg = ModelConfig.preset("debug")
-    mesh = build_device_mesh(layout, "cpu")
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    plan = ParallelPlan(
-        mesh,
-        ac_mode="full",
-        compile_model=True,
-        compile_backend="aot_eager",
-        param_dtype=torch.float32,
-    )
-    parallel = plan.parallelize(model, device="cpu", seed=0)
-    reference = build_parallel_model(cfg, "cpu", None, param_dtype=torch.float32)
-    return run_parity(reference, parallel, mesh=mesh, steps=4, batch_size=4, seq_len=16)

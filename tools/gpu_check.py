@@ -104,7 +104,7 @@ TESTS = (
     "tests/core/test_sync_guard.py",
     "tests/cp/test_cp_units.py",  # the CUDA lower-right causal bias of forge-cp's kernel
 )
-FLOAT8_TESTS = ("tests/float8",)
+FLOAT8_TESTS = ("tests/float8", "tests/integration/float8")
 NATIVE_TESTS = "tests/kernels/test_native.py"
 # NOTE: the dry run's real pytest run: the native ops' tests (they load the library the build
 # step made) and the sync guard; the full CPU suite runs elsewhere in the GPU-image lane.

@@ -1,23 +1,17 @@
-"""Hugging Face MoE families converted to forge's MoE (forge_moe_ep.hf): equal logits, the way
-back to a Hugging Face checkpoint, and training parity under EP=2 x FSDP2 and dp2(ep2) x tp2
-against the unconverted Hugging Face model on one device (tiny configs, random weights)."""
+"""Hugging Face MoE families converted to forge's MoE (forge_moe_ep.hf): equal logits and the way
+back to a Hugging Face checkpoint (tiny configs, random weights). Their training parity through
+forge's ParallelPlan: tests/integration/moe_ep/test_hf_moe_training.py."""
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
 import torch.nn as nn
-from forge.build import ParallelPlan
 from forge_core import ForgeConfigError
-from forge_core.testing import run_parity
-from forge_mesh import build_device_mesh
 from forge_moe_ep import MoEModelConfig
 from forge_moe_ep.hf import HFMoE, convert_hf_moe, restore_hf_moe
-from forge_tp_plans import applied_tp_plan
 
-from tests.parity_jobs import TINY_HF_DECODER, HFLogits
+from tests.parity_jobs import TINY_HF_DECODER
 
 FAMILIES = (
     "qwen3_moe",
@@ -173,49 +167,3 @@ def test_group_limited_routing_is_validated():
         MoEModelConfig(**base, num_experts=8, top_k=3, router_groups=4, router_topk_groups=1)
     with pytest.raises(ForgeConfigError, match="expert_act"):
         MoEModelConfig(**base, num_experts=8, expert_act="relu")
-
-
-def _hf_moe_training_parity(layout: dict) -> list[tuple[str, object, tuple]]:
-    """Each family: the unconverted model on one device vs forge's ParallelPlan on ``layout``
-    (conversion, TP of the attention when tp > 1, EP, FSDP2), 3 AdamW steps."""
-    out = []
-    for name in FAMILIES:
-        reference = build_hf_moe(name)
-        parallel = copy.deepcopy(reference)
-        mesh = build_device_mesh(layout, "cpu", num_experts=8)
-        ParallelPlan(mesh, param_dtype=torch.float32).parallelize(parallel)
-        moes = [m for m in parallel.modules() if isinstance(m, HFMoE)]
-        assert moes and all(m.experts.w1.to_local().shape[0] < m.num_experts for m in moes)
-        applied = applied_tp_plan(parallel)
-        result = run_parity(
-            HFLogits(reference),
-            HFLogits(parallel),
-            mesh=mesh,
-            steps=3,
-            batch_size=4,
-            seq_len=12,
-            vocab_size=VOCAB,
-        )
-        left_whole = () if applied is None else applied.left_whole
-        plan_names_experts = any(".experts" in p for p in reference._tp_plan or {})
-        out.append((name, result, (plan_names_experts, left_whole)))
-    return out
-
-
-# NOTE: marker zoo: the Hugging Face lane (with tests/zoo), not the README suite (its time).
-@pytest.mark.zoo
-def test_hf_moe_families_train_equal_under_ep2_x_fsdp2(run_on_ranks):
-    for rank_results in run_on_ranks(2, _hf_moe_training_parity, {"dp_shard": 2, "ep": 2}):
-        for name, result, _ in rank_results:
-            assert result.passed, f"{name}\n{result.table()}"
-
-
-@pytest.mark.zoo
-def test_hf_moe_families_train_equal_under_dp2_ep2_x_tp2(run_on_ranks):
-    layout = {"dp_shard": 2, "ep": 2, "tp": 2}
-    for rank_results in run_on_ranks(4, _hf_moe_training_parity, layout):
-        for name, result, (plan_names_experts, left_whole) in rank_results:
-            assert result.passed, f"{name}\n{result.table()}"
-            # The HF plan's expert entries (where it has them: not GPT-OSS's, nor some of
-            # transformers 5.17's) reached the converted blocks and were left whole.
-            assert plan_names_experts == any(".experts" in n for n in left_whole), left_whole

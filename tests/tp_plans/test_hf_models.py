@@ -120,7 +120,8 @@ def test_hf_model_tp2_logits_and_grads_match(run_on_ranks, name):
     assert out["sharded"] == out["hf_plan"] and out["sharded"][0] == "lm_head"
 
 
-# NOTE: DeepSeek-V2 (MLA, MoE) under FSDP2 x TP x EP: tests/moe_ep/test_hf_moe.py.
+# NOTE: DeepSeek-V2 (MLA, MoE) under FSDP2 x TP x EP:
+# tests/integration/moe_ep/test_hf_moe_training.py.
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gemma", "qwen3", "gemma3_text"])
 def test_hf_model_fsdp2_x_tp_logits_and_grads_match(run_on_ranks, name):
     out = run_on_ranks(4, _hf_logits_and_grads, name, {"tp": 2})[0]

@@ -89,7 +89,7 @@ def vlm_pipeline_parity(
     """A vision-language model with its decoder pipelined (encoder and adapter on stage 0)."""
     from forge.build import build_meta_model
 
-    from tests.vlm.jobs import build_pair, vlm_config, vlm_data
+    from tests.integration.vlm.jobs import build_pair, vlm_config, vlm_data
 
     cfg = vlm_config()
     mesh = build_device_mesh(layout, "cpu")

@@ -12,7 +12,7 @@ from forge_mesh import build_device_mesh
 from forge_tp_plans import applied_tp_plan
 from torch.distributed.tensor import DTensor
 
-from tests.parity_jobs import compiled_parity
+from tests.integration.parity_jobs import compiled_parity
 
 KV4 = {"n_kv_heads": 4}  # debug has 2 kv heads; tp=4 needs 4
 

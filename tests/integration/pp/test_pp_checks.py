@@ -10,7 +10,7 @@ from forge.checks import config_problems, import_problems
 from forge.config import load_config
 from forge.layout import resolve_layout
 
-from tests.pp.jobs import api_refusals
+from tests.integration.pp.jobs import api_refusals
 
 #: pp=2 on the default 4 ranks, without the default tp=2: pp=2 x dp_shard=2.
 PP2 = ["parallelism.pp=2", "parallelism.tp=1"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.integration.vlm.jobs import bf16_hand_off, fp8_and_bf16_vlm, vlm_parity
 from tests.markers import needs_torchao
-from tests.vlm.jobs import bf16_hand_off, fp8_and_bf16_vlm, vlm_parity
 
 FSDP2 = {"dp_shard": 4}
 FSDP2_TP = {"dp_shard": 2, "tp": 2}
@@ -43,8 +43,10 @@ def test_vlm_fsdp2_tp_on_decoder_and_encoder_matches_single_device(run_on_ranks)
 
 
 def test_vlm_encoder_plan_from_config_import_path_differs_from_the_decoders(run_on_ranks):
-    vlm = {"encoder_tp": True, "encoder_tp_plan": "tests.vlm.jobs:encoder_mlp_only"}
-    first = _ok(run_on_ranks(4, vlm_parity, FSDP2_TP, vlm=vlm, allow_plan_import=["tests.vlm"]))
+    vlm = {"encoder_tp": True, "encoder_tp_plan": "tests.integration.vlm.jobs:encoder_mlp_only"}
+    first = _ok(
+        run_on_ranks(4, vlm_parity, FSDP2_TP, vlm=vlm, allow_plan_import=["tests.integration.vlm"])
+    )
     assert first["encoder_plan"].startswith("explicit (imported) plan over 2 ranks")
     assert "layers.*.mlp.fc1  ColwiseParallel" in first["encoder_plan"]
     assert "attention" not in first["encoder_plan"]  # only the MLPs are split
@@ -96,7 +98,7 @@ def test_vlm_each_ac_scope_checkpoints_its_components_and_matches_single_device(
 
 def test_vlm_compile_op_ac_and_grad_accum_match_single_device(run_on_ranks):
     # NOTE: 2 ranks, no TP (the suite's time: compiling on 4 ranks sharing 2 cores took 45 s);
-    # compile with TP and AC is proven on the reference model (tests/tp_plans).
+    # compile with TP and AC is proven on the reference model (tests/integration/tp_plans).
     first = _ok(
         run_on_ranks(
             2,
@@ -121,7 +123,8 @@ def test_vlm_with_an_moe_decoder_and_expert_parallelism_matches_single_device(ru
 
 @needs_torchao
 def test_vlm_float8_decoder_trains_within_two_percent_of_bf16(run_on_ranks):
-    # The bound of tests/float8 (fp8 rounding averaged over the GEMM reductions, 10 AdamW steps).
+    # The bound of tests/integration/float8 (fp8 rounding averaged over the GEMM reductions, 10
+    # AdamW steps).
     results = run_on_ranks(4, fp8_and_bf16_vlm, FSDP2_TP)
     first = results[0]
     assert all(r["fp8"] == first["fp8"] for r in results)  # rank-identical

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.pp.jobs import pipeline_parity, rank_model_facts, vlm_pipeline_parity
+from tests.integration.pp.jobs import pipeline_parity, rank_model_facts, vlm_pipeline_parity
 from tests.pp.test_pp_units import OLD_TORCH
 
 PP2 = {"pp": 2, "data": "none"}

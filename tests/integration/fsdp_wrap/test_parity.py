@@ -10,7 +10,7 @@ from forge_core import ModelConfig
 from forge_core.testing import ParityResult, run_parity
 from forge_mesh import build_device_mesh
 
-from tests.parity_jobs import compiled_parity
+from tests.integration.parity_jobs import compiled_parity
 
 
 def _parity(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.cp.jobs import causal_logits, cp_parity
+from tests.integration.cp.jobs import causal_logits, cp_parity
 
 
 @pytest.mark.parametrize(

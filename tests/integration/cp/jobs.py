@@ -1,0 +1,135 @@
+"""Rank functions of the context-parallel tests that build through forge's ParallelPlan (module
+level, so the rank pool can pickle them); forge_cp's own are in tests/cp/jobs.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from forge.build import ParallelPlan
+from forge_core import ModelConfig, Transformer
+from forge_core.testing import ParityResult, compare_runs, train_steps
+from forge_core.training import synthetic_tokens
+from forge_mesh import build_device_mesh
+
+from tests.integration.pp.jobs import meta_model
+
+
+def cp_parity(
+    layout: dict[str, Any],
+    *,
+    moe: bool = False,
+    steps: int = 10,
+    batch_size: int = 4,
+    seq_len: int = 32,
+    model: dict[str, Any] | None = None,
+    **plan: Any,
+) -> ParityResult:
+    """A context-parallel model (``layout`` has cp) against the same model on one device, fp32."""
+    parallel_model, cfg = meta_model(moe, **(model or {}))
+    reference_model, _ = meta_model(moe, **(model or {}))
+    experts = getattr(cfg, "num_experts", 0) if moe else 0
+    mesh = build_device_mesh(layout, "cpu", num_experts=experts)
+    parallel = ParallelPlan(mesh, param_dtype=torch.float32, **plan).parallelize(
+        parallel_model, device="cpu", seed=0
+    )
+    reference = ParallelPlan(None, param_dtype=torch.float32).parallelize(
+        reference_model, device="cpu", seed=0
+    )
+    tokens = synthetic_tokens(0, steps, batch_size, seq_len, cfg.vocab_size)
+    return compare_runs(train_steps(reference, tokens), train_steps(parallel, tokens, mesh=mesh))
+
+
+def causal_logits(seq_len: int, changed: int) -> dict[str, Any]:
+    """Logits of a cp=2 model for a batch and for the same batch with token ``changed`` replaced,
+    gathered back into sequence order, next to the single-device model's for the batch."""
+    import torch.distributed as dist
+    from forge_core.contracts import sequence_shard
+    from forge_cp import gather_sequence
+
+    mesh = build_device_mesh({"cp": 2}, "cpu")
+    cfg = ModelConfig.preset("debug")
+    with torch.device("meta"):
+        model, reference = Transformer(cfg), Transformer(cfg)
+    model = ParallelPlan(mesh, param_dtype=torch.float32).parallelize(model, device="cpu", seed=0)
+    reference = ParallelPlan(None, param_dtype=torch.float32).parallelize(
+        reference, device="cpu", seed=0
+    )
+    tokens = torch.randint(
+        0, cfg.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(0)
+    )
+    other = tokens.clone()
+    other[:, changed] = (other[:, changed] + 1) % cfg.vocab_size
+    shard = sequence_shard(model)
+    assert shard is not None
+    positions = shard(torch.arange(seq_len)[None])[0]
+    out = {}
+    with torch.no_grad():
+        for name, batch in (("tokens", tokens), ("changed", other)):
+            local = model(shard(batch), positions=positions)
+            parts = [torch.empty_like(local) for _ in range(2)]
+            dist.all_gather(parts, local.contiguous(), group=mesh["cp"].get_group())
+            out[name] = gather_sequence(parts)
+        out["reference"] = reference(tokens)
+    out["positions"] = positions
+    return out
+
+
+def capacity_refusal() -> list[str]:
+    """What a cp=2 plan, and apply_context_parallel by hand (no expert parallelism after it),
+    say of an MoE with the capacity dispatch (2 ranks)."""
+    from forge_core import ForgeConfigError
+    from forge_cp import apply_context_parallel
+
+    mesh = build_device_mesh({"cp": 2}, "cpu")
+    said = []
+    for by_hand in (False, True):
+        capacity, _ = meta_model(True, moe_dispatch="capacity")
+        try:
+            if by_hand:
+                apply_context_parallel(capacity, mesh)
+            else:
+                plan = ParallelPlan(mesh, param_dtype=torch.float32)
+                plan.parallelize(capacity, device="cpu", seed=0)
+            said.append("built")
+        except ForgeConfigError as e:
+            said.append(str(e))
+    return said
+
+
+def too_long_refusal() -> str:
+    """What a cp=2 model says of sequences longer than its rotary tables (2 ranks)."""
+    from forge_core.training import forward_backward
+
+    mesh = build_device_mesh({"cp": 2}, "cpu")
+    short, cfg = meta_model(False, max_seq_len=32)
+    model = ParallelPlan(mesh, param_dtype=torch.float32).parallelize(short, device="cpu", seed=0)
+    tokens = synthetic_tokens(0, 1, 2, 48, cfg.vocab_size)[0]  # 48 > 32 tokens per sequence
+    try:
+        forward_backward(model, tokens, mesh=mesh)
+    except Exception as e:  # noqa: BLE001 - the type and the words are what the test checks
+        return f"{type(e).__name__}: {e}"
+    return "ran"
+
+
+def cp_on_pipeline_stages() -> dict[str, str]:
+    """What a plan with pp=2 x cp=2 and apply_context_parallel on a pipeline stage say (4 ranks)."""
+    from forge_core import ForgeConfigError
+    from forge_cp import apply_context_parallel
+    from forge_pp import PPConfig, pipeline_split
+
+    mesh = build_device_mesh({"pp": 2, "cp": 2}, "cpu")
+    said: dict[str, str] = {}
+    try:
+        ParallelPlan(mesh, param_dtype=torch.float32)
+        said["plan"] = "made"
+    except ForgeConfigError as e:
+        said["plan"] = str(e)
+    model, _ = meta_model(False, n_layers=4)
+    stage = pipeline_split(model, mesh, PPConfig()).stages[0]
+    try:
+        apply_context_parallel(stage, mesh)
+        said["stage"] = "applied"
+    except ForgeConfigError as e:
+        said["stage"] = str(e)
+    return said
