@@ -38,8 +38,6 @@ from .layout import Layout, resolve_layout
 from .paths import dir_problems, regular_file_problem
 
 if TYPE_CHECKING:
-    from forge_core.config import ParallelismConfig
-
     from .config import ForgeConfig
 
 __all__ = [
@@ -110,7 +108,7 @@ def config_problems(cfg: ForgeConfig, world_size: int | Layout) -> list[str]:
     sizes = {name: getattr(par, name) for name in ("cp", "pp", "tp")}
     problems = plan_problems(par.data, sizes, ac_mode=t.ac_mode)
     if cfg.field is not None:
-        problems += _field_problems(cfg, par)
+        problems += _field_problems(cfg, layout)
     elif par.domain > 1:
         problems.append(
             f"parallelism.domain={par.domain}: domain parallelism splits 2-D fields (conv nets), "
@@ -165,7 +163,7 @@ def import_problems(cfg: ForgeConfig, world_size: int | Layout) -> list[str]:
     except ForgeConfigError as err:
         return [str(err)]
     par = layout.parallelism
-    problems = torchao_problems() if cfg.float8.enabled else []
+    problems = torchao_problems() if layout.float8 else []
     if par.pp > 1:
         problems += schedule_problems(cfg.pp)
     if cfg.tp.plan is not None and par.tp > 1:
@@ -207,14 +205,15 @@ def _fitting_cp(cfg: ForgeConfig, world_size: int) -> list[int]:
     return fitting
 
 
-def _field_problems(cfg: ForgeConfig, par: ParallelismConfig) -> list[str]:
+def _field_problems(cfg: ForgeConfig, layout: Layout) -> list[str]:
     """What a field model (forge_domain.FieldNet) cannot be combined with."""
     assert cfg.field is not None
+    par = layout.parallelism
     unsupported = {
         "parallelism.tp": par.tp > 1,
         "parallelism.ep": par.ep > 1,
         "parallelism.pp": par.pp > 1,
-        "float8.enabled": cfg.float8.enabled,
+        "float8.enabled": layout.float8,
         "data.path": cfg.data.path is not None,
     }
     problems = [

@@ -201,7 +201,7 @@ def setup_rank(cfg: ForgeConfig, device_type: str) -> tuple[int, torch.device, L
     check_config(cfg, layout)
     if device_type == "cpu" and "LOCAL_WORLD_SIZE" in os.environ:  # local ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
-    if device_type == "cpu" and cfg.float8.enabled:
+    if device_type == "cpu" and layout.float8:
         use_torch_cpu_fp8_kernels()  # oneDNN's CPU fp8 GEMM is a slow reference kernel here
     init_distributed(device_type)
     rank = dist.get_rank()
@@ -241,7 +241,7 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         ac_mode="none",
         compile_model=False,
         cpu_offload=False,
-        param_dtype=dtype if cfg.float8.enabled else torch.float32,
+        param_dtype=dtype if layout.float8 else torch.float32,
         float8=replace(cfg.float8, fsdp_float8_all_gather=False),
     )
     reference = one_device.parallelize(model_from_config(cfg), device=device, seed=t.seed)
@@ -287,7 +287,7 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
             else None
         )
     # Float8 rounds every GEMM input to 3 mantissa bits: low-precision tolerances.
-    result = compare_runs(ref_steps, par_steps, torch.bfloat16 if cfg.float8.enabled else dtype)
+    result = compare_runs(ref_steps, par_steps, torch.bfloat16 if layout.float8 else dtype)
     passed = result.passed and not tp_grads
     elapsed = time.perf_counter() - start
     if rank != 0:
@@ -329,7 +329,7 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
             ]
         ),
         *([moe] if moe else []),
-        *([_float8_text(model)] if cfg.float8.enabled else []),
+        *([_float8_text(model)] if layout.float8 else []),
         f"train:  {t.steps} steps, global batch {t.global_batch_size} x seq {t.seq_len}, grad_accum {t.grad_accum}, AdamW lr {t.lr}",
         result.table(),
         f"{'PASS' if passed else 'FAIL'}: parallel run {'matches' if passed else 'does NOT match'} the single-device model "

@@ -38,6 +38,8 @@ class Layout:
     ``batch_per_rank``: samples of the global batch on each data-parallel rank;
     ``micro_batch``: of those, per gradient-accumulation micro-step (the last one of a
     non-divisible split is refused by the checks).
+    ``float8``: Float8 training of the Linears (``float8.enabled``; forge-float8 decides the
+    rest with the mesh it meets, see :class:`forge_float8.Float8Config`).
     ``refused``: what was asked that the layout cannot honour (an explicit
     ``tp.sequence_parallel`` / ``tp.loss_parallel`` on pipeline stages, in the TP layer's words);
     the pre-launch checks report these with every other problem.
@@ -50,6 +52,7 @@ class Layout:
     loss_parallel: bool
     batch_per_rank: int
     micro_batch: int
+    float8: bool = False
     refused: tuple[str, ...] = ()
 
     @property
@@ -98,5 +101,6 @@ def resolve_layout(cfg: ForgeConfig, world_size: int) -> Layout:
         loss_parallel=par.tp > 1 and not pipelined and lp,
         batch_per_rank=per_rank,
         micro_batch=micro,
+        float8=cfg.float8.enabled,
         refused=tuple(refused),
     )
