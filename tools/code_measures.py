@@ -30,7 +30,6 @@ MODULE_LINES = 500
 #: lower a ceiling when its module shrinks; remove it once the module is under the bound.
 OVER_LINES = {
     "packages/forge/src/forge/build.py": 778,
-    "packages/forge/src/forge/train.py": 562,
     "packages/forge-tp-plans/src/forge_tp_plans/fused_styles.py": 568,
     "kernels/src/forge_kernels/_permute_triton.py": 525,
 }

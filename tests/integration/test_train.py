@@ -26,13 +26,8 @@ from forge import load_config
 from forge.data import SyntheticData, TokenFile
 from forge.export import export_checkpoint
 from forge.optim import clip_grad_norm_, warmup_cosine
-from forge.train import (
-    _nonfinite_values,
-    _StopFlag,
-    peak_flops,
-    run_train,
-    train_flops_per_token,
-)
+from forge.train import _nonfinite_values, peak_flops, run_train, train_flops_per_token
+from forge.train_console import StopFlag
 from forge_checkpoint.dcp import SafeFileSystemReader, load_model_weights
 from forge_checkpoint.export import from_hf_llama, hf_llama_config, load_safetensors
 from forge_checkpoint.files import find_latest, latest_intact, read_train_state
@@ -520,12 +515,12 @@ def test_clip_grad_norm_p_norms_of_sharded_gradients(run_on_ranks):
 
 def test_sigterm_is_noted_quietly_and_ctrl_c_is_acknowledged(capsys, monkeypatch):
     # SIGTERM (a scheduler's preemption) is noted without a line: the report names it.
-    quiet = _StopFlag()
+    quiet = StopFlag()
     quiet(signal.SIGTERM, None)
     quiet(signal.SIGINT, None)  # a second signal changes nothing
     assert quiet.signal == "SIGTERM" and capsys.readouterr().err == ""
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
-    loud = _StopFlag()
+    loud = StopFlag()
     loud(signal.SIGINT, None)
     assert loud.signal == "SIGINT"
     assert capsys.readouterr().err == "[rank 0] SIGINT: finishing this step, then saving\n"
@@ -533,7 +528,7 @@ def test_sigterm_is_noted_quietly_and_ctrl_c_is_acknowledged(capsys, monkeypatch
 
 def test_the_stop_names_the_signal_and_the_rank_that_got_it():
     # every rank's vote is its signal number (0: none); the run stops when any rank has one
-    flag = _StopFlag()
+    flag = StopFlag()
     assert flag.stopped_by([0, int(signal.SIGTERM), int(signal.SIGINT)]) == "SIGTERM on rank 1"
     flag(signal.SIGTERM, None)  # this rank got one too: its own is named
     assert flag.signum == signal.SIGTERM and flag.stopped_by([15, int(signal.SIGINT)]) == "SIGTERM"
