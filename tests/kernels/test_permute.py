@@ -502,18 +502,19 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from forge_kernels import _permute_triton as K
+from forge_kernels import _routing_triton as R
 
 def compile_sm90(fn, types, constexprs):
     sig = {n: "constexpr" if n in constexprs else types[n] for n in fn.arg_names}
     triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32))
 
 i32, i64 = "i32", "i64"
-compile_sm90(K._hist_kernel, dict(ids_ptr="*i64", hist_ptr="*i32", N=i32, E=i32), dict(BLOCK_S=64))
-compile_sm90(K._block_scan_kernel, dict(hist_ptr="*i32", counts_ptr="*i32", NB=i32, E=i32),
+compile_sm90(R._hist_kernel, dict(ids_ptr="*i64", hist_ptr="*i32", N=i32, E=i32), dict(BLOCK_S=64))
+compile_sm90(R._block_scan_kernel, dict(hist_ptr="*i32", counts_ptr="*i32", NB=i32, E=i32),
              dict(BLOCK_B=32, BLOCK_E=128))
-compile_sm90(K._expert_scan_kernel, dict(counts_ptr="*i32", offs_ptr="*i32", starts_ptr="*i32",
+compile_sm90(R._expert_scan_kernel, dict(counts_ptr="*i32", offs_ptr="*i32", starts_ptr="*i32",
              E=i32, align=i32), dict(BLOCK_E=128))
-compile_sm90(K._index_kernel, dict(ids_ptr="*i32", prefix_ptr="*i32", starts_ptr="*i32",
+compile_sm90(R._index_kernel, dict(ids_ptr="*i32", prefix_ptr="*i32", starts_ptr="*i32",
              scatter_ptr="*i64", gather_ptr="*i64", N=i32, E=i32, capacity=i32), dict(BLOCK_S=64))
 for dt in ["bf16", "fp64"]:
     fp64 = dt == "fp64"
