@@ -30,7 +30,6 @@ MODULE_LINES = 500
 #: lower a ceiling when its module shrinks; remove it once the module is under the bound.
 OVER_LINES = {
     "packages/forge/src/forge/build.py": 778,
-    "packages/forge-tp-plans/src/forge_tp_plans/fused_styles.py": 568,
 }
 
 

@@ -14,8 +14,9 @@ import torch.nn as nn
 from forge_core.errors import ForgeConfigError
 from forge_mesh import build_device_mesh
 from forge_tp_plans import applied_tp_plan, apply_tensor_parallel
-from forge_tp_plans.fused_styles import SplitAttentionHeads, _exchange, _needed
+from forge_tp_plans.fused_styles import SplitAttentionHeads
 from forge_tp_plans.hf_families import FAMILY_PLANS, FAMILY_SOURCE
+from forge_tp_plans.row_segments import exchange, needed
 from torch.distributed.tensor import DTensor, Replicate
 
 # NOTE: the Hugging Face lane (marker zoo, with tests/zoo), not the README suite (its time).
@@ -210,7 +211,7 @@ def test_the_exchange_gives_each_rank_its_rows(rows, tp):
     backward sends each row's gradient back to its owner."""
     total = sum(size for size, _ in rows)
     c = total // tp
-    plans = [_exchange(rows, tp, r) for r in range(tp)]
+    plans = [exchange(rows, tp, r) for r in range(tp)]
     for rank in range(tp):
         received = []
         for src in range(tp):
@@ -222,7 +223,7 @@ def test_the_exchange_gives_each_rank_its_rows(rows, tp):
                     ranges.append((s, n))
                 pos += n
             received += [src * c + s + i for s, n in ranges for i in range(n)]
-        expected = [s + i for s, n in _needed(rows, tp, rank) for i in range(n)]
+        expected = [s + i for s, n in needed(rows, tp, rank) for i in range(n)]
         assert received == expected
         assert sum(plans[rank].recv_counts) == len(expected)
     assert all(p.identity for p in plans) == (len(rows) == 1 and rows[0][1])

@@ -133,11 +133,11 @@ def test_the_all_to_all_plan_moves_every_block_to_its_packed_place_and_back(tp, 
     (forge_tp_plans.fused_styles) played out without ranks gives each rank its slice of every
     part, in order (rank r: blocks r, tp + r, ...), and the way back returns every row to the
     rank that holds it contiguously."""
-    from forge_tp_plans.fused_styles import _exchange
+    from forge_tp_plans.row_segments import exchange
 
     size = 2  # rows of one block (one part's slice on one rank)
     c = size * parts  # rows a rank holds
-    plans = [_exchange(((size * tp, True),) * parts, tp, r) for r in range(tp)]
+    plans = [exchange(((size * tp, True),) * parts, tp, r) for r in range(tp)]
     # what each rank sends to each other one, in order (an all_to_all_single)
     outbox = []
     for r, ex in enumerate(plans):
