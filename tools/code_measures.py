@@ -29,7 +29,7 @@ MODULE_LINES = 500
 #: Modules still over MODULE_LINES, each held at its length when the measure came in (issue 32):
 #: lower a ceiling when its module shrinks; remove it once the module is under the bound.
 OVER_LINES = {
-    "packages/forge/src/forge/build.py": 778,
+    "packages/forge/src/forge/build.py": 673,
 }
 
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from forge_core import ForgeConfigError, ModelConfig, applied_stages
 from forge_core.config import ParallelismConfig
-from forge_core.contracts import declare_components, declared_components, model_components
+from forge_core.contracts import declared_components, model_components
 from forge_core.errors import did_you_mean, refuse
 from forge_core.mesh_dims import axis_size, get_dp_mesh, has_dp_mesh
 from forge_core.torch_compat import is_compiled, non_persistent_buffer_names
@@ -53,9 +53,7 @@ from forge_fsdp_wrap import (
     default_mp_policy,
     enable_autocast,
 )
-from forge_fsdp_wrap.blocks import find_block_container
 from forge_moe_ep import MoE, apply_expert_parallel
-from forge_moe_ep.hf import convert_hf_moe
 from forge_pp import PipelineSplit, attach_schedule, pipeline_split, share_buffers
 from forge_pp.checks import stages_per_rank_problems
 from forge_pp.config import PPConfig
@@ -74,13 +72,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .checks import check_float8, check_plan
 from .config import COMPILE_SCOPES, ForgeConfig, load_config
-from .hf_patches import (
-    HOOKS_ATTR,
-    is_hf_model,
-    is_hf_pretrained,
-    is_packed_sequence_patched,
-    skip_packed_sequence_check,
-)
+from .hf_prepare import apply_packed_sequences, no_kv_cache_under_ac, prepare_hf
 from .layout import Layout, resolve_layout
 from .models import build_meta_model, model_from_config
 
@@ -411,9 +403,9 @@ class ParallelPlan:
         """The stages in forge's order on one model (or one pipeline stage's module)."""
         if device is not None:
             _refuse_materialized(model, device)
-        self._skip_packed_sequence_check(model)
+        apply_packed_sequences(model, self.packed_sequences)
         mesh = self.device_mesh
-        hf = _prepare_hf(model, mesh)
+        hf = prepare_hf(model, mesh)
         parts = dict(model_components(model))
         decoder = parts.get("decoder", model)
         if self._encoder_tp:
@@ -436,7 +428,7 @@ class ParallelPlan:
             assert mesh is not None  # a domain axis of size > 1 implies a mesh
             apply_domain_parallel(model, mesh)
         if self.ac_mode != "none":
-            _no_kv_cache_under_ac(model, self.ac_mode)
+            no_kv_cache_under_ac(model, self.ac_mode)
             apply_ac(model, self.ac_mode, components=self.ac_components)
         if self.compile_model and self.compile_scope == "blocks":
             apply_compile(model, backend=self.compile_backend)
@@ -561,87 +553,6 @@ class ParallelPlan:
         model.compile(backend=self.compile_backend, dynamic=False)
         return model
 
-    def _skip_packed_sequence_check(self, model: nn.Module) -> None:
-        """Hook an HF model as ``packed_sequences`` allows (see the class docstring)."""
-        if self.packed_sequences is None or not is_hf_model(model):
-            return
-        if self.packed_sequences:
-            if getattr(model, HOOKS_ATTR, None) or is_packed_sequence_patched():
-                raise ForgeConfigError(
-                    "packed_sequences=True, but this model is hooked to skip transformers' "
-                    "packed-sequence check (a plan with packed_sequences=False parallelized it, "
-                    "or it runs inside forge.hf_patches.no_packed_sequence_sync): packed rows "
-                    "would attend across sequences; call "
-                    "forge.hf_patches.restore_packed_sequence_check(model) first"
-                )
-            return
-        if skip_packed_sequence_check(model):
-            logger.info(
-                "packed_sequences=False: transformers' packed-sequence check returns False while "
-                "this model runs (no host sync per attention layer)"
-            )
-        else:
-            logger.info("packed_sequences=False: this transformers has no such check; no hooks")
-
-
-#: A Hugging Face vision-language model's parts (``LlavaForConditionalGeneration``,
-#: ``Gemma3ForConditionalGeneration`` and the many built the same way).
-_HF_VLM_PARTS = {
-    "encoder": "model.vision_tower",
-    "adapter": "model.multi_modal_projector",
-    "decoder": "model.language_model",
-}
-
-
-def _declare_hf_vlm_components(model: nn.Module) -> None:
-    """Declare a Hugging Face VLM's parts as components (forge_core.contracts), so FSDP2, AC and
-    compile treat each on its own: the vision tower's blocks, the projector and the language
-    model's blocks become FSDP2 units (without it they would all sit in the root unit).
-
-    NOTE: the encoder and decoder components are the towers' BLOCK containers, not the towers:
-    the VLM looks up the token embeddings itself before calling its language model (an FSDP2
-    unit of the language model would not be gathered for that lookup), and a unit of the vision
-    tower (a transformers PreTrainedModel) stops transformers from collecting the tower's hidden
-    states (Llava reads them). Embeddings, norms and the head stay with the root unit.
-    """
-    if declared_components(model):
-        return
-    present = {}
-    for name, path in _HF_VLM_PARTS.items():
-        try:
-            part = model.get_submodule(path)
-        except AttributeError:
-            continue
-        if name != "adapter":
-            try:
-                blocks = find_block_container(part)
-            except ForgeConfigError:
-                return
-            path = next(n for n, m in model.named_modules() if m is blocks)
-        present[name] = path
-    if "encoder" in present and "decoder" in present:
-        declare_components(model, present)
-
-
-def _no_kv_cache_under_ac(model: nn.Module, ac_mode: str) -> None:
-    """Turn off a Hugging Face model's KV cache (``config.use_cache``) before AC wraps it.
-
-    NOTE: with transformers' default ``use_cache=True`` a training forward still builds a KV
-    cache, which AC's recomputation does not reproduce: op AC fails in backward ("aten.slice.Tensor
-    invocation ... not found in storage"), full AC recomputes against a grown cache. transformers'
-    own gradient checkpointing turns the cache off the same way.
-    """
-    for name, module in model.named_modules():
-        config = getattr(module, "config", None)
-        if getattr(config, "use_cache", None) is True:
-            config.use_cache = False  # type: ignore[union-attr]
-            logger.info(
-                "ac_mode=%s: %s.config.use_cache set to False (AC recomputes the forward; a KV "
-                "cache built in it would not be reproduced)",
-                ac_mode,
-                name or type(module).__name__,
-            )
-
 
 @torch.no_grad()
 def materialize(
@@ -753,22 +664,6 @@ def _refuse_materialized(model: nn.Module, device: torch.device | str) -> None:
             "re-initialized); call parallelize(model) without device, after moving the model "
             "to its device"
         )
-
-
-def _prepare_hf(model: nn.Module, mesh: DeviceMesh | None) -> bool:
-    """A Hugging Face model's preparation before the stages; whether the whole model is
-    transformers' (not just a part)."""
-    if is_hf_model(model) and max(axis_size(mesh, "tp"), axis_size(mesh, "ep")) > 1:
-        # NOTE: before TP: Hugging Face MoE blocks cannot run sharded under forge (their
-        # plans' expert styles are transformers' own); forge's MoE runs whole on each tp
-        # rank and shards its experts over ep. forge_moe_ep.hf.restore_hf_moe undoes it.
-        converted = convert_hf_moe(model)
-        if converted:
-            logger.info("Hugging Face MoE blocks converted to forge's MoE: %s", converted)
-    hf = is_hf_pretrained(model)
-    if hf:
-        _declare_hf_vlm_components(model)
-    return hf
 
 
 def _expert_parallel(decoder: nn.Module, mesh: DeviceMesh | None) -> None:

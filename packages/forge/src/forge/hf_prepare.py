@@ -1,0 +1,141 @@
+"""What forge does to a Hugging Face model before and around its stages (used by
+:class:`forge.build.ParallelPlan`; transformers itself is never imported here).
+
+Provides:
+
+- :func:`prepare_hf`: before the stages, convert Hugging Face MoE blocks to forge's MoE when
+  tp or ep > 1, and declare a Hugging Face VLM's parts as components
+  (:func:`declare_hf_vlm_components`);
+- :func:`no_kv_cache_under_ac`: the KV cache off before AC wraps the model;
+- :func:`apply_packed_sequences`: the ``packed_sequences`` setting, as hooks on
+  transformers' packed-sequence check (:mod:`forge.hf_patches`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.nn as nn
+from forge_core import ForgeConfigError
+from forge_core.contracts import declare_components, declared_components
+from forge_core.mesh_dims import axis_size
+from forge_fsdp_wrap.blocks import find_block_container
+from forge_moe_ep.hf import convert_hf_moe
+from torch.distributed.device_mesh import DeviceMesh
+
+from .hf_patches import (
+    HOOKS_ATTR,
+    is_hf_model,
+    is_hf_pretrained,
+    is_packed_sequence_patched,
+    skip_packed_sequence_check,
+)
+
+__all__ = [
+    "apply_packed_sequences",
+    "declare_hf_vlm_components",
+    "no_kv_cache_under_ac",
+    "prepare_hf",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_hf(model: nn.Module, mesh: DeviceMesh | None) -> bool:
+    """A Hugging Face model's preparation before the stages; whether the whole model is
+    transformers' (not just a part)."""
+    if is_hf_model(model) and max(axis_size(mesh, "tp"), axis_size(mesh, "ep")) > 1:
+        # NOTE: before TP: Hugging Face MoE blocks cannot run sharded under forge (their
+        # plans' expert styles are transformers' own); forge's MoE runs whole on each tp
+        # rank and shards its experts over ep. forge_moe_ep.hf.restore_hf_moe undoes it.
+        converted = convert_hf_moe(model)
+        if converted:
+            logger.info("Hugging Face MoE blocks converted to forge's MoE: %s", converted)
+    hf = is_hf_pretrained(model)
+    if hf:
+        declare_hf_vlm_components(model)
+    return hf
+
+
+#: A Hugging Face vision-language model's parts (``LlavaForConditionalGeneration``,
+#: ``Gemma3ForConditionalGeneration`` and the many built the same way).
+_HF_VLM_PARTS = {
+    "encoder": "model.vision_tower",
+    "adapter": "model.multi_modal_projector",
+    "decoder": "model.language_model",
+}
+
+
+def declare_hf_vlm_components(model: nn.Module) -> None:
+    """Declare a Hugging Face VLM's parts as components (forge_core.contracts), so FSDP2, AC and
+    compile treat each on its own: the vision tower's blocks, the projector and the language
+    model's blocks become FSDP2 units (without it they would all sit in the root unit).
+
+    NOTE: the encoder and decoder components are the towers' BLOCK containers, not the towers:
+    the VLM looks up the token embeddings itself before calling its language model (an FSDP2
+    unit of the language model would not be gathered for that lookup), and a unit of the vision
+    tower (a transformers PreTrainedModel) stops transformers from collecting the tower's hidden
+    states (Llava reads them). Embeddings, norms and the head stay with the root unit.
+    """
+    if declared_components(model):
+        return
+    present = {}
+    for name, path in _HF_VLM_PARTS.items():
+        try:
+            part = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if name != "adapter":
+            try:
+                blocks = find_block_container(part)
+            except ForgeConfigError:
+                return
+            path = next(n for n, m in model.named_modules() if m is blocks)
+        present[name] = path
+    if "encoder" in present and "decoder" in present:
+        declare_components(model, present)
+
+
+def no_kv_cache_under_ac(model: nn.Module, ac_mode: str) -> None:
+    """Turn off a Hugging Face model's KV cache (``config.use_cache``) before AC wraps it.
+
+    NOTE: with transformers' default ``use_cache=True`` a training forward still builds a KV
+    cache, which AC's recomputation does not reproduce: op AC fails in backward ("aten.slice.Tensor
+    invocation ... not found in storage"), full AC recomputes against a grown cache. transformers'
+    own gradient checkpointing turns the cache off the same way.
+    """
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None) is True:
+            config.use_cache = False  # type: ignore[union-attr]
+            logger.info(
+                "ac_mode=%s: %s.config.use_cache set to False (AC recomputes the forward; a KV "
+                "cache built in it would not be reproduced)",
+                ac_mode,
+                name or type(module).__name__,
+            )
+
+
+def apply_packed_sequences(model: nn.Module, packed_sequences: bool | None) -> None:
+    """Hook a Hugging Face model as ``ParallelPlan.packed_sequences`` allows (see its
+    docstring): ``None`` leaves it alone, ``True`` refuses a model hooked to skip
+    transformers' packed-sequence check, ``False`` hooks it (no host sync per layer)."""
+    if packed_sequences is None or not is_hf_model(model):
+        return
+    if packed_sequences:
+        if getattr(model, HOOKS_ATTR, None) or is_packed_sequence_patched():
+            raise ForgeConfigError(
+                "packed_sequences=True, but this model is hooked to skip transformers' "
+                "packed-sequence check (a plan with packed_sequences=False parallelized it, "
+                "or it runs inside forge.hf_patches.no_packed_sequence_sync): packed rows "
+                "would attend across sequences; call "
+                "forge.hf_patches.restore_packed_sequence_check(model) first"
+            )
+        return
+    if skip_packed_sequence_check(model):
+        logger.info(
+            "packed_sequences=False: transformers' packed-sequence check returns False while "
+            "this model runs (no host sync per attention layer)"
+        )
+    else:
+        logger.info("packed_sequences=False: this transformers has no such check; no hooks")
