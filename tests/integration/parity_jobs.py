@@ -9,6 +9,7 @@ from forge.build import ParallelPlan, build_parallel_model
 from forge_core import ModelConfig, Transformer
 from forge_core.testing import ParityResult, run_parity
 from forge_mesh import build_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 
 def compiled_parity(layout: dict) -> ParityResult:
@@ -17,13 +18,21 @@ def compiled_parity(layout: dict) -> ParityResult:
     mesh = build_device_mesh(layout, "cpu")
     with torch.device("meta"):
         model = Transformer(cfg)
+    return compiled_plan_parity(model, cfg, mesh, ac_mode="full", batch_size=4)
+
+
+def compiled_plan_parity(
+    model: torch.nn.Module, cfg: ModelConfig, mesh: DeviceMesh, *, ac_mode: str, batch_size: int
+) -> ParityResult:
+    """``model`` (on meta) through ParallelPlan with ``ac_mode`` and per-block torch.compile
+    (aot_eager), fp32, against ``cfg``'s single-device model: 4 steps of ``batch_size`` x 16."""
     plan = ParallelPlan(
         mesh,
-        ac_mode="full",
+        ac_mode=ac_mode,
         compile_model=True,
         compile_backend="aot_eager",
         param_dtype=torch.float32,
     )
     parallel = plan.parallelize(model, device="cpu", seed=0)
     reference = build_parallel_model(cfg, "cpu", None, param_dtype=torch.float32)
-    return run_parity(reference, parallel, mesh=mesh, steps=4, batch_size=4, seq_len=16)
+    return run_parity(reference, parallel, mesh=mesh, steps=4, batch_size=batch_size, seq_len=16)

@@ -133,23 +133,15 @@ def test_router_stays_in_the_autograd_graph_under_ep(run_on_ranks, dispatch):
 
 
 def _compiled_ep_parity(layout: dict, ac_mode: str) -> ParityResult:
-    from forge.build import ParallelPlan
     from forge_moe_ep import moe_transformer
+
+    from tests.integration.parity_jobs import compiled_plan_parity
 
     cfg = MoEModelConfig.preset("debug_moe")
     mesh = build_device_mesh(layout, "cpu", num_experts=cfg.num_experts)
     with torch.device("meta"):
         model = moe_transformer(cfg)
-    plan = ParallelPlan(
-        mesh,
-        ac_mode=ac_mode,
-        compile_model=True,
-        compile_backend="aot_eager",
-        param_dtype=torch.float32,
-    )
-    parallel = plan.parallelize(model, device="cpu", seed=0)
-    reference = build_parallel_model(cfg, "cpu", None, param_dtype=torch.float32)
-    return run_parity(reference, parallel, mesh=mesh, steps=4, batch_size=8, seq_len=16)
+    return compiled_plan_parity(model, cfg, mesh, ac_mode=ac_mode, batch_size=8)
 
 
 @pytest.mark.parametrize("ac_mode", ["full", "op"])
