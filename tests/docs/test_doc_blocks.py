@@ -152,12 +152,20 @@ def _run(block: Block, tmp: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+#: A rank's abort at interpreter exit, after the script did and printed everything: gloo's
+#: teardown under torch 2.11 (seen in 2 of about 100 torchrun runs of these blocks on
+#: 2026-11-27, with and without destroy_process_group). Such a run is repeated once.
+_EXIT_ABORT = "terminate called without an active exception"
+
+
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.name for b in BLOCKS])
 def test_the_block_runs_and_prints_what_the_page_shows(block: Block, tmp_path: Path):
     if block.skip_reason is not None:
         assert block.skip_reason, f"{block.name}: a block not run must say why"
         return
     out = _run(block, tmp_path)
+    if out.returncode != 0 and block.ranks and _EXIT_ABORT in out.stderr:
+        out = _run(block, tmp_path)  # once: see _EXIT_ABORT; a second abort fails
     assert out.returncode == 0, f"{block.name} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     if block.shown is not None:
         assert _matches(block.shown, out.stdout), (
