@@ -151,6 +151,8 @@ BENCHES = (
         150,
         60,
     ),
+    # forge train itself (CLI, one rank, ~1B bf16, eager then compiled): the user's MFU
+    Bench("train", "tools/bench_train.py", (), "train.md", 240, 60),
     Bench("gpu_rates", "tools/bench_gpu_rates.py", ("--reps", "10"), "gpu_rates.md", 60, 25),
     Bench("permute", "tools/bench_permute.py", (), "permute.md", 60, 20),
 )
