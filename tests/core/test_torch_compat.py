@@ -201,3 +201,11 @@ def test_swap_parameter_puts_a_tensor_where_forward_reads_the_parameter():
     assert tc.swap_parameter(lin, "weight", doubled) is param
     assert lin.weight is doubled and torch.equal(lin(torch.eye(2)), (param * 2).T)
     assert tc.swap_parameter(lin, "weight", param) is doubled and lin.weight is param
+
+
+def test_scaled_mm_multiplies_fp8_with_per_tensor_scales():
+    a = torch.full((16, 16), 2.0).to(torch.float8_e4m3fn)
+    b = torch.full((16, 16), 0.5).to(torch.float8_e4m3fn).t()
+    out = tc.scaled_mm(a, b, torch.tensor(3.0), torch.tensor(2.0), torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out.float(), torch.full((16, 16), 16 * 2.0 * 0.5 * 3.0 * 2.0))

@@ -60,3 +60,20 @@ def test_a_meta_model_bound_for_an_old_gpu_is_emulated_with_a_warning(gpu_machin
     with pytest.warns(UserWarning, match="sm_80 has no fp8 GEMMs"):
         apply_float8(model, enable_fsdp_float8_all_gather=False, device="cuda:0")
     assert gpu_machine == [torch.device("cuda:0")] and _emulated(model) == {True}
+
+
+def test_rowwise_on_a_cpu_without_its_fp8_gemm_is_emulated_with_a_warning(monkeypatch):
+    """torch 2.11's CPU _scaled_mm takes per-tensor scales only (found on the GPU machine's
+    torch, 2026-11-27: an INTERNAL ASSERT in every rowwise step); such a torch emulates."""
+    import forge_float8.convert as convert
+    from forge_float8 import apply_float8, cpu_scaled_mm_supports
+
+    assert cpu_scaled_mm_supports("tensorwise")
+    monkeypatch.setattr(convert, "cpu_scaled_mm_supports", lambda recipe: recipe == "tensorwise")
+    with pytest.warns(UserWarning, match="no CPU fp8 GEMM with rowwise scales"):
+        model = apply_float8(_model(), recipe="rowwise", enable_fsdp_float8_all_gather=False)
+    assert _emulated(model) == {True}
+    out = model(torch.randn(4, 32))  # the emulated GEMM runs where the CPU kernel would not
+    assert out.shape == (4, 32) and torch.isfinite(out).all()
+    tensorwise = apply_float8(_model(), enable_fsdp_float8_all_gather=False)
+    assert _emulated(tensorwise) == {False}

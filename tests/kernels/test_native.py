@@ -155,6 +155,23 @@ def test_bad_routing_arguments_raise_the_same_value_error(forge_ops, ids, E, ali
         native.routing_layout_reference(ids, E, align)
 
 
+def test_python_entry_points_refuse_bad_arguments_before_the_op(forge_ops, monkeypatch):
+    """On the lent H200 a C++ exception out of the library crashed the process (SIGSEGV):
+    forge's own entry points check in Python and never hand the op a bad argument."""
+
+    def op_called(*args):
+        raise AssertionError("the native op was called with a bad argument")
+
+    monkeypatch.setattr(forge_ops, "routing_layout", op_called)
+    monkeypatch.setattr(forge_ops, "stage_to_host", op_called)
+    with pytest.raises(ValueError, match="2-D"):
+        native.routing_layout(torch.zeros(4, dtype=torch.int64), 4, 1)
+    with pytest.raises(ValueError, match="align must be >= 1"):
+        native.routing_layout(torch.zeros(4, 2, dtype=torch.int64), 4, 0)
+    with pytest.raises(ValueError, match="elements"):
+        native.stage_to_host(torch.arange(4), torch.zeros(5, dtype=torch.int64))
+
+
 def test_routing_layout_dispatches_to_the_native_op_on_cpu(forge_ops, monkeypatch):
     ids = _random_ids(16, 2, 8, seed=3, dtype=torch.int64)
 

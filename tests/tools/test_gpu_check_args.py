@@ -29,3 +29,21 @@ def test_bad_arguments_are_one_line_and_exit_2(args: list[str], message: str):
     assert out.returncode == 2, out.stderr
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("tools/gpu_check: error: ") and message in last, out.stderr
+
+
+def test_steps_known_to_be_skipped_keep_no_time_back(tmp_path: Path):
+    """The third H200 lease: six skipped smokes (argv None) each kept 25 s back, so the tests
+    step got 120 s of a 330 s budget and timed out."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    phase = gpu_check.Phase("t", True, 100.0, tmp_path / "log", {})
+    run = gpu_check.Step("run", [sys.executable, "-c", "pass"], 90, 5)
+    skipped = [gpu_check.Step(f"smoke {i}", None, 90, 25, skip_note="-") for i in range(6)]
+    kept = gpu_check.Step("nccl", [sys.executable, "-c", "pass"], 90, 30)
+    phase.run([run, *skipped, kept])
+    first, *_, last = phase.results
+    assert first.status == "ok" and last.status == "ok"
+    assert first.timeout_s is not None and 60 < first.timeout_s <= 70  # 100 s less nccl's 30

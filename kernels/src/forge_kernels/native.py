@@ -153,8 +153,12 @@ def implementation(device: torch.device | str = "cpu") -> Literal["native", "pyt
 def routing_layout(expert_ids: torch.Tensor, num_experts: int, align: int = 1) -> RoutingLayout:
     """``(counts, offs, gather_idx, scatter_idx)`` of a routing; native op when available.
 
-    No host synchronization on either path; outputs are sized from shapes only.
+    No host synchronization on either path; outputs are sized from shapes only. Arguments are
+    checked here before the op is called: on the lent H200 a C++ exception out of the library
+    killed the process (SIGSEGV, cause not yet found; benchmarks/gpu.md), so forge's Python
+    entry points never reach the op's own checks, which stay for direct ``torch.ops`` callers.
     """
+    check_routing_args(expert_ids, num_experts, align)
     if implementation(expert_ids.device) == "native":
         return RoutingLayout(*torch.ops.forge.routing_layout(expert_ids, num_experts, align))
     return routing_layout_reference(expert_ids, num_experts, align)
@@ -186,15 +190,15 @@ def stage_to_host(src: torch.Tensor, pinned_dst: torch.Tensor) -> None:
     an event after this call and synchronize on it before reading ``pinned_dst`` — or use
     :class:`StagedSplits`, which does both. For a CPU ``src`` it is a plain, finished copy.
     """
-    if _STATE.library is not None or load_native():
-        torch.ops.forge.stage_to_host(src, pinned_dst)
-        return
-    _check_stage_args(src, pinned_dst)
+    _check_stage_args(src, pinned_dst)  # before the op too: see routing_layout
     if src.device.type != "cpu" and not pinned_dst.is_pinned():
         raise ValueError(
             f"stage_to_host: pinned_dst is not in pinned memory, so a copy from {src.device} "
             "would block the host; allocate it with pin_memory=True"
         )
+    if _STATE.library is not None or load_native():
+        torch.ops.forge.stage_to_host(src, pinned_dst)
+        return
     pinned_dst.view(-1).copy_(src.reshape(-1), non_blocking=True)
 
 

@@ -60,7 +60,10 @@ def test_fsdp_fp8_all_gather_matches_bf16_all_gather_and_the_precompute_hook_run
     out = run_on_ranks(4, all_gather_on_off_and_hook)[0]
     rel = [abs(a - b) / b for a, b in zip(out["on"], out["off"], strict=True)]
     # On: fp32 shard -> fp8 before the all-gather; off: fp32 -> bf16 (FSDP2's param dtype) ->
-    # fp8 after it. One rounding apart: 3e-5 at step 1 (measured), then training drift (<0.3%).
-    assert rel[0] < 1e-4 and max(rel) < 1e-2, rel
+    # fp8 after it, with a scale from the bf16 amax: every weight's fp8 rounding can move, so the
+    # two differ by fp8 noise, the size of fp8 against bf16 itself. Step 1 measured (2026-11-27):
+    # 1.4e-5 on torch 2.15's CPU _scaled_mm, 5.1e-4 on torch 2.11's (the GPU machines'; fp8 vs
+    # bf16 there: 7.7e-4), 1.1e-3 by step 3 on both. A wrong scale on one shard moves it by >1%.
+    assert rel[0] < 2e-3 and max(rel) < 1e-2, rel
     assert out["scales"][True] and all(out["scales"][True])  # hook ran: scales precomputed
     assert not any(out["scales"][False])  # without the hook nothing sets them

@@ -11,7 +11,7 @@ Provides :func:`unflatten_mesh_dim`, :func:`flatten_mesh`, :func:`mesh_group_ran
 :func:`assert_on_device`, :func:`checkpoint_wrapper`, :func:`is_checkpoint_wrapper`,
 :func:`inductor_cache_dir`, :func:`compiled_original`, :func:`is_compiled`,
 :func:`non_persistent_buffer_names`, :func:`local_shape_and_offset`, :func:`strided_shard_type`,
-:func:`overload_name`, :func:`dcp_metadata_path`, :func:`dcp_index_globals` and :class:`TorchDispatchMode` (the base of
+:func:`overload_name`, :func:`scaled_mm`, :func:`dcp_metadata_path`, :func:`dcp_index_globals` and :class:`TorchDispatchMode` (the base of
 forge's sync guard).
 Modules that are slow to import are imported when first used. (``forge_kernels`` depends on
 torch alone and calls ``torch._grouped_mm`` itself.)
@@ -44,6 +44,7 @@ __all__ = [
     "mesh_group_ranks",
     "non_persistent_buffer_names",
     "overload_name",
+    "scaled_mm",
     "strided_shard_type",
     "unflatten_mesh_dim",
 ]
@@ -104,6 +105,17 @@ def in_backward_pass() -> bool:
 def assert_on_device(condition: torch.Tensor, message: str) -> None:
     """Check a boolean tensor on its device without a host sync (raises there, asynchronously)."""
     torch._assert_async(condition, message)
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """torch's fp8 GEMM ``(a * scale_a) @ (b * scale_b)`` in ``out_dtype`` (b column-major)."""
+    return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype)
 
 
 def checkpoint_wrapper(module: nn.Module, **kwargs: Any) -> nn.Module:

@@ -7,7 +7,9 @@
 - :func:`float8_report` / :class:`Float8Report`: what was converted, what was skipped and why.
 - :class:`Float8Config` (``[float8]``) and ``FLOAT8_RECIPES``: the settings, checked as built
 - :func:`use_torch_cpu_fp8_kernels`: CPU fp8 GEMMs on torch's own kernel, not oneDNN's slow
-  reference one (:mod:`forge_float8.cpu`).
+  reference one, and :func:`cpu_scaled_mm_supports`: whether this torch's CPU fp8 GEMM takes a
+  recipe's scales (torch 2.11's takes per-tensor scales only; rowwise is then emulated on CPU)
+  (:mod:`forge_float8.cpu`).
 - :func:`check_float8` / :func:`check_torchao`: the pre-launch checks (settings that cannot
   work together; torchao importable here), in :mod:`forge_float8.checks` (no torch import).
 
@@ -29,13 +31,14 @@ _EXPORTS = {
     "FLOAT8_RECIPES": "config",
     "Float8Config": "config",
     "use_torch_cpu_fp8_kernels": "cpu",
+    "cpu_scaled_mm_supports": "cpu",
 }
 
 if TYPE_CHECKING:
     from .checks import check_float8, check_torchao
     from .config import FLOAT8_RECIPES, Float8Config
     from .convert import RECIPES, Float8Report, apply_float8, float8_report
-    from .cpu import use_torch_cpu_fp8_kernels
+    from .cpu import cpu_scaled_mm_supports, use_torch_cpu_fp8_kernels
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
@@ -49,6 +52,7 @@ __all__ = [
     "apply_float8",
     "check_float8",
     "check_torchao",
+    "cpu_scaled_mm_supports",
     "float8_report",
     "use_torch_cpu_fp8_kernels",
 ]

@@ -72,6 +72,7 @@ from torch.distributed.tensor.parallel import (
 
 from .checks import check_torchao
 from .config import FLOAT8_RECIPES
+from .cpu import cpu_scaled_mm_supports
 
 __all__ = ["RECIPES", "Float8Report", "apply_float8", "float8_report"]
 
@@ -144,8 +145,9 @@ def _skip_reason(
     return None
 
 
-def _default_emulate(model: nn.Module, device: torch.device | str | None) -> bool:
-    """Emulate only on a GPU without fp8 GEMMs (below SM89); CPU runs torch's CPU _scaled_mm.
+def _default_emulate(model: nn.Module, device: torch.device | str | None, recipe: str) -> bool:
+    """Emulate only on a GPU without fp8 GEMMs (below SM89), or on a CPU whose torch's CPU
+    ``_scaled_mm`` cannot take ``recipe``'s scales (torch 2.11 and rowwise); else fp8 GEMMs.
 
     The GPU asked is the one the model runs on: ``device`` when given, else its parameters'
     device; a CPU model on a GPU machine never touches CUDA (asking would initialize it, which
@@ -154,7 +156,14 @@ def _default_emulate(model: nn.Module, device: torch.device | str | None) -> boo
     """
     where = torch.device(device) if device is not None else _params_device(model)
     if where is not None and where.type != "cuda":
-        return False
+        if where.type != "cpu" or cpu_scaled_mm_supports(recipe):
+            return False
+        warnings.warn(
+            f"this torch ({torch.__version__}) has no CPU fp8 GEMM with {recipe} scales: "
+            "Float8 runs emulated on CPU (fp8 rounding, high-precision GEMMs)",
+            stacklevel=3,
+        )
+        return True
     if not torch.cuda.is_available():
         return False
     major, minor = torch.cuda.get_device_capability(where)
@@ -240,7 +249,7 @@ def apply_float8(
         if not chosen:
             why = "; ".join(f"{n}: {r}" for n, r in skipped.items()) or "the model has no nn.Linear"
             raise ForgeConfigError(f"apply_float8: no Linear can be converted ({why})")
-        emulate = _default_emulate(model, device) if emulate is None else emulate
+        emulate = _default_emulate(model, device, recipe) if emulate is None else emulate
         config = dataclasses.replace(
             Float8LinearConfig.from_recipe_name(recipe),
             enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather,

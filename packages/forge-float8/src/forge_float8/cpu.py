@@ -9,9 +9,12 @@ test take minutes. A GPU never reads this setting.
 
 from __future__ import annotations
 
-import torch
+import functools
 
-__all__ = ["use_torch_cpu_fp8_kernels"]
+import torch
+from forge_core.torch_compat import scaled_mm
+
+__all__ = ["cpu_scaled_mm_supports", "use_torch_cpu_fp8_kernels"]
 
 
 def use_torch_cpu_fp8_kernels() -> bool:
@@ -24,3 +27,27 @@ def use_torch_cpu_fp8_kernels() -> bool:
     previous = bool(torch.backends.mkldnn.enabled)
     torch.backends.mkldnn.set_flags(False)
     return previous
+
+
+@functools.cache
+def cpu_scaled_mm_supports(recipe: str) -> bool:
+    """Whether this torch's CPU ``_scaled_mm`` runs the fp8 GEMMs of ``recipe``.
+
+    torch 2.11's CPU kernel takes one scale per tensor only (it asserts on the row/column
+    scales of "rowwise", found on the GPU machine's torch, 2026-11-27); later ones take both.
+    Probed once per recipe on a 16x16 product (a property of the torch build, memoized).
+    """
+    if recipe == "tensorwise":
+        return True
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    b = torch.ones(16, 16).to(torch.float8_e4m3fn).t()
+    previous = bool(torch.backends.mkldnn.enabled)
+    try:
+        for onednn in (False, True):  # torch's own CPU kernel and oneDNN's must both take it
+            torch.backends.mkldnn.set_flags(onednn)
+            scaled_mm(a, b, torch.ones(16, 1), torch.ones(1, 16), torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return False
+    finally:
+        torch.backends.mkldnn.set_flags(previous)
+    return True
