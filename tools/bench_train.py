@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -47,9 +48,10 @@ MODEL_1B = {
 }
 MODEL_TINY = {"model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.ffn_dim": 128}
 MFU_TARGET = 0.50
+Results = dict[str, dict[str, float | None]]
 
 
-def overrides(model: dict[str, object], *, seq: int, batch: int, steps: int, compiled: bool,
+def overrides(model: Mapping[str, object], *, seq: int, batch: int, steps: int, compiled: bool,
               out_dir: str, dtype: str) -> list[str]:  # fmt: skip
     """The ``--set`` arguments of one variant."""
     values: dict[str, object] = {
@@ -111,13 +113,13 @@ def main() -> int:
     steps = args.steps if gpu else min(args.steps, 4)
     warmup = args.warmup if gpu else 1
     started = time.perf_counter()
-    results: dict[str, dict[str, float | None]] = {}
+    results: Results = {}
     for variant in args.variants.split(","):
         with tempfile.TemporaryDirectory(prefix="bench_train-") as scratch:
             sets = overrides(model, seq=seq, batch=batch, steps=steps,
                              compiled=variant == "compiled", out_dir=scratch, dtype=dtype)  # fmt: skip
             results[variant] = summarize(run_variant(device, sets, Path(scratch), 420), warmup)
-    lines = page(results, device, model, seq, batch, dtype, steps, warmup, args)
+    lines = page(results, device, model, seq, batch, dtype, steps, warmup, args.quick)
     lines.append(f"wall time {time.perf_counter() - started:.0f} s")
     print("\n".join(lines))
     best = results.get("compiled", {}).get("mfu")
@@ -131,13 +133,17 @@ def main() -> int:
     return 0
 
 
-def page(results, device, model, seq, batch, dtype, steps, warmup, args) -> list[str]:  # type: ignore[no-untyped-def]
+def page(
+    results: Results, device: str, model: Mapping[str, object], seq: int, batch: int,
+    dtype: str, steps: int, warmup: int, quick: bool,
+) -> list[str]:  # fmt: skip
+    """The markdown page of one run."""
     facts = machine_facts()
     described = ", ".join(f"{k.removeprefix('model.')}={v}" for k, v in model.items())
     lines = [
         "# forge train (the CLI, one rank)",
         "",
-        f"Run: `uv run python tools/bench_train.py{' --quick' if args.quick else ''}`"
+        f"Run: `uv run python tools/bench_train.py{' --quick' if quick else ''}`"
         f" on {device}; " + ", ".join(f"{k}: {v}" for k, v in facts.items()) + ".",
         "",
         f"Model: {described}; "
