@@ -28,9 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODULE_LINES = 500
 #: Modules still over MODULE_LINES, each held at its length when the measure came in (issue 32):
 #: lower a ceiling when its module shrinks; remove it once the module is under the bound.
-OVER_LINES = {
-    "packages/forge/src/forge/build.py": 673,
-}
+OVER_LINES: dict[str, int] = {}
 
 
 def source_roots() -> list[Path]:

@@ -164,3 +164,16 @@ def test_ac_none_is_a_no_op_that_leaves_room_for_a_real_mode():
     apply_ac(model, "none")
     apply_ac(model, "full")
     assert applied_stages(model) == ["ac"]
+
+
+def test_compile_after_sharding_by_scope():
+    from forge_core import ForgeConfigError
+    from forge_core.torch_compat import is_compiled
+    from forge_fsdp_wrap import compile_after_sharding
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ForgeConfigError, match="compile_scope='blocks'.*has not run"):
+        compile_after_sharding(model, scope="blocks")
+    assert compile_after_sharding(model, scope="model", backend="eager") is model
+    assert is_compiled(model)
+    assert compile_after_sharding(model, scope="model", backend="eager") is model  # not twice

@@ -204,3 +204,12 @@ def test_ep_mesh_helpers():
         dense = build_device_mesh({}, "cpu")
         assert get_ep_mesh(dense) is None
         assert get_expert_dp_mesh(dense).mesh_dim_names == ("dp_shard",)
+
+
+def test_check_mesh_matches_names_each_axis_that_differs_and_the_fix():
+    from forge_core import ForgeConfigError, ParallelismConfig
+    from forge_mesh import check_mesh_matches
+
+    check_mesh_matches(ParallelismConfig(dp_shard=1, ep=1), None)  # one device: every axis 1
+    with pytest.raises(ForgeConfigError, match=r"tp=2 .* has tp=1: .* set parallelism.tp=1"):
+        check_mesh_matches(ParallelismConfig(dp_shard=1, ep=1, tp=2), None)

@@ -3,7 +3,8 @@
 The last stages of forge's order (TP -> CP -> EP -> Float8 -> domain -> AC -> compile -> FSDP2/DDP):
 
 - :func:`apply_ac` wraps blocks for activation checkpointing (``none|full|selective|op``)
-- :func:`apply_compile` compiles each block in place
+- :func:`apply_compile` compiles each block in place; :func:`compile_after_sharding` the whole
+  sharded model (or nothing more, for per-block compile)
 - :func:`apply_fsdp2` shards each block, then the root; a 2-D DP mesh gives HSDP; a model made
   of components (a VLM) gets units per component, and a frozen component may stay replicated
   (:func:`frozen_bytes_rule`)
@@ -31,6 +32,7 @@ _EXPORTS = {
     "find_block_container": "blocks",
     "find_blocks": "blocks",
     "apply_compile": "compile",
+    "compile_after_sharding": "compile",
     "apply_ddp": "data_parallel",
     "apply_fsdp2": "data_parallel",
     "default_mp_policy": "data_parallel",
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
     from .ac import apply_ac
     from .blocks import find_block_container, find_blocks
     from .checks import AC_MODES, check_ac_mode
-    from .compile import apply_compile
+    from .compile import apply_compile, compile_after_sharding
     from .copies import reshard
     from .data_parallel import (
         apply_ddp,
@@ -63,6 +65,7 @@ __all__ = [
     "apply_ac",
     "check_ac_mode",
     "apply_compile",
+    "compile_after_sharding",
     "apply_ddp",
     "apply_fsdp2",
     "default_mp_policy",

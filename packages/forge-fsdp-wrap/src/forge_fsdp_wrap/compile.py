@@ -12,17 +12,22 @@ the host) is not compiled whole: its other composite children (attention) are co
 one and the opted-out module runs eagerly. This also keeps FSDP2 units nested inside a block
 (expert-parallel blocks are wrapped per sub-module) out of a compiled region, where their hooks
 could not be traced.
+
+:func:`compile_after_sharding` is the other scope: the whole sharded model compiled once, after
+FSDP2 (``nn.Module.compile``), for models whose blocks cannot be compiled on their own.
 """
 
 from __future__ import annotations
 
 import torch.nn as nn
 from forge_core.contracts import opts_out_of_compile
-from forge_core.stages import stage
+from forge_core.errors import ForgeConfigError
+from forge_core.stages import applied_stages, stage
+from forge_core.torch_compat import is_compiled
 
 from .blocks import component_blocks
 
-__all__ = ["apply_compile"]
+__all__ = ["apply_compile", "compile_after_sharding"]
 
 
 def apply_compile(
@@ -46,4 +51,46 @@ def apply_compile(
                 composite = any(True for _ in child.children())
                 if composite and not opts_out_of_compile(child):
                     child.compile(backend=backend, fullgraph=fullgraph, dynamic=dynamic)
+    return model
+
+
+def compile_after_sharding(model: nn.Module, *, scope: str, backend: str = "inductor") -> nn.Module:
+    """What a plan with compile on does after sharding, by ``scope``; returns the model.
+
+    - ``scope='blocks'``: nothing more: the blocks were compiled before FSDP2
+      (:func:`apply_compile`). Refused if they were not (the model was not parallelized yet).
+    - ``scope='model'``: compiles ``model`` in place (``nn.Module.compile``: parameter and
+      state-dict names keep no ``_orig_mod.`` prefix), with ``backend`` and static shapes;
+      FSDP2's hooks run eagerly between graphs. A model already compiled is returned unchanged
+      (never compiled twice); one whose blocks are compiled is refused (they would be compiled
+      again).
+
+    NOTE: static shapes (``dynamic=False``) as for the blocks: DTensor (TP) fails under symbolic
+    shapes in inductor, so each new input shape compiles its own graph.
+
+    NOTE: under FSDP2 the graphs stop at every FSDP2 unit: dynamo runs FSDP2's hooks eagerly
+    (``torch._dynamo.config.skip_fsdp_hooks``), and a graph break inside a loop makes it run that
+    whole frame eagerly. On forge's Transformer (torch 2.15) the root's forward, whose loop over
+    the blocks crosses each block's hooks, runs eagerly and each block's forward becomes the
+    compiled graph, so ``"blocks"`` is the better scope for an FSDP2 model; ``"model"`` pays off
+    where no hooks cut the model (no data parallelism, DDP, or units not called in a loop).
+    """
+    compiled_blocks = "compile" in applied_stages(model)
+    if scope == "blocks":
+        if not compiled_blocks:
+            raise ForgeConfigError(
+                "maybe_compile with compile_scope='blocks': the blocks are compiled inside "
+                "parallelize(), which has not run on this model; call "
+                "plan.maybe_compile(plan.parallelize(model))"
+            )
+        return model
+    if is_compiled(model):
+        return model  # already compiled as a whole
+    if compiled_blocks:
+        raise ForgeConfigError(
+            "maybe_compile with compile_scope='model' on a model whose blocks are already "
+            "compiled (apply_compile, or a plan with compile_scope='blocks'): it would compile "
+            "them twice; use compile_scope='blocks', or rebuild the model without block compile"
+        )
+    model.compile(backend=backend, dynamic=False)
     return model

@@ -22,7 +22,8 @@ compose with FSDP2 over ``expert_dp``.
 
 Works with ``cpu`` (gloo), ``cuda`` (nccl) and the ``fake`` backend, on which a plan for
 thousands of ranks runs in one process on meta tensors (see ``tools/bench_build.py``).
-The config is validated against the world size before any process-group work.
+The config is validated against the world size before any process-group work, and
+:func:`check_mesh_matches` refuses a mesh built for another layout than a config's.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from forge_core import ParallelismConfig
+from forge_core import ForgeConfigError, ParallelismConfig
 from forge_core.mesh_dims import (
     AXES,
     SLICES_ATTR,
     VIEWS_ATTR,
+    axis_size,
     get_dp_mesh,
     get_tp_mesh,
     has_dp_mesh,
@@ -48,6 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 __version__ = "0.1.0"
 __all__ = [
     "build_device_mesh",
+    "check_mesh_matches",
     "get_dp_mesh",
     "get_tp_mesh",
     "has_dp_mesh",
@@ -174,3 +177,32 @@ def build_device_mesh(
     if cfg.ep > 1:
         views.update(_expert_views(mesh, cfg.ep, hsdp))
     return mesh
+
+
+#: Mesh axes a ``[parallelism]`` section sizes (``ep`` is a view carved from ``dp_shard``).
+_LAYOUT_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "domain", "tp", "ep")
+
+
+def check_mesh_matches(par: ParallelismConfig, mesh: DeviceMesh | None) -> None:
+    """Refuse a mesh whose axis sizes differ from the config's resolved ``[parallelism]``.
+
+    NOTE: a plan reads the layout from the mesh; a config that says tp=2 next to a mesh without
+    a tp axis would otherwise be followed silently without TP (and its TP options ignored).
+    """
+    wrong = {
+        axis: (getattr(par, axis), axis_size(mesh, axis))
+        for axis in _LAYOUT_AXES
+        if getattr(par, axis) != axis_size(mesh, axis)
+    }
+    if wrong:
+        ranks = mesh.size() if mesh is not None else 1
+        said = ", ".join(f"{a}={want}" for a, (want, _) in wrong.items())
+        has = ", ".join(f"{a}={got}" for a, (_, got) in wrong.items())
+        fix = ", ".join(f"parallelism.{a}={got}" for a, (_, got) in wrong.items())
+        mesh_text = "device_mesh=None (one device)" if mesh is None else "the device_mesh"
+        raise ForgeConfigError(
+            f"the config's [parallelism] resolves to {said} on {ranks} rank(s), but {mesh_text} "
+            f"has {has}: build the mesh from the same config "
+            "(forge_mesh.build_device_mesh(cfg.resolved_parallelism(world_size), ...)) or set "
+            f"{fix} in the config"
+        )

@@ -27,7 +27,7 @@ From a config (what ``forge build`` does, for a model you already have)::
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -35,12 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from forge_core import ForgeConfigError, ModelConfig, applied_stages
-from forge_core.config import ParallelismConfig
-from forge_core.contracts import declared_components, model_components
+from forge_core import ForgeConfigError, ModelConfig
 from forge_core.errors import did_you_mean, refuse
 from forge_core.mesh_dims import axis_size, get_dp_mesh, has_dp_mesh
-from forge_core.torch_compat import is_compiled, non_persistent_buffer_names
 from forge_cp import apply_context_parallel
 from forge_cp.checks import cp_pipeline_problems
 from forge_domain import apply_domain_parallel
@@ -50,30 +47,30 @@ from forge_fsdp_wrap import (
     apply_compile,
     apply_ddp,
     apply_fsdp2,
+    compile_after_sharding,
     default_mp_policy,
     enable_autocast,
 )
-from forge_moe_ep import MoE, apply_expert_parallel
+from forge_mesh import check_mesh_matches
 from forge_pp import PipelineSplit, attach_schedule, pipeline_split, share_buffers
 from forge_pp.checks import stages_per_rank_problems
 from forge_pp.config import PPConfig
-from forge_tp_plans import apply_tensor_parallel
 from forge_tp_plans.checks import pipeline_stage_problems
 from forge_vlm import (
     AdapterConfig,
     VisionEncoderConfig,
     VLMConfig,
-    check_encoder_tp,
 )
 from forge_vlm import ac_components as vlm_ac_components
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .checks import check_float8, check_plan
-from .config import COMPILE_SCOPES, ForgeConfig, load_config
-from .hf_prepare import apply_packed_sequences, no_kv_cache_under_ac, prepare_hf
+from .config import COMPILE_SCOPES, ForgeConfig, as_config
+from .hf_prepare import no_kv_cache_under_ac
 from .layout import Layout, resolve_layout
+from .model_spec import materialize, model_spec, refuse_materialized
 from .models import build_meta_model, model_from_config
 
 __all__ = [
@@ -87,46 +84,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def _as_config(config: ForgeConfig | Mapping[str, Any] | str | Path) -> ForgeConfig:
-    if isinstance(config, ForgeConfig):
-        return config
-    if isinstance(config, Mapping | str | Path):
-        return load_config(config)
-    raise ForgeConfigError(
-        f"ParallelPlan.from_config(config=...) got a {type(config).__name__}: pass a ForgeConfig, "
-        "a dict of config sections or the path of a TOML file"
-    )
-
-
-#: Mesh axes a ``[parallelism]`` section sizes (``ep`` is a view carved from ``dp_shard``).
-_LAYOUT_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "domain", "tp", "ep")
-
-
-def _check_mesh_matches(par: ParallelismConfig, mesh: DeviceMesh | None) -> None:
-    """Refuse a mesh whose axis sizes differ from the config's resolved ``[parallelism]``.
-
-    NOTE: a plan reads the layout from the mesh; a config that says tp=2 next to a mesh without
-    a tp axis would otherwise be followed silently without TP (and its TP options ignored).
-    """
-    wrong = {
-        axis: (getattr(par, axis), axis_size(mesh, axis))
-        for axis in _LAYOUT_AXES
-        if getattr(par, axis) != axis_size(mesh, axis)
-    }
-    if wrong:
-        ranks = mesh.size() if mesh is not None else 1
-        said = ", ".join(f"{a}={want}" for a, (want, _) in wrong.items())
-        has = ", ".join(f"{a}={got}" for a, (_, got) in wrong.items())
-        fix = ", ".join(f"parallelism.{a}={got}" for a, (_, got) in wrong.items())
-        mesh_text = "device_mesh=None (one device)" if mesh is None else "the device_mesh"
-        raise ForgeConfigError(
-            f"the config's [parallelism] resolves to {said} on {ranks} rank(s), but {mesh_text} "
-            f"has {has}: build the mesh from the same config "
-            "(forge_mesh.build_device_mesh(cfg.resolved_parallelism(world_size), ...)) or set "
-            f"{fix} in the config"
-        )
 
 
 @dataclass(frozen=True)
@@ -257,7 +214,7 @@ class ParallelPlan:
         The plan applies to any model: ``from_config(cfg, mesh).parallelize(model)`` on a model
         you built and loaded yourself (a Hugging Face model, your own) keeps its values.
         """
-        cfg = _as_config(config)
+        cfg = as_config(config, "ParallelPlan.from_config")
         ranks = device_mesh.size() if device_mesh is not None else 1
         try:
             if layout is None or layout.world_size != ranks:
@@ -267,7 +224,7 @@ class ParallelPlan:
             raise ForgeConfigError(
                 f"the config's [parallelism] does not fit {where}: {e}"
             ) from None
-        _check_mesh_matches(layout.parallelism, device_mesh)
+        check_mesh_matches(layout.parallelism, device_mesh)
         check_float8(cfg.float8, layout.tp)
         names = {f.name for f in fields(cls) if f.init and f.name != "device_mesh"}
         for key in overrides:
@@ -402,23 +359,26 @@ class ParallelPlan:
     ) -> nn.Module:
         """The stages in forge's order on one model (or one pipeline stage's module)."""
         if device is not None:
-            _refuse_materialized(model, device)
-        apply_packed_sequences(model, self.packed_sequences)
+            refuse_materialized(model, device)
         mesh = self.device_mesh
-        hf = prepare_hf(model, mesh)
-        parts = dict(model_components(model))
-        decoder = parts.get("decoder", model)
-        if self._encoder_tp:
-            self._encoder_tp_problem(model, parts.get("encoder"))
+        spec = model_spec(model, mesh, vlm=self.vlm, packed_sequences=self.packed_sequences)
         if axis_size(mesh, "tp") > 1:
-            self._tensor_parallel(model, hf, decoder, parts.get("encoder"))
+            assert mesh is not None  # a tp axis of size > 1 implies a mesh
+            spec.tensor_parallel(
+                mesh,
+                plan=self.tp_plan,
+                sequence_parallel=self.sequence_parallel,
+                loss_parallel=self.loss_parallel,
+                allow_import=self.allow_plan_import,
+                vlm=self.vlm,
+            )
         if axis_size(mesh, "cp") > 1:
             assert mesh is not None  # a cp axis of size > 1 implies a mesh
             apply_context_parallel(model, mesh)
-        _expert_parallel(decoder, mesh)
+        spec.expert_parallel(mesh)
         if self.float8.enabled:  # a VLM's decoder; its encoder and adapter stay in high precision
             apply_float8(
-                decoder,
+                spec.decoder,
                 recipe=self.float8.recipe,
                 enable_fsdp_float8_all_gather=self.fp8_all_gather,
                 filter_fqns=self.float8.filter_fqns,
@@ -444,7 +404,10 @@ class ParallelPlan:
                 shard_frozen=None if self.vlm is None else self.vlm.shard_frozen_flag,
             )
         if device is not None:
-            self._materialize(model, parts.values(), device, seed or 0)
+            # NOTE: with CPU offload the sharded parameters live on the CPU (FSDP2 copies them
+            # to the device per unit); buffers are not managed by FSDP2 and must be on the device.
+            offload = self.cpu_offload and self.data == "fsdp2"
+            spec.materialize(device, seed or 0, param_device="cpu" if offload else device)
         if self.data in ("ddp", "none") and self.param_dtype != torch.float32:
             enable_autocast(model, self.param_dtype)
         if self.data == "ddp":
@@ -452,135 +415,18 @@ class ParallelPlan:
             return apply_ddp(model, mesh)
         return model
 
-    @property
-    def _encoder_tp(self) -> bool:
-        return self.vlm is not None and self.vlm.encoder_tp
-
-    def _encoder_tp_problem(self, model: nn.Module, encoder: nn.Module | None) -> None:
-        """Refuse ``vlm.encoder_tp`` on a model that has no encoder component."""
-        if encoder is None and "encoder" not in declared_components(model):
-            raise ForgeConfigError(
-                f"encoder_tp=True but {type(model).__name__} has no encoder component"
-            )
-
-    def _tensor_parallel(
-        self, model: nn.Module, hf: bool, decoder: nn.Module, encoder: nn.Module | None
-    ) -> None:
-        """TP on the decoder (a Hugging Face model: on the whole model) and, when asked, on the
-        VLM's encoder with its own plan."""
-        mesh = self.device_mesh
-        assert mesh is not None  # a tp axis of size > 1 implies a mesh
-        apply_tensor_parallel(
-            # NOTE: a Hugging Face VLM's plan is written for the whole model (it names
-            # model.language_model.* and lm_head, which lies outside the language model).
-            model if hf else decoder,
-            mesh,
-            plan=self.tp_plan,
-            sequence_parallel=self.sequence_parallel,
-            loss_parallel=self.loss_parallel,
-            allow_import=self.allow_plan_import,
-        )
-        if self._encoder_tp and encoder is not None:
-            assert self.vlm is not None
-            encoder_config = getattr(encoder, "config", None)
-            if isinstance(encoder_config, VisionEncoderConfig):
-                check_encoder_tp(encoder_config, axis_size(mesh, "tp"))
-            apply_tensor_parallel(
-                encoder,
-                mesh,
-                plan=self.vlm.encoder_tp_plan,
-                sequence_parallel=False,
-                allow_import=self.allow_plan_import,
-            )
-
-    def _materialize(
-        self, model: nn.Module, parts: Iterable[nn.Module], device: torch.device | str, seed: int
-    ) -> None:
-        # NOTE: with CPU offload the sharded parameters live on the CPU (FSDP2 copies them to
-        # the device per unit); buffers are not managed by FSDP2 and must be on the device.
-        param_device = "cpu" if self.cpu_offload and self.data == "fsdp2" else device
-        materialize(model, device, seed, param_device=param_device)
-        for part in parts:  # a component left out of FSDP2 computes on the device
-            if param_device != device and not isinstance(part, FSDPModule):
-                part.to(device)
-
     def maybe_compile(self, model: nn.Module) -> nn.Module:
         """Whole-model ``torch.compile`` after sharding, when the plan asks for it; returns the model.
 
-        Call it on what :meth:`parallelize` returned, once, before training. What it does:
-
-        - ``compile_model=False``: nothing (returns ``model`` as it is).
-        - ``compile_scope='blocks'``: nothing more: :meth:`parallelize` already compiled each
-          block before FSDP2. Refused if the model has no compile stage (not parallelized with
-          this plan yet: call :meth:`parallelize` first).
-        - ``compile_scope='model'``: compiles ``model`` in place (``nn.Module.compile``:
-          parameter and state-dict names keep no ``_orig_mod.`` prefix), with
-          ``compile_backend`` and static shapes; FSDP2's hooks run eagerly between graphs.
-          A model already compiled (by an earlier call, ``torch.compile`` or ``nn.Module.compile``)
-          is returned unchanged: never compiled twice. A model whose blocks are compiled
-          (``apply_compile``) is refused: the whole-model compile would compile them again.
-
-        NOTE: static shapes (``dynamic=False``) as for the blocks: DTensor (TP) fails under
-        symbolic shapes in inductor, so each new input shape compiles its own graph.
-
-        NOTE: under FSDP2 the graphs stop at every FSDP2 unit: dynamo runs FSDP2's hooks
-        eagerly (``torch._dynamo.config.skip_fsdp_hooks``), and a graph break inside a loop
-        makes it run that whole frame eagerly. On forge's Transformer (torch 2.15) the root's
-        forward, whose loop over the blocks crosses each block's hooks, runs eagerly and each
-        block's forward becomes the compiled graph, so ``"blocks"`` is the better scope for an
-        FSDP2 model; ``"model"`` pays off where no hooks cut the model (``data='none'``, DDP,
-        or units that are not called in a loop).
+        Call it on what :meth:`parallelize` returned, once, before training. With
+        ``compile_model=False`` it does nothing; otherwise
+        :func:`forge_fsdp_wrap.compile_after_sharding` with ``compile_scope``: nothing more for
+        ``'blocks'`` (compiled inside :meth:`parallelize`; refused if it has not run), the whole
+        model compiled in place for ``'model'`` (never twice; refused over compiled blocks).
         """
         if not self.compile_model:
             return model
-        compiled_blocks = "compile" in applied_stages(model)
-        if self.compile_scope == "blocks":
-            if not compiled_blocks:
-                raise ForgeConfigError(
-                    "maybe_compile with compile_scope='blocks': the blocks are compiled inside "
-                    "parallelize(), which has not run on this model; call "
-                    "plan.maybe_compile(plan.parallelize(model))"
-                )
-            return model
-        if is_compiled(model):
-            return model  # already compiled as a whole
-        if compiled_blocks:
-            raise ForgeConfigError(
-                "maybe_compile with compile_scope='model' on a model whose blocks are already "
-                "compiled (apply_compile, or a plan with compile_scope='blocks'): it would compile "
-                "them twice; use compile_scope='blocks', or rebuild the model without block compile"
-            )
-        model.compile(backend=self.compile_backend, dynamic=False)
-        return model
-
-
-@torch.no_grad()
-def materialize(
-    model: nn.Module,
-    device: torch.device | str,
-    seed: int,
-    *,
-    param_device: torch.device | str | None = None,
-) -> nn.Module:
-    """Allocate a meta-device model and fill it deterministically from ``seed``.
-
-    Parameters go to ``param_device`` (default ``device``), buffers to ``device``.
-    """
-    init_weights = getattr(model, "init_weights", None)
-    if not callable(init_weights):
-        raise ForgeConfigError(
-            f"{type(model).__name__} has no init_weights(seed); materialize it yourself"
-        )
-    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        model.to_empty(device=param_device or device)  # in place: init_weights stays bound to it
-    init_weights(seed)
-    for module in model.modules():
-        for name, buf in module.named_buffers(recurse=False):
-            if buf.device != torch.device(device):
-                module.register_buffer(
-                    name, buf.to(device), persistent=name not in non_persistent_buffer_names(module)
-                )
-    return model
+        return compile_after_sharding(model, scope=self.compile_scope, backend=self.compile_backend)
 
 
 def build_parallel_model(
@@ -652,22 +498,3 @@ def build_parallel_model(
         vlm=vlm_config,
     )
     return plan.maybe_compile(plan.parallelize(model, device=device, seed=seed))
-
-
-def _refuse_materialized(model: nn.Module, device: torch.device | str) -> None:
-    """``parallelize(device=...)`` initialises a meta model from the seed; refuse a model that
-    already holds values (they would be silently re-initialised)."""
-    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        raise ForgeConfigError(
-            f"parallelize(device={str(device)!r}) materializes a model on the meta device from "
-            f"a seed, but this {type(model).__name__} already holds its values (they would be "
-            "re-initialized); call parallelize(model) without device, after moving the model "
-            "to its device"
-        )
-
-
-def _expert_parallel(decoder: nn.Module, mesh: DeviceMesh | None) -> None:
-    """EP on the decoder's MoE layers; an ep axis without one is refused."""
-    has_moe = any(isinstance(m, MoE) for m in decoder.modules())
-    if mesh is not None and (has_moe or axis_size(mesh, "ep") > 1):
-        apply_expert_parallel(decoder, mesh)  # an ep axis without an MoE: the layer refuses it

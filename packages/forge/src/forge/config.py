@@ -56,6 +56,7 @@ __all__ = [
     "DataConfig",
     "ForgeConfig",
     "TrainingConfig",
+    "as_config",
     "config_to_dict",
     "load_config",
 ]
@@ -445,3 +446,16 @@ def load_config(
 def config_to_dict(cfg: ForgeConfig) -> dict[str, Any]:
     """A plain dict of ``cfg`` (for reports and for sending to ranks)."""
     return dataclasses.asdict(cfg)
+
+
+def as_config(config: ForgeConfig | Mapping[str, Any] | str | Path, caller: str) -> ForgeConfig:
+    """``config`` as a ``ForgeConfig``: one already loaded, or a dict of sections or a TOML
+    path read with :func:`load_config`; anything else is refused, naming ``caller``."""
+    if isinstance(config, ForgeConfig):
+        return config
+    if isinstance(config, Mapping | str | Path):
+        return load_config(config)
+    raise ForgeConfigError(
+        f"{caller}(config=...) got a {type(config).__name__}: pass a ForgeConfig, a dict of "
+        "config sections or the path of a TOML file"
+    )

@@ -1,0 +1,177 @@
+"""What forge's stages need to know about one model, found once before the stages.
+
+:class:`ModelSpec` is the one place that tells model kinds apart for
+:class:`forge.build.ParallelPlan`, which then runs its stages on the spec's modules without
+asking what the model is:
+
+- ``"hf"``: a Hugging Face model (a ``transformers`` ``PreTrainedModel``, VLMs included). It is
+  prepared first (:func:`forge.hf_prepare.prepare_hf`: MoE blocks converted, components
+  declared), and TP applies its own ``_tp_plan`` to the whole model: a Hugging Face VLM's plan
+  names ``model.language_model.*`` and ``lm_head``, which lies outside the language model.
+- ``"components"``: a model made of components (``forge_vlm.VLMWrapper``, or any model that
+  declares them): TP, EP and Float8 on its ``decoder``; with ``vlm.encoder_tp`` also TP on its
+  ``encoder``, with the encoder's own plan and no sequence parallelism.
+- ``"model"``: anything else (forge's Transformer, dense or MoE, a field model, your own):
+  every stage on the model itself.
+
+Also here, because they depend on how a model holds its values: :func:`materialize` (a model on
+the meta device filled from a seed) and the refusal to re-initialize a model that has values.
+
+Provides :class:`ModelSpec`, :func:`model_spec`, :func:`materialize`,
+:func:`refuse_materialized`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from forge_core import ForgeConfigError
+from forge_core.contracts import declared_components, model_components
+from forge_core.mesh_dims import axis_size
+from forge_core.torch_compat import non_persistent_buffer_names
+from forge_moe_ep import MoE, apply_expert_parallel
+from forge_tp_plans import apply_tensor_parallel
+from forge_vlm import VisionEncoderConfig, VLMConfig, check_encoder_tp
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from .hf_prepare import apply_packed_sequences, prepare_hf
+
+__all__ = ["ModelSpec", "materialize", "model_spec", "refuse_materialized"]
+
+#: The model kinds (see the module docstring).
+KINDS = ("hf", "components", "model")
+
+TPPlan = Mapping[str, ParallelStyle | str | None] | str | None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model as the stages see it: its kind, the module TP's plan is written for, the
+    module EP and Float8 apply to (``decoder``), the encoder a VLM may split, and its
+    components (each moved to the device when it stays out of FSDP2)."""
+
+    kind: str
+    model: nn.Module
+    decoder: nn.Module
+    encoder: nn.Module | None
+    parts: tuple[nn.Module, ...]
+
+    @property
+    def tp_target(self) -> nn.Module:
+        """What the TP plan applies to: the whole model for Hugging Face, else the decoder."""
+        return self.model if self.kind == "hf" else self.decoder
+
+    def tensor_parallel(
+        self,
+        mesh: DeviceMesh,
+        *,
+        plan: TPPlan,
+        sequence_parallel: bool | None,
+        loss_parallel: bool,
+        allow_import: bool | Sequence[str],
+        vlm: VLMConfig | None,
+    ) -> None:
+        """TP on :attr:`tp_target` and, with ``vlm.encoder_tp``, on the encoder (its own plan)."""
+        apply_tensor_parallel(
+            self.tp_target,
+            mesh,
+            plan=plan,
+            sequence_parallel=sequence_parallel,
+            loss_parallel=loss_parallel,
+            allow_import=allow_import,
+        )
+        if vlm is not None and vlm.encoder_tp and self.encoder is not None:
+            encoder_config = getattr(self.encoder, "config", None)
+            if isinstance(encoder_config, VisionEncoderConfig):
+                check_encoder_tp(encoder_config, axis_size(mesh, "tp"))
+            apply_tensor_parallel(
+                self.encoder,
+                mesh,
+                plan=vlm.encoder_tp_plan,
+                sequence_parallel=False,
+                allow_import=allow_import,
+            )
+
+    def expert_parallel(self, mesh: DeviceMesh | None) -> None:
+        """EP on the decoder's MoE layers; an ep axis without one is refused (by forge-moe-ep)."""
+        has_moe = any(isinstance(m, MoE) for m in self.decoder.modules())
+        if mesh is not None and (has_moe or axis_size(mesh, "ep") > 1):
+            apply_expert_parallel(self.decoder, mesh)
+
+    def materialize(
+        self, device: torch.device | str, seed: int, *, param_device: torch.device | str
+    ) -> None:
+        """:func:`materialize` the model; a component left out of FSDP2 then computes on
+        ``device`` even when the sharded parameters live on ``param_device`` (CPU offload)."""
+        materialize(self.model, device, seed, param_device=param_device)
+        for part in self.parts:
+            if param_device != device and not isinstance(part, FSDPModule):
+                part.to(device)
+
+
+def model_spec(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    *,
+    vlm: VLMConfig | None = None,
+    packed_sequences: bool | None = None,
+) -> ModelSpec:
+    """Prepare ``model`` for the stages (a Hugging Face model's conversion and hooks) and say
+    what it is. Refuses ``vlm.encoder_tp`` on a model without an encoder component."""
+    apply_packed_sequences(model, packed_sequences)
+    hf = prepare_hf(model, mesh)
+    parts = dict(model_components(model))
+    encoder = parts.get("encoder")
+    no_encoder = encoder is None and "encoder" not in declared_components(model)
+    if vlm is not None and vlm.encoder_tp and no_encoder:
+        raise ForgeConfigError(
+            f"encoder_tp=True but {type(model).__name__} has no encoder component"
+        )
+    kind = "hf" if hf else "components" if parts else "model"
+    return ModelSpec(kind, model, parts.get("decoder", model), encoder, tuple(parts.values()))
+
+
+def refuse_materialized(model: nn.Module, device: torch.device | str) -> None:
+    """``parallelize(device=...)`` initialises a meta model from the seed; refuse a model that
+    already holds values (they would be silently re-initialised)."""
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        raise ForgeConfigError(
+            f"parallelize(device={str(device)!r}) materializes a model on the meta device from "
+            f"a seed, but this {type(model).__name__} already holds its values (they would be "
+            "re-initialized); call parallelize(model) without device, after moving the model "
+            "to its device"
+        )
+
+
+@torch.no_grad()
+def materialize(
+    model: nn.Module,
+    device: torch.device | str,
+    seed: int,
+    *,
+    param_device: torch.device | str | None = None,
+) -> nn.Module:
+    """Allocate a meta-device model and fill it deterministically from ``seed``.
+
+    Parameters go to ``param_device`` (default ``device``), buffers to ``device``.
+    """
+    init_weights = getattr(model, "init_weights", None)
+    if not callable(init_weights):
+        raise ForgeConfigError(
+            f"{type(model).__name__} has no init_weights(seed); materialize it yourself"
+        )
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        model.to_empty(device=param_device or device)  # in place: init_weights stays bound to it
+    init_weights(seed)
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf.device != torch.device(device):
+                module.register_buffer(
+                    name, buf.to(device), persistent=name not in non_persistent_buffer_names(module)
+                )
+    return model
