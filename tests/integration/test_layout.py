@@ -139,3 +139,24 @@ def test_what_pipeline_stages_cannot_give_is_refused_in_the_tp_layers_words():
     assert resolve_layout(load_config(None, asked), 4).refused == ()
     auto = resolve_layout(load_config(None, ["parallelism.pp=2", "parallelism.tp=2"]), 4)
     assert auto.refused == ()  # "auto" is simply off on the stages
+
+
+@pytest.mark.parametrize(
+    ("overrides", "device_type", "gathers"),
+    [
+        ([], "cuda", True),  # "auto": tensorwise, FSDP2, no TP, NCCL
+        ([], "cpu", False),  # gloo cannot all-gather float8 tensors
+        (["parallelism.tp=2"], "cuda", False),  # torchao's fp8 weights do not support TP
+        (["float8.recipe=rowwise"], "cuda", False),  # one scale per tensor only
+        (["float8.fsdp_float8_all_gather=false"], "cuda", False),
+        (["float8.fsdp_float8_all_gather=true"], "cpu", True),  # asked: as asked
+        (["float8.enabled=false"], "cuda", False),
+    ],
+)
+def test_the_fp8_all_gather_is_decided_once_by_the_layout(overrides, device_type, gathers):
+    cfg = load_config(
+        None, ["parallelism.tp=1", "float8.enabled=true", *overrides]
+    )  # 4 ranks: dp_shard 4 (or 2 x tp 2)
+    layout = resolve_layout(cfg, 4, device_type=device_type)
+    assert layout.float8_all_gather is gathers
+    assert layout.device_type == device_type

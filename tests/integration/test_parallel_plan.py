@@ -187,7 +187,10 @@ def test_from_config_maps_float8_vlm_training_and_tp_sections(tmp_path, monkeypa
         sequence_parallel=False,
         loss_parallel=False,  # the layout's: tp=1 here, so no loss parallelism
         allow_plan_import=("my_plans",),
-        float8=Float8Config(enabled=True, recipe="rowwise", filter_fqns=("output",)),
+        # the layout's resolved fp8 all-gather ("auto": off for rowwise, and without FSDP2)
+        float8=Float8Config(
+            enabled=True, recipe="rowwise", fsdp_float8_all_gather=False, filter_fqns=("output",)
+        ),
         vlm=VLMConfig(
             freeze_encoder=True,
             encoder_tp=True,

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from forge_core import ForgeConfigError, ModelConfig
 from forge_core.errors import did_you_mean, refuse
-from forge_core.mesh_dims import axis_size, get_dp_mesh, has_dp_mesh
+from forge_core.mesh_dims import axis_size, has_dp_mesh
 from forge_cp import apply_context_parallel
 from forge_cp.checks import cp_pipeline_problems
 from forge_domain import apply_domain_parallel
@@ -86,6 +86,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+def _ranks_device_type(mesh: DeviceMesh | None) -> str:
+    """ "cpu" for gloo ranks (or one device), else "cuda": what a layout's backend-dependent
+    decisions (the fp8 all-gather) need. ``forge plan``'s fake ranks plan GPUs."""
+    if mesh is None:
+        return "cpu"
+    return "cpu" if dist.get_backend(mesh.get_group(0)) == "gloo" else "cuda"
+
+
 @dataclass(frozen=True)
 class ParallelPlan:
     """How to parallelize a model over ``device_mesh``; :meth:`parallelize` applies it.
@@ -109,15 +117,11 @@ class ParallelPlan:
     components AC covers (``ac_scope``), whether a frozen encoder is sharded
     (``shard_frozen_encoder``). Both are read as they are: no renamed copies of their fields.
 
-    ``compile_model`` turns ``torch.compile`` on; ``compile_scope`` says where:
-
-    - ``"blocks"`` (default): :meth:`parallelize` compiles each block (``apply_compile``) after
-      AC and before FSDP2: one graph shared by all blocks, no graph breaks at FSDP2's hooks,
-      parameter names unchanged. :meth:`maybe_compile` then has nothing left to do.
-    - ``"model"``: :meth:`parallelize` compiles nothing; :meth:`maybe_compile`, called after it,
-      compiles the whole sharded model in place (``nn.Module.compile``: names unchanged),
-      with graph breaks where FSDP2's hooks run. For models whose blocks cannot be compiled on
-      their own, or to let the compiler see across blocks.
+    ``compile_model`` turns ``torch.compile`` on; ``compile_scope`` says where: ``"blocks"``
+    (default): :meth:`parallelize` compiles each block after AC and before FSDP2
+    (``forge_fsdp_wrap.apply_compile``); ``"model"``: :meth:`maybe_compile`, called after it,
+    compiles the whole sharded model (``forge_fsdp_wrap.compile_after_sharding`` says when each
+    pays off).
 
     ``packed_sequences`` (Hugging Face models only): None (default) = unknown, nothing changes.
     False = you promise no row packs several sequences: :meth:`parallelize` then hooks the model
@@ -194,31 +198,23 @@ class ParallelPlan:
     ) -> ParallelPlan:
         """The plan ``forge build`` would use for ``config`` on ``device_mesh``.
 
-        ``config``: a loaded ``ForgeConfig``, a dict of sections or a TOML path (both read with
-        ``forge.config.load_config``). What the plan takes from it: the resolved layout
-        (:func:`forge.layout.resolve_layout`: ``data``, ``loss_parallel``), ``[training]``
-        ``ac_mode``, ``compile``, ``compile_scope``, ``param_dtype``, ``reshard_after_forward``,
-        ``cpu_offload``; ``[tp]`` ``plan``, ``sequence_parallel``, ``allow_import``; the
-        ``[float8]`` and ``[vlm]`` sections as they are. Without a mesh ``data`` is ``"none"``.
-
-        The mesh must have the layout ``[parallelism]`` resolves to for its number of ranks (a
-        ``ForgeConfigError`` says which axes differ): build it from the same config. Sections
-        about the training job itself (steps, batch, model shape) are not read here.
-
-        ``layout``: the config's resolved :class:`forge.layout.Layout` on the mesh's ranks, when
-        the caller has it (a rank resolves it once); resolved here otherwise.
-
-        ``overrides`` set fields the config has no key for (``compile_backend="aot_eager"``,
-        ``mp_policy=...``, ``packed_sequences=False``) or replace mapped ones.
-
-        The plan applies to any model: ``from_config(cfg, mesh).parallelize(model)`` on a model
-        you built and loaded yourself (a Hugging Face model, your own) keeps its values.
+        ``config``: a ``ForgeConfig``, a dict of sections or a TOML path. The plan takes the
+        resolved ``layout`` (:func:`forge.layout.resolve_layout`, resolved here unless the
+        caller has it for the mesh's ranks: ``data``, ``loss_parallel``, the fp8 all-gather),
+        ``[training]`` ``ac_mode``, ``compile``, ``compile_scope``, ``param_dtype``,
+        ``reshard_after_forward``, ``cpu_offload``; ``[tp]`` ``plan``, ``sequence_parallel``,
+        ``allow_import``; ``[float8]`` and ``[vlm]``. Without a mesh ``data`` is ``"none"``.
+        The mesh must have the layout ``[parallelism]`` resolves to (a ``ForgeConfigError``
+        says which axes differ). ``overrides`` set fields the config has no key for
+        (``compile_backend="aot_eager"``, ``mp_policy=...``, ``packed_sequences=False``) or
+        replace mapped ones. The plan applies to any model, one you loaded yourself included
+        (``from_config(cfg, mesh).parallelize(model)`` keeps its values).
         """
         cfg = as_config(config, "ParallelPlan.from_config")
         ranks = device_mesh.size() if device_mesh is not None else 1
         try:
             if layout is None or layout.world_size != ranks:
-                layout = resolve_layout(cfg, ranks)
+                layout = resolve_layout(cfg, ranks, device_type=_ranks_device_type(device_mesh))
         except ForgeConfigError as e:
             where = "device_mesh=None (one device)" if device_mesh is None else "the device_mesh"
             raise ForgeConfigError(
@@ -246,7 +242,10 @@ class ParallelPlan:
             "sequence_parallel": cfg.tp.sequence_parallel_flag,  # None: per model, by forge_tp_plans
             "loss_parallel": layout.loss_parallel,
             "allow_plan_import": cfg.tp.allow_import,
-            "float8": cfg.float8,
+            # the layout's resolved fp8 all-gather: "auto" is decided once, by resolve_layout
+            "float8": replace(cfg.float8, fsdp_float8_all_gather=layout.float8_all_gather)
+            if layout.float8
+            else cfg.float8,
             "vlm": cfg.vlm,
             "pp": cfg.pp,
         }
@@ -267,9 +266,7 @@ class ParallelPlan:
     def fp8_all_gather(self) -> bool:
         """FSDP2's fp8 all-gather, as forge-float8 resolves it
         (:meth:`forge_float8.Float8Config.resolve_fsdp_all_gather`) for this plan's mesh."""
-        backend = None
-        if self.data == "fsdp2" and self.device_mesh is not None:
-            backend = str(dist.get_backend(get_dp_mesh(self.device_mesh).get_group(0)))
+        backend = "gloo" if _ranks_device_type(self.device_mesh) == "cpu" else "nccl"
         return self.float8.resolve_fsdp_all_gather(
             data=str(self.data), tp=axis_size(self.device_mesh, "tp"), dp_backend=backend
         )

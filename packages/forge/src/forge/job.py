@@ -197,7 +197,7 @@ def setup_rank(cfg: ForgeConfig, device_type: str) -> tuple[int, torch.device, L
     world_size = (
         dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     )
-    layout = resolve_layout(cfg, world_size)
+    layout = resolve_layout(cfg, world_size, device_type=device_type)
     check_config(cfg, layout)
     if device_type == "cpu" and "LOCAL_WORLD_SIZE" in os.environ:  # local ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))

@@ -38,8 +38,10 @@ class Layout:
     ``batch_per_rank``: samples of the global batch on each data-parallel rank;
     ``micro_batch``: of those, per gradient-accumulation micro-step (the last one of a
     non-divisible split is refused by the checks).
-    ``float8``: Float8 training of the Linears (``float8.enabled``; forge-float8 decides the
-    rest with the mesh it meets, see :class:`forge_float8.Float8Config`).
+    ``float8``: Float8 training of the Linears (``float8.enabled``). ``float8_all_gather``:
+    FSDP2 all-gathers the Float8 weights in fp8, as forge-float8 resolves ``[float8]
+    fsdp_float8_all_gather`` (:meth:`forge_float8.Float8Config.resolve_fsdp_all_gather`) for
+    this layout on ``device_type``'s backend ("cpu": gloo, else nccl); false without Float8.
     ``refused``: what was asked that the layout cannot honour (an explicit
     ``tp.sequence_parallel`` / ``tp.loss_parallel`` on pipeline stages, in the TP layer's words);
     the pre-launch checks report these with every other problem.
@@ -53,6 +55,8 @@ class Layout:
     batch_per_rank: int
     micro_batch: int
     float8: bool = False
+    float8_all_gather: bool = False
+    device_type: str = "cuda"
     refused: tuple[str, ...] = ()
 
     @property
@@ -64,8 +68,9 @@ class Layout:
         return self.parallelism.dp_degree
 
 
-def resolve_layout(cfg: ForgeConfig, world_size: int) -> Layout:
-    """The :class:`Layout` of ``cfg`` on ``world_size`` ranks; raises ForgeConfigError when the
+def resolve_layout(cfg: ForgeConfig, world_size: int, *, device_type: str = "cuda") -> Layout:
+    """The :class:`Layout` of ``cfg`` on ``world_size`` ranks of ``device_type`` ("cuda", the
+    default, as ``forge plan`` plans; "cpu" for gloo ranks); raises ForgeConfigError when the
     degrees do not fit ``world_size`` (the message names the fields and the fix)."""
     experts = cfg.model.num_experts if cfg.model.moe_layers else 0
     par = cfg.parallelism.resolve(world_size, num_experts=experts)
@@ -102,5 +107,10 @@ def resolve_layout(cfg: ForgeConfig, world_size: int) -> Layout:
         batch_per_rank=per_rank,
         micro_batch=micro,
         float8=cfg.float8.enabled,
+        float8_all_gather=cfg.float8.enabled
+        and cfg.float8.resolve_fsdp_all_gather(
+            data=data, tp=par.tp, dp_backend="gloo" if device_type == "cpu" else "nccl"
+        ),
+        device_type=device_type,
         refused=tuple(refused),
     )
