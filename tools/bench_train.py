@@ -48,10 +48,19 @@ MODEL_1B = {
 }
 MODEL_TINY = {"model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.ffn_dim": 128}
 MFU_TARGET = 0.50
+#: The variants (``--variants``) and the ``--set`` values each adds. ``compiled-no-fsdp2``
+#: (``parallelism.data=none``: autocast instead of FSDP2's mixed precision on the one rank)
+#: tells what FSDP2 costs on one GPU, the first suspect of the gap to bench_float8's one-process
+#: step (first H200 run: 35.8% against 52.6%).
+VARIANTS: dict[str, dict[str, object]] = {
+    "eager": {"training.compile": False},
+    "compiled": {"training.compile": True},
+    "compiled-no-fsdp2": {"training.compile": True, "parallelism.data": "none"},
+}
 Results = dict[str, dict[str, float | None]]
 
 
-def overrides(model: Mapping[str, object], *, seq: int, batch: int, steps: int, compiled: bool,
+def overrides(model: Mapping[str, object], *, seq: int, batch: int, steps: int, variant: str,
               out_dir: str, dtype: str) -> list[str]:  # fmt: skip
     """The ``--set`` arguments of one variant."""
     values: dict[str, object] = {
@@ -62,9 +71,9 @@ def overrides(model: Mapping[str, object], *, seq: int, batch: int, steps: int, 
         "training.seq_len": seq,
         "training.global_batch_size": batch,
         "training.param_dtype": dtype,
-        "training.compile": compiled,
         "training.out_dir": out_dir,
         "checkpoint.save_at_end": False,
+        **VARIANTS[variant],
     }
     out = []
     for key, value in values.items():
@@ -103,8 +112,11 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=15)
     p.add_argument("--out", type=Path, default=OUT_MD)
     p.add_argument("--no-write", action="store_true")
-    p.add_argument("--variants", default="eager,compiled")
+    p.add_argument("--variants", default=",".join(VARIANTS))
     args = p.parse_args()
+    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
+    if unknown:
+        p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
     gpu = torch.cuda.is_available() and not args.quick
     device = "cuda" if gpu else "cpu"
     model, seq, batch, dtype = (
@@ -117,7 +129,7 @@ def main() -> int:
     for variant in args.variants.split(","):
         with tempfile.TemporaryDirectory(prefix="bench_train-") as scratch:
             sets = overrides(model, seq=seq, batch=batch, steps=steps,
-                             compiled=variant == "compiled", out_dir=scratch, dtype=dtype)  # fmt: skip
+                             variant=variant, out_dir=scratch, dtype=dtype)  # fmt: skip
             results[variant] = summarize(run_variant(device, sets, Path(scratch), 420), warmup)
     lines = page(results, device, model, seq, batch, dtype, steps, warmup, args.quick)
     lines.append(f"wall time {time.perf_counter() - started:.0f} s")
