@@ -43,6 +43,8 @@ _LAZY_IMPORTS = {
     "tests.zoo.test_hf_zoo": ["transformers"],
     "tests.tp_plans.test_hf_classics": ["transformers"],
     "tests.tp_plans.test_packed_styles": ["transformers"],
+    "tests.integration.tp_plans.test_packed_styles_with_fsdp2": ["transformers"],
+    "tests.integration.tp_plans.test_hf_models_with_fsdp2": ["transformers"],
     "tests.integration.moe_ep.test_hf_moe_training": ["transformers"],
     "tests.integration.vlm.test_hf_vlm": ["transformers"],
     "tests.tp_plans.test_hf_models": [

@@ -1,11 +1,21 @@
-"""The layer tests travel with their layer: no test in a layer's folder ``tests/<layer>/`` imports
-the composition package ``forge``, directly or through a test helper it imports.
+"""The layer tests travel with their layer: a test in a layer's folder ``tests/<layer>/`` imports,
+directly or through a test helper it imports, neither the composition package ``forge`` nor a
+``forge_*`` layer package other than its own, the layers its pyproject declares, ``forge_core``
+and ``forge_mesh``.
 
 A layer is vendored on its own (forge-core, forge-cp, ... install without ``forge``), so its
 tests must run without ``forge`` too; a test that needs ``forge`` (``forge.build.ParallelPlan``,
 ``build_parallel_model``, ``forge.config.load_config``, ``forge.checks``, ``forge.plan``,
 ``forge.train``, ``forge.job``, ``forge.cli``) is a cross-layer test and lives in
 ``tests/integration/`` (``tests/integration/<layer>/`` for one layer's composed tests).
+
+For the same reason the ``forge_*`` packages a layer folder's files may import are: the layer's
+own package (``tests/moe_ep/`` -> ``forge_moe_ep``), the layers its pyproject declares in
+``[project].dependencies`` (``forge-parallel-<name>`` is imported as ``forge_<name>``: forge-moe-ep
+declares forge-parallel-kernels, so ``tests/moe_ep/`` may import ``forge_kernels``), and
+``forge_core`` and ``forge_mesh`` (the harness and the device meshes every layer's tests run on).
+A test that composes its layer with another (``forge_fsdp_wrap.apply_fsdp2`` around a TP plan,
+``forge_fsdp_wrap.apply_ac`` around a Float8 block) lives in ``tests/integration/<layer>/``.
 
 Layer folders: every subfolder of ``tests/`` named after a layer (``core`` for forge-core,
 ``moe_ep`` for forge-moe-ep, ``kernels`` for forge-kernels, ...). Every other subfolder must be
@@ -19,8 +29,9 @@ the form in which tests hand a module to a child interpreter or to a plan import
 it (a dict's keys excepted: looked up, not imported). A module of the checkout (``tests.*``,
 ``tools.*``) is followed transitively, its package ``__init__`` files with it; a layer folder's
 own ``conftest.py`` is one of its files, and ``tests/conftest.py``, which pytest loads for every
-test, is checked on its own. Only ``forge`` itself and its submodules (``forge.build``) break the
-rule: ``forge_core``, ``forge_cp``, ... are other top-level names.
+test, is checked on its own. For the first rule only ``forge`` itself and its submodules
+(``forge.build``) count: ``forge_core``, ``forge_cp``, ... are other top-level names, which the
+second rule checks by their top-level name (``forge_fsdp_wrap.ac`` is ``forge_fsdp_wrap``).
 """
 
 from __future__ import annotations
@@ -28,7 +39,8 @@ from __future__ import annotations
 import ast
 import re
 import sys
-from collections.abc import Iterator
+import tomllib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -54,6 +66,10 @@ LAYER_NAMES = {
     for p in (ROOT / "packages").iterdir()
     if p.name.startswith("forge-") and (p / "pyproject.toml").exists()
 } | {"kernels"}
+
+#: The forge_* packages every layer folder's tests may import besides their layer's own.
+SHARED_LAYERS = frozenset({"forge_core", "forge_mesh"})
+_DISTRIBUTION_PREFIX = "forge-parallel-"
 
 #: Top-level names of this checkout's own modules that an import is followed into.
 LOCAL_TOPS = ("tests", "tools")
@@ -125,9 +141,10 @@ def imported_names(path: Path) -> list[tuple[str, int]]:
     return names
 
 
-def forge_paths(start: Path) -> list[str]:
-    """Each way ``start`` reaches ``forge``: ``"a.py:3 -> tests/x/jobs.py:8 imports forge.build"``
-    (one chain per forge import found, through checkout modules, each file followed once)."""
+def offending_paths(start: Path, offends: Callable[[str], bool]) -> list[str]:
+    """Each way ``start`` reaches a module ``offends`` flags: ``"a.py:3 -> tests/x/jobs.py:8
+    imports forge.build"`` (one chain per such import found, through checkout modules, each file
+    followed once)."""
     found: list[str] = []
     seen: set[Path] = set()
     todo: list[tuple[Path, str]] = [(start, "")]
@@ -138,13 +155,47 @@ def forge_paths(start: Path) -> list[str]:
         seen.add(path)
         here = path.relative_to(ROOT).as_posix()
         for name, line in imported_names(path):
-            if _is_forge(name):
+            if offends(name):
                 found.append(f"{via}{here}:{line} imports {name}")
             for module in (*_packages(name), name):
                 local = _local_file(module)
                 if local is not None and local not in seen:
                     todo.append((local, f"{via}{here}:{line} -> "))
     return sorted(set(found))
+
+
+def forge_paths(start: Path) -> list[str]:
+    """Each way ``start`` reaches the composition package ``forge``."""
+    return offending_paths(start, _is_forge)
+
+
+def _import_name(distribution: str) -> str:
+    """``forge-parallel-moe-ep`` -> ``forge_moe_ep``; any other distribution -> ``""``."""
+    if not distribution.startswith(_DISTRIBUTION_PREFIX):
+        return ""
+    return "forge_" + distribution.removeprefix(_DISTRIBUTION_PREFIX).replace("-", "_")
+
+
+def allowed_layers(folder: str) -> frozenset[str]:
+    """The forge_* packages ``tests/<folder>/`` may import: its own, the layers its pyproject
+    declares, forge_core and forge_mesh."""
+    name = folder.replace("_", "-")  # tests/moe_ep/ -> packages/forge-moe-ep
+    directory = ROOT / "kernels" if folder == "kernels" else ROOT / "packages" / f"forge-{name}"
+    project = tomllib.loads((directory / "pyproject.toml").read_text())["project"]
+    requirements = project.get("dependencies", [])
+    # a requirement's name ends at its first specifier, extra, marker or space (PEP 508)
+    declared = {_import_name(re.split(r"[\s\[<>=!~;@(]", r, maxsplit=1)[0]) for r in requirements}
+    return frozenset({f"forge_{folder}", *SHARED_LAYERS, *declared} - {""})
+
+
+def other_layer_paths(start: Path, allowed: frozenset[str]) -> list[str]:
+    """Each way ``start`` reaches a ``forge_*`` package not in ``allowed``."""
+
+    def offends(name: str) -> bool:
+        top = name.split(".")[0]
+        return top.startswith("forge_") and top not in allowed
+
+    return offending_paths(start, offends)
 
 
 def _subfolders() -> list[str]:
@@ -205,4 +256,45 @@ def test_a_layers_tests_import_no_forge(folder):
     assert not problems, (
         f"tests/{folder}/ reaches the composition package forge (move those tests to "
         "tests/integration/" + folder + "/):\n  " + "\n  ".join(problems)
+    )
+
+
+def test_the_layer_rule_sees_another_layer_through_a_helper(tmp_path, monkeypatch):
+    """The second check itself: another layer imported inside a helper's function is found,
+    reported by its full name; the allowed ones and ``forge`` (the first check's) are not."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    pkg = tmp_path / "tests" / "lay"
+    pkg.mkdir(parents=True)
+    for init in (tmp_path / "tests" / "__init__.py", pkg / "__init__.py"):
+        init.write_text("")
+    (pkg / "jobs.py").write_text("def f():\n    from forge_tp_plans.plans import x\n")
+    (pkg / "test_a.py").write_text(
+        "from tests.lay.jobs import f\nimport forge_core.stages\nimport forge_lay\nimport forge\n"
+    )
+    allowed = frozenset({"forge_lay", *SHARED_LAYERS})
+    assert other_layer_paths(pkg / "test_a.py", allowed) == [
+        "tests/lay/test_a.py:1 -> tests/lay/jobs.py:2 imports forge_tp_plans.plans"
+    ]
+
+
+def test_the_allowed_layers_come_from_the_pyproject():
+    """moe_ep declares forge-parallel-kernels; kernels declares no layer and gets only the shared
+    two; a layer declaring forge-parallel-core gets nothing more than the shared two."""
+    assert allowed_layers("moe_ep") == {"forge_moe_ep", "forge_kernels", *SHARED_LAYERS}
+    assert allowed_layers("kernels") == {"forge_kernels", *SHARED_LAYERS}
+    assert allowed_layers("tp_plans") == {"forge_tp_plans", *SHARED_LAYERS}
+
+
+@pytest.mark.parametrize("folder", LAYER_FOLDERS)
+def test_a_layers_tests_import_no_other_layer(folder):
+    """A test that composes its layer with a layer it does not declare goes to
+    tests/integration/<folder>/ (split out of its file if the rest of the file tests the layer
+    alone)."""
+    files = _layer_files(folder)
+    assert files, f"tests/{folder}/ has no Python file"
+    allowed = allowed_layers(folder)
+    problems = [chain for path in files for chain in other_layer_paths(path, allowed)]
+    assert not problems, (
+        f"tests/{folder}/ imports a forge layer other than {sorted(allowed)} (move those tests "
+        "to tests/integration/" + folder + "/):\n  " + "\n  ".join(problems)
     )

@@ -1,6 +1,8 @@
 """forge-cp's pieces: the load-balanced layout, the attention kernel against SDPA in float64,
-the stage order, and its refusals (its pure checks, and on the model); forge's checks before
-launch, ParallelPlan's refusals and the plan's activation estimate under cp are in
+and its refusals (its pure checks, and a mesh without cp); the stage order and the refusals on
+models it cannot run (composed with forge-fsdp-wrap's AC) are in
+tests/integration/cp/test_cp_order_with_fsdp_wrap.py; forge's checks before launch, ParallelPlan's
+refusals and the plan's activation estimate under cp are in
 tests/integration/cp/test_cp_checks.py."""
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from forge_cp import (
     shard_sequence,
 )
 
-from tests.cp.jobs import attention_errors, order_and_refusals
+from tests.cp.jobs import attention_errors
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
@@ -48,17 +50,6 @@ def test_a_sequence_that_does_not_split_in_2_cp_chunks_is_refused():
 def test_attention_across_shards_equals_sdpa_forward_and_backward(run_on_ranks, world, heads):
     for errors in run_on_ranks(world, attention_errors, world, *heads):
         assert max(errors) < 1e-12, errors  # output, dq, dk, dv
-
-
-def test_cp_keeps_its_place_in_the_order_and_refuses_what_it_cannot_run(run_on_ranks):
-    said = run_on_ranks(2, order_and_refusals)[0]
-    assert "cannot apply 'cp' after ['ac']" in said["after_ac"]
-    assert "TP -> CP -> EP" in said["after_ac"]
-    assert "stage 'cp' was already applied" in said["twice"]
-    assert "cannot apply 'tp' after ['cp']" in said["tp_after"]
-    assert "Sequential has no attention module forge-cp can run" in said["no_attention"]
-    assert "set parallelism.cp=1" in said["no_attention"]
-    assert said["hugging_face"].startswith("LlamaForCausalLM has no attention module forge-cp")
 
 
 def test_a_mesh_without_cp_is_refused():

@@ -1,7 +1,8 @@
 """Spatial domain parallelism on CPU ranks (gloo, fp32): a conv net split over 2 and 4 height
 slabs equals the unsplit net in output, input gradient and every parameter gradient; CREDIT's
 GroupNorm flaw is shown and fixed; refusals. Domain 2 x FSDP2 2 through forge's ParallelPlan
-trains like one device: tests/integration/domain/test_domain_train.py."""
+trains like one device: tests/integration/domain/test_domain_train.py; the domain stage's place
+before forge-fsdp-wrap's AC: tests/integration/domain/test_domain_order_with_fsdp_wrap.py."""
 
 from __future__ import annotations
 
@@ -9,11 +10,9 @@ import pytest
 import torch
 import torch.nn as nn
 from forge_core import ForgeConfigError
-from forge_core.stages import check_stage
-from forge_domain import DomainConv2d, WidthCircularConv2d, apply_domain_parallel
-from forge_fsdp_wrap import apply_ac
+from forge_domain import WidthCircularConv2d, apply_domain_parallel
 
-from tests.domain.jobs import ConvNet, forward_backward_equal, group_norm_input_grads
+from tests.domain.jobs import forward_backward_equal, group_norm_input_grads
 
 TOL = 1e-5
 
@@ -91,12 +90,3 @@ def test_width_circular_conv_wraps_width_and_zero_pads_height():
     x[0, 0, 1, 0] = 1.0  # left edge: spreads to the right edge too, not past the top/bottom
     out = conv(x)[0, 0]
     assert out[:, 3].tolist() == [1.0, 1.0, 1.0] and out[:, 2].tolist() == [0.0, 0.0, 0.0]
-
-
-def test_domain_stage_sits_between_float8_and_ac():
-    holder = nn.Sequential(ConvNet())
-    holder.layers = nn.ModuleList([holder[0]])  # give AC a block container
-    apply_ac(holder, "full")
-    with pytest.raises(ForgeConfigError, match="cannot apply 'domain' after \\['ac'\\]"):
-        check_stage(holder, "domain")
-    assert issubclass(DomainConv2d, nn.Conv2d)

@@ -1,14 +1,14 @@
-"""Expert parallelism mechanics on CPU ranks: host syncs, empty experts, refusals (the FSDP2 units
-of models built by forge: tests/integration/moe_ep/test_ep_layer_built.py)."""
+"""Expert parallelism mechanics on CPU ranks: host syncs, empty experts (its refusals, after
+forge-fsdp-wrap's FSDP2 among them: tests/integration/moe_ep/test_moe_ep_with_fsdp_wrap.py; the
+FSDP2 units of models built by forge: tests/integration/moe_ep/test_ep_layer_built.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
-from forge_core import ForgeConfigError, no_host_sync
+from forge_core import no_host_sync
 from forge_core.testing.sync_guard import HostSyncError
-from forge_fsdp_wrap import apply_fsdp2
 from forge_kernels.permute import routing_layout
 from forge_mesh import build_device_mesh
 from forge_moe_ep import MoE, apply_expert_parallel, moe_transformer
@@ -131,30 +131,3 @@ def test_dropless_ep_exchanges_split_sizes_before_the_shared_expert_runs(run_on_
     for events in run_on_ranks(2, _dropless_event_order):
         assert events[:2] == ["all_to_all (8,)", "shared expert"]
         assert len(events) == 4 and all(e.startswith("all_to_all (") for e in events[2:])
-
-
-def _refusals() -> list[str]:
-    messages = []
-    cfg = MoEModelConfig.preset("debug_moe")
-    mesh = build_device_mesh({"dp_shard": 2, "ep": 2}, "cpu", num_experts=8)
-    with torch.device("meta"):
-        model = moe_transformer(cfg)
-    apply_fsdp2(model, mesh)
-    for fn in (
-        lambda: apply_expert_parallel(model, mesh),  # after FSDP2: wrong order
-        lambda: apply_expert_parallel(torch.nn.Linear(2, 2), mesh),  # no MoE
-        lambda: apply_expert_parallel(
-            moe_transformer(MoEModelConfig.preset("debug_moe", num_experts=3, top_k=1)), mesh
-        ),
-    ):
-        with pytest.raises(ForgeConfigError) as err:
-            fn()
-        messages.append(str(err.value))
-    return messages
-
-
-def test_apply_expert_parallel_refuses_wrong_order_no_moe_and_indivisible_experts(run_on_ranks):
-    order, no_moe, indivisible = run_on_ranks(2, _refusals)[0]
-    assert "cannot apply 'ep' after ['fsdp2']" in order
-    assert "expert parallelism (parallelism.ep=2) on a model with no forge_moe_ep.MoE" in no_moe
-    assert "ep=2 does not divide model.num_experts=3" in indivisible

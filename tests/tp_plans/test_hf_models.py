@@ -1,21 +1,22 @@
 """Hugging Face models (tiny configs, random weights, nothing downloaded) under their own _tp_plan:
-logits and every gradient match the unsharded model under TP=2 and FSDP2 x TP."""
+logits and every gradient match the unsharded model under TP=2 (under FSDP2 x TP, composed with
+forge-fsdp-wrap: tests/integration/tp_plans/test_hf_models_with_fsdp2.py)."""
 
 from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn as nn
-from forge_core.testing import run_parity
-from forge_fsdp_wrap import apply_fsdp2, default_mp_policy
 from forge_mesh import build_device_mesh
 from forge_tp_plans import applied_tp_plan, apply_tensor_parallel, tp_gradient_mismatches
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from tests.parity_jobs import TINY_HF_DECODER, HFLogits
+from tests.parity_jobs import TINY_HF_DECODER
 
 # NOTE: the Hugging Face lane (marker zoo, with tests/zoo), not the README suite (its time).
 pytestmark = pytest.mark.zoo
@@ -63,13 +64,17 @@ def _build(name: str) -> nn.Module:
     return configs[name]().float()
 
 
-def _hf_logits_and_grads(name: str, layout: dict) -> dict:
+def _hf_logits_and_grads(
+    name: str, layout: dict, shard: Callable[[nn.Module, DeviceMesh], None] | None = None
+) -> dict:
+    """``shard``: a data-parallel wrap applied after TP (FSDP2 in
+    tests/integration/tp_plans/test_hf_models_with_fsdp2.py)."""
     reference = _build(name)
     parallel = copy.deepcopy(reference)
     mesh = build_device_mesh(layout, "cpu")
     apply_tensor_parallel(parallel, mesh)
-    if "data" not in layout:
-        apply_fsdp2(parallel, mesh, default_mp_policy(torch.float32))
+    if shard is not None:
+        shard(parallel, mesh)
     tokens = torch.randint(
         0, COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1)
     )
@@ -118,31 +123,6 @@ def test_hf_model_tp2_logits_and_grads_match(run_on_ranks, name):
     assert out["skipped"] == SKIPPED.get(name, [])
     assert out["tied"] == out["still_tied"]
     assert out["sharded"] == out["hf_plan"] and out["sharded"][0] == "lm_head"
-
-
-# NOTE: DeepSeek-V2 (MLA, MoE) under FSDP2 x TP x EP:
-# tests/integration/moe_ep/test_hf_moe_training.py.
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma", "qwen3", "gemma3_text"])
-def test_hf_model_fsdp2_x_tp_logits_and_grads_match(run_on_ranks, name):
-    out = run_on_ranks(4, _hf_logits_and_grads, name, {"tp": 2})[0]
-    assert out["source"] == "huggingface"
-
-
-def _hf_training_parity(name: str):
-    reference = _build(name)
-    parallel = copy.deepcopy(reference)
-    mesh = build_device_mesh({"tp": 2}, "cpu")
-    apply_tensor_parallel(parallel, mesh)
-    apply_fsdp2(parallel, mesh, default_mp_policy(torch.float32))
-    return run_parity(
-        HFLogits(reference), HFLogits(parallel), mesh=mesh, steps=5, vocab_size=COMMON["vocab_size"]
-    )
-
-
-@pytest.mark.parametrize("name", ["llama", "gemma"])
-def test_hf_model_fsdp2_x_tp_training_matches_loss_and_grad_norm(run_on_ranks, name):
-    for result in run_on_ranks(4, _hf_training_parity, name):
-        result.assert_ok()
 
 
 def _qwen3_gradient_mismatches(norm_style: str) -> list[str]:

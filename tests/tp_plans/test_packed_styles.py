@@ -4,12 +4,14 @@
 fused Linears, and ``mla_kv_a_proj`` (``MlaKvAProjReplicated``) on MiniCPM3's and DeepSeek-V2's
 MLA, at TP=2 on CPU gloo ranks: outputs and every gradient match the unsharded model, and the
 sharded weights' ``full_tensor()`` and the state dict are the unsharded model's (names and
-values). Tiny models from configs, random weights, nothing downloaded.
+values). Tiny models from configs, random weights, nothing downloaded. Under FSDP2 x TP, composed
+with forge-fsdp-wrap: tests/integration/tp_plans/test_packed_styles_with_fsdp2.py.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -32,6 +34,7 @@ from forge_tp_plans.styles import (
     bind_style,
     describe_style,
 )
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 # NOTE: the Hugging Face lane (marker zoo, with tests/zoo), not the README suite (its time).
@@ -302,17 +305,22 @@ def _bound_hf_plan(model: nn.Module) -> dict:
     }
 
 
-def _hf_parity(name: str, layout: dict, explicit: bool) -> dict:
-    from forge_fsdp_wrap import apply_fsdp2, default_mp_policy
-
+def _hf_parity(
+    name: str,
+    layout: dict,
+    explicit: bool,
+    shard: Callable[[nn.Module, DeviceMesh], None] | None = None,
+) -> dict:
+    """``shard``: a data-parallel wrap applied after TP (FSDP2 in
+    tests/integration/tp_plans/test_packed_styles_with_fsdp2.py)."""
     reference = _build(name)
     parallel = copy.deepcopy(reference)
     mesh = build_device_mesh(layout, "cpu")
     apply_tensor_parallel(parallel, mesh, plan=_bound_hf_plan(parallel) if explicit else None)
     applied = applied_tp_plan(parallel)
     _assert_same_state(reference, parallel)
-    if "data" not in layout:
-        apply_fsdp2(parallel, mesh, default_mp_policy(torch.float32))
+    if shard is not None:
+        shard(parallel, mesh)
     tokens = torch.randint(
         0, COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1)
     )
@@ -351,9 +359,3 @@ def test_mla_through_the_models_own_plan_tp2_matches(run_on_ranks, name):
     )
     if name == "deepseek_v2":  # MoE expert patterns of a dense config: skipped as before
         assert "model.layers.*.mlp.experts.gate_up_proj" in out["skipped"]
-
-
-@pytest.mark.parametrize(("name", "explicit"), [("phi3", False), ("minicpm3", True)])
-def test_fsdp2_x_tp_packed_and_mla_logits_and_grads_match(run_on_ranks, name, explicit):
-    out = run_on_ranks(4, _hf_parity, name, {"tp": 2}, explicit)[0]
-    assert out["styles"]
