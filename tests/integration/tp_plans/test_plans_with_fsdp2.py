@@ -6,23 +6,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from forge_core import ForgeConfigError, ModelConfig, Transformer
+from forge_core import ModelConfig, Transformer
 from forge_fsdp_wrap import apply_fsdp2, default_mp_policy
 from forge_mesh import build_device_mesh
 from forge_tp_plans import apply_tensor_parallel
 
-
-def _meta(**overrides: object) -> Transformer:
-    with torch.device("meta"):
-        return Transformer(ModelConfig.preset("debug", **overrides))
-
-
-def _error(fn, *args, **kwargs) -> str:  # noqa: ANN001
-    try:
-        fn(*args, **kwargs)
-    except ForgeConfigError as e:
-        return str(e)
-    return "no error"
+from tests.tp_plans.test_plans import _error, _meta
 
 
 def _validation_in_ranks() -> dict[str, str]:
