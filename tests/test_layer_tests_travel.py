@@ -52,8 +52,8 @@ TESTS = ROOT / "tests"
 NOT_LAYERS = {
     # the composed package's tests and the cross-layer tests moved out of the layer folders
     "integration": "tests of forge, the composition package, and of layers composed by it",
-    # tools/hf_zoo.py builds every family through forge; its own CI lane (marker zoo)
-    "zoo": "the Hugging Face zoo lane, run through tools/hf_zoo.py and forge",
+    # tests/zoo/hf_zoo.py builds every family through forge; its own CI lane (marker zoo)
+    "zoo": "the Hugging Face zoo lane, run through tests/zoo/hf_zoo.py and forge",
     # runs the Python blocks of README.md, docs/ and the layer READMEs (which use forge)
     "docs": "the docs lane: the pages' code blocks",
     # tests of tools/ (benchmarks, code measures, the GPU check's arguments)

@@ -1,4 +1,4 @@
-"""The Hugging Face zoo in CI (``tools/hf_zoo.py`` says how each check runs), three sections:
+"""The Hugging Face zoo in CI (``tests/zoo/hf_zoo.py`` says how each check runs), three sections:
 
 - dense: every dense decoder family of the installed transformers that has a tensor-parallel
   plan (its own, or forge's ``FAMILY_PLANS``), built tiny, at TP=2 against its unsharded copy
@@ -30,7 +30,7 @@ pytest.importorskip("transformers")
 
 from packaging.version import Version  # noqa: E402 - after the skip
 
-from tools import hf_zoo  # noqa: E402 - tools/ is a namespace package under the checkout
+from tests.zoo import hf_zoo  # noqa: E402
 
 pytestmark = pytest.mark.zoo
 

@@ -107,7 +107,7 @@ HF_MOE_BLOCKS: dict[str, _Family] = {
 }
 
 # Blocks built like one of the above (transformers copies them between families); each entry is
-# checked by the zoo (tools/hf_zoo.py: EP=2 x FSDP2 against the unconverted model).
+# checked by the zoo (tests/zoo/hf_zoo.py: EP=2 x FSDP2 against the unconverted model).
 _SAME_AS = {
     "DeepseekV3MoE": (
         "BailingHybridMoE",

@@ -228,7 +228,7 @@ FAMILY_SINGLE_KV_REPLICATED = frozenset({"GPTBigCodeForCausalLM", "FalconForCaus
 
 
 # --------------------------------------------------------------------------- transformers' own
-# Corrections to plans transformers ships, found by the zoo (tools/hf_zoo.py): with the plan as
+# Corrections to plans transformers ships, found by the zoo (tests/zoo/hf_zoo.py): with the plan as
 # shipped, TP=2 gives numbers that differ from the unsharded model's. Each returns entries
 # appended to the model's plan (a later entry wins for the modules it names).
 

@@ -1,7 +1,7 @@
 """The Hugging Face zoo: the families of the installed transformers that forge should
 parallelize, each built tiny and checked against its unsharded copy, in three sections.
 
-Run from the checkout: ``PYTHONPATH=. uv run python tools/hf_zoo.py`` (prints the rows and
+Run from the checkout: ``uv run python -m tests.zoo.hf_zoo`` (prints the rows and
 writes ``benchmarks/hf_zoo.md``; ``--families llama,qwen3_moe`` runs a few, ``--no-write``
 keeps the page). ``tests/zoo/test_hf_zoo.py`` runs the same checks in CI.
 
@@ -60,7 +60,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OUT_MD = ROOT / "benchmarks" / "hf_zoo.md"
 
 #: The fixed batch every family runs: B sequences of S tokens, the labels are the tokens.
@@ -1207,7 +1207,7 @@ def _moe_tables(rows: Sequence[Row]) -> list[str]:
         "",
         f"### MoE block classes forge does not convert ({len(unconverted)})",
         "",
-        "From reading transformers' modeling code (`MOE_LAYOUT_NOTES` in `tools/hf_zoo.py`): "
+        "From reading transformers' modeling code (`MOE_LAYOUT_NOTES` in `tests/zoo/hf_zoo.py`): "
         "*same code as X* means block, router and experts equal X's up to names, so X's "
         "`HF_MOE_BLOCKS` entry converts it; *checked* means this page's check passes with the "
         "entry named (added in-process, not in forge).",
@@ -1244,7 +1244,7 @@ def write_markdown(
         "# The Hugging Face zoo: dense decoders and base models at TP=2, MoE models under "
         "EP=2 x FSDP2",
         "",
-        "Written by `PYTHONPATH=. uv run python tools/hf_zoo.py`; rerun it to refresh this page. "
+        "Written by `uv run python -m tests.zoo.hf_zoo`; rerun it to refresh this page. "
         "CI runs the same checks as `tests/zoo` (marker `zoo`).",
         "",
         "## Machine",
@@ -1360,8 +1360,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     # NOTE: run as a script this file is ``__main__``; the rank workers import the functions
-    # they run by module name, so hand over to the importable ``tools.hf_zoo``.
+    # they run by module name, so hand over to the importable ``tests.zoo.hf_zoo``.
     sys.path.insert(0, str(ROOT))
-    from tools.hf_zoo import main as _main
+    from tests.zoo.hf_zoo import main as _main
 
     _main()
