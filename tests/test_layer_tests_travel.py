@@ -219,14 +219,20 @@ def test_every_tests_subfolder_is_a_layer_or_listed_as_none():
     assert {"core", "cp", "pp", "vlm", "moe_ep", "mesh", "kernels"} <= set(LAYER_FOLDERS)
 
 
-def test_the_rule_sees_forge_through_a_helper_and_inside_a_function(tmp_path, monkeypatch):
-    """The check itself: a forge import inside a function, one in a checkout helper the test
-    imports, and a helper named by a module string are found; forge_core is not forge."""
+def _fake_layer_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty layer folder ``tests/lay/`` in a checkout rooted at ``tmp_path``."""
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     pkg = tmp_path / "tests" / "lay"
     pkg.mkdir(parents=True)
     for init in (tmp_path / "tests" / "__init__.py", pkg / "__init__.py"):
         init.write_text("")
+    return pkg
+
+
+def test_the_rule_sees_forge_through_a_helper_and_inside_a_function(tmp_path, monkeypatch):
+    """The check itself: a forge import inside a function, one in a checkout helper the test
+    imports, and a helper named by a module string are found; forge_core is not forge."""
+    pkg = _fake_layer_folder(tmp_path, monkeypatch)
     (pkg / "jobs.py").write_text("def f():\n    from forge.build import ParallelPlan\n")
     (pkg / "child.py").write_text("import forge\n")
     (pkg / "clean.py").write_text("import forge_core\nfrom forge_cp import shard_sequence\n")
@@ -262,11 +268,7 @@ def test_a_layers_tests_import_no_forge(folder):
 def test_the_layer_rule_sees_another_layer_through_a_helper(tmp_path, monkeypatch):
     """The second check itself: another layer imported inside a helper's function is found,
     reported by its full name; the allowed ones and ``forge`` (the first check's) are not."""
-    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    pkg = tmp_path / "tests" / "lay"
-    pkg.mkdir(parents=True)
-    for init in (tmp_path / "tests" / "__init__.py", pkg / "__init__.py"):
-        init.write_text("")
+    pkg = _fake_layer_folder(tmp_path, monkeypatch)
     (pkg / "jobs.py").write_text("def f():\n    from forge_tp_plans.plans import x\n")
     (pkg / "test_a.py").write_text(
         "from tests.lay.jobs import f\nimport forge_core.stages\nimport forge_lay\nimport forge\n"

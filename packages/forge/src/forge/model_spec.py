@@ -43,9 +43,6 @@ from .hf_prepare import apply_packed_sequences, prepare_hf
 
 __all__ = ["ModelSpec", "materialize", "model_spec", "refuse_materialized"]
 
-#: The model kinds (see the module docstring).
-KINDS = ("hf", "components", "model")
-
 TPPlan = Mapping[str, ParallelStyle | str | None] | str | None
 
 
