@@ -180,7 +180,7 @@ def build_device_mesh(
 
 
 #: Mesh axes a ``[parallelism]`` section sizes (``ep`` is a view carved from ``dp_shard``).
-_LAYOUT_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "domain", "tp", "ep")
+_LAYOUT_AXES = (*AXES, "ep")
 
 
 def check_mesh_matches(par: ParallelismConfig, mesh: DeviceMesh | None) -> None:
