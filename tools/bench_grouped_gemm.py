@@ -122,7 +122,7 @@ def _implementations(x, w, g, offs, on_gpu: bool) -> dict[str, Impl]:
     wd = w[0].contiguous()
     impls: dict[str, Impl] = {}
     if on_gpu:
-        from forge_kernels import _grouped_gemm_triton as kern
+        from forge_kernels.grouped_gemm import _triton as kern
 
         impls["triton"] = (
             lambda _: kern.gmm_rows(x, w, offs),
@@ -267,7 +267,7 @@ def _compile_check_child() -> list[dict[str, Any]]:
     import tempfile
 
     import triton
-    from forge_kernels import _grouped_gemm_triton as kern
+    from forge_kernels.grouped_gemm import _triton as kern
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -497,12 +497,12 @@ def render(
         "",
         "## What is measured",
         "",
-        "- forge's Triton path (`forge_kernels/_grouped_gemm_triton.py`): fwd and dX share one "
+        "- forge's Triton path (`forge_kernels/grouped_gemm/_triton.py`): fwd and dX share one "
         "kernel (`gmm_rows`, dX reads `w` transposed through strides), dW is `gmm_ragged_k` "
         "(reduction over each expert's rows). No host sync: the grid is "
         "`(M // BLOCK_M + E + 1) x N tiles`, each program finds its expert by a prefix sum over "
         "`offs` on the device; rows past `offs[-1]` are written as zeros.",
-        "- Autotuned on the GPU over the Hopper configs in `forge_kernels/_grouped_gemm_configs.py` "
+        "- Autotuned on the GPU over the Hopper configs in `forge_kernels/grouped_gemm/_tuning.py` "
         "(key: N, K, log2 rows per expert, layout; TMA candidates join when the operands allow "
         "tensor descriptors), so the first call per shape pays for tuning (done in the warm-up "
         "here); the configs picked are listed below the results.",
@@ -664,7 +664,7 @@ def main() -> None:
         compiled, compile_error = compile_check()
     picked = []
     if on_gpu:
-        from forge_kernels import _grouped_gemm_triton as kern
+        from forge_kernels.grouped_gemm import _triton as kern
 
         picked = kern.best_configs()
     text = render(

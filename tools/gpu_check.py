@@ -192,7 +192,8 @@ else:
 NATIVE_SNIPPET = """
 import sys, time
 t = time.perf_counter()
-from forge_kernels import _build, native
+from forge_kernels import native
+from forge_kernels.native import _build
 native.load_native(require=True)
 print("library:", _build.library_path(_build.resolve_config()))
 print("routing_layout on cpu:", native.implementation("cpu"))
@@ -230,7 +231,7 @@ else:
 # library links, and whether the same op built without the CUDA kernels raises cleanly.
 NATIVE_DIAGNOSIS_SCRIPT = """
 py=$1; snippet=$2
-lib=$("$py" -c "from forge_kernels import _build; print(_build.library_path(_build.resolve_config()))")
+lib=$("$py" -c "from forge_kernels.native import _build; print(_build.library_path(_build.resolve_config()))")
 echo "--- ldd $lib"; ldd "$lib" | grep -E "stdc|gcc_s|cudart|c10|torch" || true
 if command -v gdb >/dev/null; then
   echo "--- gdb backtrace"

@@ -234,7 +234,7 @@ def forge_libraries(build_dir: Path) -> dict[str, Path]:
     for name, source in (("forge_cmake", root), ("forge_cmake_default_vis", default_vis)):
         env = dict(os.environ, FORGE_KERNELS_CUDA="0", FORGE_KERNELS_SOURCE_DIR=str(source))
         env["FORGE_KERNELS_CACHE_DIR"] = str(build_dir / name)
-        code = "from forge_kernels import _build; print(_build.build_library())"
+        code = "from forge_kernels.native import _build; print(_build.build_library())"
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                              text=True, timeout=240)  # fmt: skip
         if out.returncode != 0:

@@ -47,7 +47,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def kern():
     """The Triton module, built for the interpreter on CPU-only machines."""
-    mod = importlib.import_module("forge_kernels._grouped_gemm_triton")
+    mod = importlib.import_module("forge_kernels.grouped_gemm._triton")
     if not _ON_GPU and not mod.INTERPRETED:
         mod = importlib.reload(mod)  # imported earlier without TRITON_INTERPRET
     assert mod.INTERPRETED != _ON_GPU  # interpreted exactly when there is no GPU
@@ -248,7 +248,7 @@ def test_triton_module_reload_recovers_interpreter_mode():
         """
         import importlib, os
         import torch
-        import forge_kernels._grouped_gemm_triton as kern  # compiled mode: no TRITON_INTERPRET
+        import forge_kernels.grouped_gemm._triton as kern  # compiled mode: no TRITON_INTERPRET
         assert not kern.INTERPRETED
         os.environ["TRITON_INTERPRET"] = "1"
         kern = importlib.reload(kern)
@@ -558,7 +558,7 @@ def test_gpu_every_bf16_candidate_config_matches_the_reference(kern, kernel):
 def test_small_problems_get_one_autotune_candidate(kern):
     # A compile per candidate costs about a second on first use; a problem below
     # SMALL_PROBLEM_MACS runs in microseconds, so it is not worth tuning.
-    from forge_kernels import _grouped_gemm_tuning as tuning
+    from forge_kernels.grouped_gemm import _tuning as tuning
 
     small = kern._m_bucket(1000, 256, 384, 6)
     large = kern._m_bucket(65536, 2048, 768, 128)

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from forge_kernels import _build, native
+from forge_kernels import native
+from forge_kernels.native import _build
 
 ALIGNS = (1, 8, 16)
 

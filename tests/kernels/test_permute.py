@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 if not torch.cuda.is_available():
     # NOTE: triton decides interpreter mode when a kernel is decorated, i.e. at the first import
-    # of forge_kernels._permute_triton; permute.py imports it lazily, after this line.
+    # of forge_kernels.permute._triton; permute.py imports it lazily, after this line.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from forge_kernels.permute import (  # noqa: E402
@@ -501,8 +501,8 @@ _SM90_COMPILE = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from forge_kernels import _permute_triton as K
-from forge_kernels import _routing_triton as R
+from forge_kernels.permute import _triton as K
+from forge_kernels.permute import _routing_triton as R
 
 def compile_sm90(fn, types, constexprs):
     sig = {n: "constexpr" if n in constexprs else types[n] for n in fn.arg_names}

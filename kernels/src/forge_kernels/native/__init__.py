@@ -25,7 +25,7 @@ Provides:
 Notable choices:
 
 - The library is built with CMake on first use and cached by a hash of its sources and the torch
-  version (:mod:`forge_kernels._build`: ``~/.cache/forge-kernels/<key>/`` by default). A failed
+  version (:mod:`forge_kernels.native._build`: ``~/.cache/forge-kernels/<key>/`` by default). A failed
   build warns and falls back to PyTorch, unless ``FORGE_KERNELS_REQUIRE_NATIVE=1`` or
   ``load_native(require=True)``, which raise. ``FORGE_KERNELS_NATIVE=0`` forces the fallback.
 - Fake kernels are registered here (the C++ library names this module with
@@ -50,10 +50,9 @@ from typing import Literal
 
 import torch
 
-from forge_kernels import _build
-from forge_kernels._build import NativeBuildError
-
-from .routing import RoutingLayout, check_routing_args, routing_capacity, routing_layout_reference
+from ..routing import RoutingLayout, check_routing_args, routing_capacity, routing_layout_reference
+from . import _build
+from ._build import NativeBuildError
 
 __all__ = [
     "NativeBuildError",

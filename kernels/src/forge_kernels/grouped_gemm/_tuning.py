@@ -1,4 +1,4 @@
-"""Launch configurations of the Triton grouped GEMM (:mod:`forge_kernels._grouped_gemm_triton`).
+"""Launch configurations of the Triton grouped GEMM (:mod:`forge_kernels.grouped_gemm._triton`).
 
 Provides:
 

@@ -1,5 +1,5 @@
 """Triton kernels of the routing layout behind :func:`forge_kernels.permute.routing_layout`
-(private; :mod:`forge_kernels._permute_triton` re-exports the launcher).
+(private; :mod:`forge_kernels.permute._triton` re-exports the launcher).
 
 Provides :func:`routing_layout_triton`: counts / padded offs / gather / scatter indices in four
 launches: per-block histogram, per-expert scan over blocks, expert scan (+ padding), index
@@ -7,7 +7,7 @@ write. The rank of a slot inside its block comes from a ``[BLOCK_S, BLOCK_S]`` e
 so the order within an expert is the stable slot order with no sort and no atomics. Also
 :func:`on_input_device`, the launchers' wrapper that makes the input's GPU current.
 
-Imported only by :mod:`forge_kernels._permute_triton`, so its kernels are decorated in the same
+Imported only by :mod:`forge_kernels.permute._triton`, so its kernels are decorated in the same
 interpreter mode (``TRITON_INTERPRET``, read by triton at decoration).
 """
 
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .routing import routing_capacity
+from ..routing import routing_capacity
 
 __all__ = ["on_input_device", "routing_layout_triton"]
 

@@ -74,7 +74,7 @@ def default_source_dir() -> Path:
     """Repository root of this checkout (holds ``CMakeLists.txt`` and ``kernels/csrc``)."""
     if env := os.environ.get("FORGE_KERNELS_SOURCE_DIR"):
         return Path(env)
-    return Path(__file__).resolve().parents[3]
+    return Path(__file__).resolve().parents[4]  # kernels/src/forge_kernels/native/_build.py
 
 
 def default_cache_root() -> Path:

@@ -2,7 +2,7 @@
 
 Provides:
 
-- :class:`GemmConfig` (from :mod:`forge_kernels._grouped_gemm_tuning`): one launch
+- :class:`GemmConfig` (from :mod:`forge_kernels.grouped_gemm._tuning`): one launch
   configuration; :func:`candidates` lists what the autotuner times, :func:`best_configs` what
   it picked.
 - :func:`gmm_rows`: ``out[M, N] = a[rows_e] @ b[e]`` per group, rows past ``offs[-1]`` written as
@@ -38,7 +38,7 @@ Notable choices:
   :mod:`forge_kernels.grouped_gemm` imports lazily, when the Triton path first runs, and which
   a test can reload. Under the interpreter autotuning is bypassed (:data:`INTERPRETER_CONFIG`).
 - **Hopper tuning** (bf16/fp16, sm90) and **TMA** loads (stores stay masked pointer stores, so
-  a tile never writes another group's rows): :mod:`forge_kernels._grouped_gemm_tuning`.
+  a tile never writes another group's rows): :mod:`forge_kernels.grouped_gemm._tuning`.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
-from forge_kernels import _grouped_gemm_tuning as _tuning
-from forge_kernels._grouped_gemm_tuning import (
+import forge_kernels.grouped_gemm._tuning as _tuning
+from forge_kernels.grouped_gemm._tuning import (
     INTERPRETER_CONFIG,
     GemmConfig,
     best_configs,
@@ -342,7 +342,7 @@ def _gmm_ragged_k_kernel(
 
 def _m_bucket(m: int, n: int, k: int, e: int) -> int:
     """log2 bucket of the average rows per group (autotune key; static, no sync), or
-    :data:`~forge_kernels._grouped_gemm_tuning.SMALL_BUCKET` for a problem too small to tune."""
+    :data:`~forge_kernels.grouped_gemm._tuning.SMALL_BUCKET` for a problem too small to tune."""
     if m * n * k < _tuning.SMALL_PROBLEM_MACS:
         return _tuning.SMALL_BUCKET
     avg = max(1, m // max(e, 1))

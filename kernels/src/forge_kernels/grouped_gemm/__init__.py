@@ -11,7 +11,7 @@ Provides:
 
 Backends (``backend=None`` picks the first that applies):
 
-1. ``"triton"`` on CUDA tensors: :mod:`forge_kernels._grouped_gemm_triton` (Hopper-tuned,
+1. ``"triton"`` on CUDA tensors: :mod:`forge_kernels.grouped_gemm._triton` (Hopper-tuned,
    autotuned, no host sync, tails zeroed inside the kernels). On CPU tensors only when forced
    and ``TRITON_INTERPRET=1`` (the numpy interpreter; tests use it). It is never picked
    automatically on CPU, even under ``TRITON_INTERPRET=1``: the interpreter is orders of
@@ -148,7 +148,7 @@ class _TritonGroupedGemm(torch.autograd.Function):
     def forward(
         ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, fp32_precision: str
     ) -> torch.Tensor:
-        from forge_kernels import _grouped_gemm_triton as kern
+        from forge_kernels.grouped_gemm import _triton as kern
 
         ctx.save_for_backward(x, w, offs)
         ctx.fp32_precision = fp32_precision
@@ -156,7 +156,7 @@ class _TritonGroupedGemm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        from forge_kernels import _grouped_gemm_triton as kern
+        from forge_kernels.grouped_gemm import _triton as kern
 
         x, w, offs = ctx.saved_tensors
         prec = ctx.fp32_precision

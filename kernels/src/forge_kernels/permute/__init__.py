@@ -27,7 +27,7 @@ Notable choices:
   on CPU; sync-free PyTorch ops: ``scatter_add_``, stable ``argsort``, ``searchsorted``,
   ``index_select``, ``bmm``). :func:`backend_used` resolves the choice; it is a pure function of
   device and request. Both run the same autograd Functions (row movers from
-  :mod:`forge_kernels._permute_triton` or :mod:`forge_kernels._rows_torch`), and every backward
+  :mod:`forge_kernels.permute._triton` or :mod:`forge_kernels.permute._rows`), and every backward
   is a gather: no accumulating scatter, no atomics.
 - ``combine`` gathers each token's K rows and sums them in fp32 (fp64 for fp64 rows):
   deterministic; padding rows never reach the result (NaN there is harmless). Its output has
@@ -51,9 +51,9 @@ from typing import Literal
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import _rows_torch
-from .grouped_gemm import _interpreter_requested, _triton_importable
-from .routing import RoutingLayout, check_routing_args, routing_capacity, routing_layout_reference
+from ..grouped_gemm import _interpreter_requested, _triton_importable
+from ..routing import RoutingLayout, check_routing_args, routing_capacity, routing_layout_reference
+from . import _rows
 
 Backend = Literal["triton", "torch"]
 
@@ -75,7 +75,7 @@ __all__ = [
 # --------------------------------------------------------------------------- backend choice
 def _triton_module():
     """The kernels module, imported on first use (triton fixes interpreter mode at import)."""
-    from forge_kernels import _permute_triton
+    from forge_kernels.permute import _triton as _permute_triton
 
     return _permute_triton
 
@@ -135,11 +135,11 @@ def routing_layout(
 
 # --------------------------------------------------------------------------- autograd
 # One set of Functions for both backends: ``on_triton`` picks the kernels of
-# forge_kernels._permute_triton or the PyTorch ops of forge_kernels._rows_torch (same signatures),
+# forge_kernels.permute._triton or the PyTorch ops of forge_kernels.permute._rows (same signatures),
 # so both share the same backward structure (gathers only). ``dense`` is the caller's static
 # promise that nothing needs masking (used by the PyTorch ops; the kernels mask for free).
 def _row_ops(on_triton: bool):
-    return _triton_module() if on_triton else _rows_torch
+    return _triton_module() if on_triton else _rows
 
 
 class _PermuteFn(torch.autograd.Function):
@@ -157,7 +157,7 @@ class _PermuteFn(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_x = None
         if not ctx.on_triton:
-            grad_x = _rows_torch.token_sum(
+            grad_x = _rows.token_sum(
                 grad_out, gather_idx, ctx.num_tokens, ctx.top_k, scatter_idx.numel(), ctx.dense
             )
         if grad_x is None:

@@ -2,7 +2,7 @@
 
 Provides launchers for:
 
-- :func:`routing_layout_triton` (from :mod:`forge_kernels._routing_triton`): counts / padded
+- :func:`routing_layout_triton` (from :mod:`forge_kernels.permute._routing_triton`): counts / padded
   offs / gather / scatter indices, with no sort and no atomics.
 - :func:`gather_rows`: ``out[r] = scale[idx[r]] * src[idx[r] // div]`` or zeros when
   ``idx[r] >= n_valid`` (permute, unpermute and all their backward gathers).
@@ -11,7 +11,7 @@ Provides launchers for:
   ``permute``'s backward).
 - :func:`slot_row_dot`: ``out[s] = <g[s // K], y[scatter[s]]>`` (``combine``'s weight gradient).
 - :func:`combine_backward`: ``combine``'s two gradients from the two launchers above (the
-  signature of :func:`forge_kernels._rows_torch.combine_backward`).
+  signature of :func:`forge_kernels.permute._rows.combine_backward`).
 - :func:`rank_major_to_expert_major_triton`: one scan program, then a branch-free binary search
   per output row over the expert-major block ends.
 
@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ._routing_triton import on_input_device
 from ._routing_triton import routing_layout_triton as routing_layout_triton  # re-exported
-from ._rows_torch import _acc
+from ._rows import _acc
 
 #: True when this module's kernels were built by the Triton interpreter (CPU tensors allowed).
 INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -96,7 +96,7 @@ def gather_rows(
 ) -> torch.Tensor:
     """``out[r] = scale[idx[r]] * src[idx[r] // div]`` if ``0 <= idx[r] < n_valid`` else 0.
 
-    ``dense`` (as in :mod:`forge_kernels._rows_torch`) is ignored: the mask is free in here.
+    ``dense`` (as in :mod:`forge_kernels.permute._rows`) is ignored: the mask is free in here.
     """
     src = src if src.stride(-1) == 1 else src.contiguous()
     n_rows, d = idx.numel(), src.shape[1]

@@ -1,4 +1,4 @@
-"""PyTorch-op versions of the row movers of :mod:`forge_kernels._permute_triton` (private).
+"""PyTorch-op versions of the row movers of :mod:`forge_kernels.permute._triton` (private).
 
 :mod:`forge_kernels.permute` runs one set of autograd Functions on both backends: on CUDA they
 call the Triton kernels, elsewhere these functions (same meaning, plus ``dense``; the kernels'
