@@ -38,11 +38,11 @@ OUT_MD = ROOT / "benchmarks" / "plan.md"
 SIZES = (64, 512, 4096, 16384)
 MOE = [
     "model.preset=small",
-    "model.moe_every=1",
-    "model.num_experts=64",
-    "model.top_k=2",
-    "model.moe_ffn_dim=512",
-    "model.num_shared_experts=1",
+    "moe.moe_every=1",
+    "moe.num_experts=64",
+    "moe.top_k=2",
+    "moe.moe_ffn_dim=512",
+    "moe.num_shared_experts=1",
     "model.max_seq_len=4096",
     "parallelism.ep=8",
 ]

@@ -123,12 +123,12 @@ VALUES = [
     ),
     (["training.seed=18446744073709551616"], "training.seed=18446744073709551616 is too large"),
     (
-        ["model.preset=debug_moe", "model.moe_bias_update_rate=inf"],
-        "model.moe_bias_update_rate=inf must be a finite number in [0, 1]",
+        ["model.preset=debug_moe", "moe.moe_bias_update_rate=inf"],
+        "moe.moe_bias_update_rate=inf must be a finite number in [0, 1]",
     ),
     (
-        ["model.preset=debug_moe", "model.moe_bias_update_rate=1e300"],
-        "model.moe_bias_update_rate=1e+300 must be a finite number in [0, 1]",
+        ["model.preset=debug_moe", "moe.moe_bias_update_rate=1e300"],
+        "moe.moe_bias_update_rate=1e+300 must be a finite number in [0, 1]",
     ),
 ]
 

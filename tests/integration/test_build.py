@@ -45,7 +45,7 @@ def test_a_vlm_needs_all_three_of_its_configs():
 def test_single_device_vlm_build_runs_tokens_and_images():
     cfg = load_config({"model": {"preset": "debug_vlm"}})
     model = build_parallel_model(
-        cfg.model,
+        cfg.decoder,
         "cpu",
         None,
         vision_config=cfg.vision,
@@ -98,8 +98,8 @@ def test_build_job_reports_pass_for_other_layouts(run_on_ranks, overrides):
             "steps; host syncs counted in one forward+backward: 2 (Tensor.tolist x2)",
         ),
         (
-            ["model.preset=debug_moe", "parallelism.tp=1", "model.moe_dispatch=capacity"]
-            + ["model.capacity_factor=1.0"],
+            ["model.preset=debug_moe", "parallelism.tp=1", "moe.moe_dispatch=capacity"]
+            + ["moe.capacity_factor=1.0"],
             "ep=4 (2 experts per rank), dispatch capacity; tokens dropped",
         ),
     ],
@@ -200,8 +200,8 @@ def test_bf16_compute_is_checked_with_low_precision_tolerances(run_on_ranks, dat
         (["build", "--set", "float8.recipe=rowwize"], "did you mean 'rowwise'"),
         (
             ["build", "--set", "model.preset=debug_moe", "--set", "parallelism.tp=1"]
-            + ["--set", "parallelism.ep=4", "--set", "model.num_experts=6"],
-            "parallelism.ep=4 does not divide model.num_experts=6",
+            + ["--set", "parallelism.ep=4", "--set", "moe.num_experts=6"],
+            "parallelism.ep=4 does not divide moe.num_experts=6",
         ),
         (
             ["build", "--set", "model.preset=debug_vlm", "--set", "vision.patch_size=5"],

@@ -381,10 +381,11 @@ def test_a_directory_forge_did_not_write_is_refused_on_the_ranks(run_on_ranks, t
 
 @pytest.fixture(scope="module")
 def moe_saved(run_on_ranks, tmp_path_factory) -> Path:
-    """A checkpoint of an MoE model whose router has a bias (``model.router_bias = true``)."""
+    """A checkpoint of an MoE model whose router has a bias (``moe.router_bias = true``)."""
     out = tmp_path_factory.mktemp("moe")
     cfg = {
-        "model": {"preset": "debug_moe", "router_bias": True},
+        "model": {"preset": "debug_moe"},
+        "moe": {"router_bias": True},
         "parallelism": {"tp": 1},
         "training": {"steps": 1, "out_dir": str(out), "seq_len": 16},
         "checkpoint": {"every": 1, "resume": "none", "save_at_end": False},
@@ -404,13 +405,13 @@ def moe_saved(run_on_ranks, tmp_path_factory) -> Path:
 def test_resume_into_a_model_with_other_tensors_is_refused_before_launch(
     moe_saved: Path, change: dict, says: str
 ):
-    model = {"preset": "debug_moe", "router_bias": True, **change}
-    cfg = load_config({"model": model, "checkpoint": {"resume": str(moe_saved)}})
+    model, resume = {"preset": "debug_moe"}, {"resume": str(moe_saved)}
+    moe = {"router_bias": True, **change}
+    cfg = load_config({"model": model, "moe": moe, "checkpoint": resume})
     with pytest.raises(ForgeConfigError, match="was saved for another model") as err:
         _checked_resume(cfg)
     assert says in str(err.value), err.value
-    same = {"preset": "debug_moe", "router_bias": True}
-    same_cfg = load_config({"model": same, "checkpoint": {"resume": str(moe_saved)}})
+    same_cfg = load_config({"model": model, "moe": {"router_bias": True}, "checkpoint": resume})
     assert _checked_resume(same_cfg).checkpoint.resume == str(moe_saved)
 
 

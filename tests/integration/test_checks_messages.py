@@ -76,7 +76,7 @@ def test_vlm_problems_agree_with_check_vlm(overrides, count):
     """vlm_problems finds each independent problem; check_vlm raises the first of them."""
     cfg = load_config(None, ["model.preset=debug_vlm", *overrides])
     assert cfg.vision is not None and cfg.adapter is not None and cfg.vlm is not None
-    args = (cfg.model, cfg.vision, cfg.adapter, cfg.vlm)
+    args = (cfg.decoder, cfg.vision, cfg.adapter, cfg.vlm)
     problems = vlm_problems(*args, seq_len=cfg.training.seq_len, tp=2)
     assert len(problems) == count, problems
     with pytest.raises(ForgeConfigError) as err:

@@ -26,7 +26,7 @@ def test_forge_transformer_is_one_model_every_stage_acts_on():
 
 def test_a_vlm_is_components_with_tp_ep_and_float8_on_its_decoder():
     cfg = load_config({"model": {"preset": "debug_vlm"}})
-    model = build_vlm(cfg.model, cfg.vision, cfg.adapter, cfg.vlm)
+    model = build_vlm(cfg.decoder, cfg.vision, cfg.adapter, cfg.vlm)
     spec = model_spec(model, None, vlm=cfg.vlm)
     assert spec.kind == "components"
     assert spec.decoder is model.decoder and spec.tp_target is model.decoder

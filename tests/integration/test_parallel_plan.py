@@ -108,9 +108,9 @@ def _from_config_vs_build_parallel_model() -> dict[str, Any]:
         loss_parallel=True,
         allow_plan_import=(),
     )
-    ours = plan.maybe_compile(plan.parallelize(build_meta_model(cfg.model), device="cpu", seed=0))
+    ours = plan.maybe_compile(plan.parallelize(build_meta_model(cfg.decoder), device="cpu", seed=0))
     theirs = build_parallel_model(
-        cfg.model,
+        cfg.decoder,
         "cpu",
         mesh,
         ac_mode="selective",
@@ -243,13 +243,13 @@ def _compiled_scope_parity(scope: str) -> dict[str, Any]:
     )
     mesh = build_device_mesh(cfg.resolved_parallelism(2), "cpu")
     plan = ParallelPlan.from_config(cfg, mesh, compile_backend="aot_eager")
-    model = plan.parallelize(build_meta_model(cfg.model), device="cpu", seed=0)
+    model = plan.parallelize(build_meta_model(cfg.decoder), device="cpu", seed=0)
     stages = applied_stages(model)
     model = plan.maybe_compile(model)
     compiled_call = model._compiled_call_impl
     again = plan.maybe_compile(model)  # must not compile a second time
     counters.clear()
-    reference = build_parallel_model(cfg.model, "cpu", None, param_dtype=torch.float32)
+    reference = build_parallel_model(cfg.decoder, "cpu", None, param_dtype=torch.float32)
     result = run_parity(reference, model, mesh=mesh, steps=3, batch_size=4, seq_len=16)
     return {
         "result": result,

@@ -71,7 +71,7 @@ def _vlm_configs(cfg: Any) -> dict[str, Any]:
 
 
 def _experts(cfg: Any) -> int:
-    return cfg.model.num_experts if cfg.model.moe_layers else 0
+    return cfg.routed_experts
 
 
 def _plan_child(layouts: dict[str, list[str]]) -> dict[str, Any]:
@@ -126,7 +126,7 @@ def _build_real(overrides: list[str], **kwargs: Any) -> tuple[Any, Any, Any]:
     par = cfg.resolved_parallelism(dist.get_world_size())
     mesh = build_device_mesh(par, "cpu", num_experts=_experts(cfg))
     model = build_parallel_model(
-        cfg.model,
+        cfg.decoder,
         "cpu",
         mesh,
         data=par.data,
@@ -217,7 +217,7 @@ def _real_tp_saved_bytes(overrides: list[str], ac_mode: str) -> tuple[int, int]:
     par = cfg.resolved_parallelism(dist.get_world_size())
     mesh = build_device_mesh(par, "cpu", num_experts=_experts(cfg))
     with torch.device("meta"):
-        model = moe_transformer(cfg.model)
+        model = moe_transformer(cfg.decoder)
     plan = ParallelPlan(
         mesh if par.cp == 1 else None,  # NOTE: ParallelPlan refuses data='none' with cp > 1
         data="none",
@@ -281,7 +281,7 @@ def test_activation_estimate_matches_saved_tensors(preset, dtype, ac_mode):
         }
     )
     model = build_parallel_model(
-        cfg.model, "cpu", None, ac_mode=ac_mode, param_dtype=torch.float32, **_vlm_configs(cfg)
+        cfg.decoder, "cpu", None, ac_mode=ac_mode, param_dtype=torch.float32, **_vlm_configs(cfg)
     )
     model.to(getattr(torch, dtype))
     for module in model.modules():

@@ -412,7 +412,7 @@ def test_a_diverging_run_stops_before_the_bad_step_and_publishes_only_finite_che
 
 def _train_with_nan_router_biases(cfg: dict) -> str:
     """run_train whose MoE balancing update turns the routers' ``expert_bias`` buffers into
-    NaN (as ``model.moe_bias_update_rate = inf`` did): the parameters stay finite."""
+    NaN (as ``moe.moe_bias_update_rate = inf`` did): the parameters stay finite."""
     from forge_moe_ep.moe import MoE
 
     update = MoE.forge_after_optimizer_step
@@ -536,11 +536,16 @@ def test_the_stop_names_the_signal_and_the_rank_that_got_it():
 
 def test_flops_per_token_and_no_mfu_on_cpu():
     cfg = load_config({"training": {"seq_len": 32}})
-    m = cfg.model
+    m = cfg.decoder
     assert train_flops_per_token(cfg) == 6 * m.num_params() + 6 * m.n_layers * 32 * m.dim
     moe = load_config({"model": {"preset": "debug_moe"}})
-    inactive = (moe.model.num_experts - moe.model.top_k) * 3 * moe.model.dim * moe.model.moe_ffn_dim
-    assert 6 * (moe.model.num_params() - 2 * inactive) + 6 * 2 * 32 * 64 == train_flops_per_token(
+    inactive = (
+        (moe.decoder.num_experts - moe.decoder.top_k)
+        * 3
+        * moe.decoder.dim
+        * moe.decoder.moe_ffn_dim
+    )
+    assert 6 * (moe.decoder.num_params() - 2 * inactive) + 6 * 2 * 32 * 64 == train_flops_per_token(
         moe
     )
     assert peak_flops(torch.device("cpu")) is None

@@ -246,21 +246,21 @@ def test_no_host_sync_catches_a_planted_item_in_the_moe_forward(monkeypatch):
 @pytest.mark.parametrize(
     ("fields", "pattern"),
     [
-        ({"moe_bias_update_rate": float("inf")}, r"^model\.moe_bias_update_rate=inf must be a"),
-        ({"moe_bias_update_rate": 1e300}, r"^model\.moe_bias_update_rate=1e\+300 .* \[0, 1\]"),
-        ({"moe_aux_loss_coef": float("nan")}, r"^model\.moe_aux_loss_coef=nan .* \[0, 1\]"),
-        ({"capacity_factor": float("inf")}, r"^model\.capacity_factor=inf must be a finite"),
+        ({"moe_bias_update_rate": float("inf")}, r"^moe\.moe_bias_update_rate=inf must be a"),
+        ({"moe_bias_update_rate": 1e300}, r"^moe\.moe_bias_update_rate=1e\+300 .* \[0, 1\]"),
+        ({"moe_aux_loss_coef": float("nan")}, r"^moe\.moe_aux_loss_coef=nan .* \[0, 1\]"),
+        ({"capacity_factor": float("inf")}, r"^moe\.capacity_factor=inf must be a finite"),
         (
             {"moe_dispatch": "capacity", "capacity_factor": 1e300},
-            r"^model\.capacity_factor=1e\+300 .* in \(0, 8\]",
+            r"^moe\.capacity_factor=1e\+300 .* in \(0, 8\]",
         ),
         (
             {"moe_dispatch": "capacity", "capacity_factor": 9.0},
-            r"^model\.capacity_factor=9\.0 .* in \(0, 8\]",
+            r"^moe\.capacity_factor=9\.0 .* in \(0, 8\]",
         ),
-        ({"router_scale": float("inf")}, r"^model\.router_scale=inf must be a finite number"),
-        ({"expert_act_limit": float("nan")}, r"^model\.expert_act_limit=nan must be a finite"),
-        ({"num_experts": 2**40}, r"^model\.num_experts=1099511627776 is too large"),
+        ({"router_scale": float("inf")}, r"^moe\.router_scale=inf must be a finite number"),
+        ({"expert_act_limit": float("nan")}, r"^moe\.expert_act_limit=nan must be a finite"),
+        ({"num_experts": 2**40}, r"^moe\.num_experts=1099511627776 is too large"),
         (
             {"num_experts": 2**22, "moe_ffn_dim": 2**20},
             r"^model has \d\.\d+e\+1\d parameters \(.*num_experts=4194304, moe_ffn_dim=1048576",
@@ -282,8 +282,8 @@ def test_moe_numbers_are_finite_and_in_range(fields, pattern):
 def test_model_config_refuses_bad_moe_fields_with_the_fix():
     cases = [
         ({"num_experts": 0}, r"num_experts=0; set num_experts >= 1"),
-        ({"top_k": 9}, r"model\.top_k=9 must be in \[1, num_experts=8\]"),
-        ({"router": "softmx"}, r"model\.router='softmx'.*did you mean 'softmax'"),
+        ({"top_k": 9}, r"moe\.top_k=9 must be in \[1, num_experts=8\]"),
+        ({"router": "softmx"}, r"moe\.router='softmx'.*did you mean 'softmax'"),
         ({"moe_dispatch": "capcity"}, r"did you mean 'capacity'"),
         ({"capacity_factor": 0.0}, r"capacity_factor=0.0 must be a finite number > 0"),
         (
@@ -295,7 +295,7 @@ def test_model_config_refuses_bad_moe_fields_with_the_fix():
         with pytest.raises(ForgeConfigError, match=pattern):
             MoEModelConfig.preset("debug_moe", **fields)
     # a misspelt router or dispatch mode is refused on a dense config too (moe_every=0)
-    with pytest.raises(ForgeConfigError, match=r"model\.router='topk' is invalid"):
+    with pytest.raises(ForgeConfigError, match=r"moe\.router='topk' is invalid"):
         MoEModelConfig.preset("debug", router="topk")
 
 
@@ -332,7 +332,7 @@ def test_init_on_meta_then_materialize_equals_direct_init():
 def test_expert_parallel_degree_must_divide_the_experts():
     check_expert_parallel(8, 4)
     with pytest.raises(
-        ForgeConfigError, match=r"ep=3 does not divide model\.num_experts=8.*\[1, 2, 4, 8\]"
+        ForgeConfigError, match=r"ep=3 does not divide moe\.num_experts=8.*\[1, 2, 4, 8\]"
     ):
         check_expert_parallel(8, 3)
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 from forge import load_config
-from forge_core import ForgeConfigError, ParallelismConfig
-from forge_moe_ep.config import MoEModelConfig
+from forge_core import ForgeConfigError, ModelConfig, ParallelismConfig
 
 from tests.core.test_config import HUGE
 
@@ -51,7 +50,7 @@ def test_load_config_from_toml_with_overrides(tmp_path):
 
 
 def test_load_config_defaults_and_dicts():
-    assert load_config().model == MoEModelConfig.preset("debug")
+    assert load_config().model == ModelConfig.preset("debug")
     assert load_config({"parallelism": {"tensor": 2}}).parallelism.tp == 2
 
 
@@ -169,7 +168,7 @@ def test_each_layer_owns_its_model_presets():
 
     assert {"debug_vlm", "debug_field", "debug_moe"}.isdisjoint(PRESETS)
     vlm = load_config({"model": {"preset": "debug_vlm"}})
-    assert vlm.is_vlm and vlm.model == MoEModelConfig.preset("debug")
+    assert vlm.is_vlm and vlm.model == ModelConfig.preset("debug") and vlm.moe is None
     field = load_config(None, ["model.preset=debug_field"])
     assert field.field is not None and field.parallelism.domain == 2
     with pytest.raises(ForgeConfigError) as err:

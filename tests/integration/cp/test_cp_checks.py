@@ -46,13 +46,13 @@ def test_cp_degree_suggestions_fit_the_world_size_and_the_other_degrees():
 
 def test_capacity_dispatch_under_cp_is_refused_before_launch_and_by_the_plan(run_on_ranks):
     line = (
-        "model.moe_dispatch='capacity' with parallelism.cp=2: the capacity is counted per "
+        "moe.moe_dispatch='capacity' with parallelism.cp=2: the capacity is counted per "
         "sequence and a context-parallel rank holds only slices of each sequence, so it would "
-        "drop other tokens than one device does; set model.moe_dispatch='dropless' (or "
+        "drop other tokens than one device does; set moe.moe_dispatch='dropless' (or "
         "parallelism.cp=1)"
     )
     sets = ("parallelism.cp=2", "model.preset=debug_moe", "training.seq_len=64")
-    assert _problems(2, *sets, "model.moe_dispatch=capacity") == [line]
+    assert _problems(2, *sets, "moe.moe_dispatch=capacity") == [line]
     assert _problems(2, *sets) == []  # dropless: exact under cp (test_cp_parity)
     # ParallelPlan -> apply_expert_parallel, the same words
     assert run_on_ranks(2, capacity_refusal) == [[line, line], [line, line]]

@@ -40,7 +40,7 @@ def test_apply_expert_parallel_refuses_wrong_order_no_moe_and_indivisible_expert
     order, no_moe, indivisible = run_on_ranks(2, _refusals)[0]
     assert "cannot apply 'ep' after ['fsdp2']" in order
     assert "expert parallelism (parallelism.ep=2) on a model with no forge_moe_ep.MoE" in no_moe
-    assert "ep=2 does not divide model.num_experts=3" in indivisible
+    assert "ep=2 does not divide moe.num_experts=3" in indivisible
 
 
 def _biases_after_one_step(grad_accum: int, ac: bool) -> list[torch.Tensor]:

@@ -95,7 +95,7 @@ def vlm_pipeline_parity(
     mesh = build_device_mesh(layout, "cpu")
     parallel = ParallelPlan(
         mesh, param_dtype=torch.float32, vlm=cfg.vlm, pp=PPConfig(**pp), **plan
-    ).parallelize(build_meta_model(cfg.model, *cfg.vlm_sections()), device="cpu", seed=0)
+    ).parallelize(build_meta_model(cfg.decoder, *cfg.vlm_sections()), device="cpu", seed=0)
     _, _, reference = build_pair(None, cfg)
     tokens, images = vlm_data(reference, steps, cfg)
     common = {"images": images, "ignore_token": reference.image_token_id}

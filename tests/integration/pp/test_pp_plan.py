@@ -65,7 +65,7 @@ ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 def _experts(cfg: Any) -> int:
-    return cfg.model.num_experts if cfg.model.moe_layers else 0
+    return cfg.routed_experts
 
 
 def _plan_child(layouts: dict[str, list[str]]) -> dict[str, Any]:

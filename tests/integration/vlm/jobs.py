@@ -60,8 +60,8 @@ def build_pair(layout: dict | None, cfg: Any, **kwargs: Any):
     mesh = build_device_mesh(layout, "cpu") if layout else None
     parts = {"vision_config": cfg.vision, "adapter_config": cfg.adapter, "vlm_config": cfg.vlm}
     kwargs.setdefault("param_dtype", torch.float32)
-    parallel = build_parallel_model(cfg.model, "cpu", mesh, **parts, **kwargs)
-    reference = build_parallel_model(cfg.model, "cpu", None, **parts, param_dtype=torch.float32)
+    parallel = build_parallel_model(cfg.decoder, "cpu", mesh, **parts, **kwargs)
+    reference = build_parallel_model(cfg.decoder, "cpu", None, **parts, param_dtype=torch.float32)
     return mesh, parallel, reference
 
 
@@ -166,7 +166,7 @@ def fp8_and_bf16_vlm(layout: dict, steps: int = 10) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for fp8 in (False, True):
         model = build_parallel_model(
-            cfg.model, "cpu", mesh, **parts, param_dtype=torch.bfloat16, fp8=fp8
+            cfg.decoder, "cpu", mesh, **parts, param_dtype=torch.bfloat16, fp8=fp8
         )
         tokens, images = vlm_data(model, steps, cfg)
         records = train_steps(

@@ -1,8 +1,9 @@
 """forge_moe_ep: a mixture-of-experts layer and expert parallelism with a sync-free dispatch.
 
 - :class:`MoE` plugs into the reference Transformer's FFN slot (:func:`moe_transformer`);
-  :class:`MoEModelConfig` (forge_core's ``ModelConfig`` plus the MoE fields ``moe_every``,
-  ``num_experts``, ``top_k``, ...; torch-free, :mod:`forge_moe_ep.config`) configures it.
+  :class:`MoEConfig` (the ``[moe]`` section: ``moe_every``, ``num_experts``, ``top_k``, ...)
+  and :class:`MoEModelConfig` (forge_core's ``ModelConfig`` joined with them; torch-free,
+  :mod:`forge_moe_ep.config`) configure it.
 - :func:`apply_expert_parallel` shards the experts over the ``ep`` mesh axis, which is carved
   out of the data-parallel ranks.
 - Dispatch modes: ``dropless`` (exact; with EP one deferred host wait per layer per forward) and
@@ -36,9 +37,12 @@ _EXPORTS = {
     "EXPERT_ACTIVATIONS": "config",
     "check_expert_parallel": "checks",
     "MOE_DISPATCH_MODES": "config",
+    "MOE_FIELDS": "config",
     "MOE_PRESETS": "config",
     "MOE_ROUTERS": "config",
+    "MoEConfig": "config",
     "MoEModelConfig": "config",
+    "split_moe_fields": "config",
 }
 
 if TYPE_CHECKING:
@@ -46,9 +50,12 @@ if TYPE_CHECKING:
     from .config import (
         EXPERT_ACTIVATIONS,
         MOE_DISPATCH_MODES,
+        MOE_FIELDS,
         MOE_PRESETS,
         MOE_ROUTERS,
+        MoEConfig,
         MoEModelConfig,
+        split_moe_fields,
     )
     from .dispatch import capacity_per_sequence
     from .hf import HFMoE, convert_hf_moe, restore_hf_moe
@@ -62,10 +69,12 @@ __version__ = "0.1.0"
 __all__ = [
     "EXPERT_ACTIVATIONS",
     "MOE_DISPATCH_MODES",
+    "MOE_FIELDS",
     "MOE_PRESETS",
     "MOE_ROUTERS",
     "GroupedExperts",
     "HFMoE",
+    "MoEConfig",
     "MoEModelConfig",
     "MoE",
     "Router",
@@ -76,4 +85,5 @@ __all__ = [
     "moe_metrics",
     "moe_transformer",
     "restore_hf_moe",
+    "split_moe_fields",
 ]

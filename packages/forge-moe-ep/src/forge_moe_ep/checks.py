@@ -22,7 +22,7 @@ def no_moe_problems(ep: int, has_moe: bool) -> list[str]:
         return []
     return [
         f"expert parallelism (parallelism.ep={ep}) on a model with no forge_moe_ep.MoE layer: set "
-        "parallelism.ep=1 and do not apply it, or use an MoE model (model.moe_every > 0, e.g. "
+        "parallelism.ep=1 and do not apply it, or use an MoE model ([moe] num_experts > 0, e.g. "
         "model.preset=debug_moe; a Hugging Face model with MoE blocks forge converts, "
         "forge_moe_ep.hf.HF_MOE_BLOCKS; your own model built with forge_moe_ep.moe_transformer)"
     ]
@@ -34,7 +34,7 @@ def expert_parallel_problems(num_experts: int, ep: int) -> list[str]:
         return []
     choices = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
     return [
-        f"parallelism.ep={ep} does not divide model.num_experts={num_experts}: each EP rank "
+        f"parallelism.ep={ep} does not divide moe.num_experts={num_experts}: each EP rank "
         f"holds num_experts/ep experts. Choose ep in {choices}; with more data-parallel ranks "
         "than experts the others shard the experts with FSDP2 (the expert_dp axis)"
     ]
@@ -57,8 +57,8 @@ def dispatch_cp_problems(moe_dispatch: str, cp: int) -> list[str]:
     if cp <= 1 or moe_dispatch != "capacity":
         return []
     return [
-        f"model.moe_dispatch='capacity' with parallelism.cp={cp}: the capacity is counted per "
+        f"moe.moe_dispatch='capacity' with parallelism.cp={cp}: the capacity is counted per "
         "sequence and a context-parallel rank holds only slices of each sequence, so it would "
-        "drop other tokens than one device does; set model.moe_dispatch='dropless' (or "
+        "drop other tokens than one device does; set moe.moe_dispatch='dropless' (or "
         "parallelism.cp=1)"
     ]

@@ -1,26 +1,39 @@
-"""The MoE fields of a model config: :class:`MoEModelConfig` (pure Python, no torch import).
+"""The MoE fields: the ``[moe]`` section (:class:`MoEConfig`) and the reference Transformer's
+shape with MoE blocks (:class:`MoEModelConfig`). Pure Python, no torch import.
 
-forge-moe-ep owns them: forge_core's ``ModelConfig`` describes the dense decoder and names no
-MoE field; this subclass adds the MoE blocks (``[model]`` keys in a forge config, which uses it
-for every token model: ``moe_every = 0`` is a dense model). It tells the reference Transformer
-which blocks hold an MoE through ``ModelConfig.custom_ffn_layers``.
+forge-moe-ep owns them: forge_core's ``ModelConfig`` describes the dense decoder (a forge
+config's ``[model]``) and names no MoE field. A config file puts the MoE fields in ``[moe]``;
+:meth:`MoEModelConfig.from_parts` joins the two into the one config the model is built from,
+which tells the reference Transformer which blocks hold an MoE through
+``ModelConfig.custom_ffn_layers``. Files written before ``[moe]`` existed kept these fields in
+``[model]``: :func:`split_moe_fields` sorts such a table into its two sections.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from forge_core.errors import ForgeConfigError, check_int, check_number, did_you_mean
+from forge_core.errors import (
+    ForgeConfigError,
+    check_field_types,
+    check_int,
+    check_number,
+    did_you_mean,
+)
 from forge_core.model_config import PRESETS, ModelConfig
 
 __all__ = [
     "EXPERT_ACTIVATIONS",
     "MOE_DISPATCH_MODES",
+    "MOE_FIELDS",
     "MOE_PRESETS",
     "MOE_ROUTERS",
+    "MoEConfig",
     "MoEModelConfig",
+    "split_moe_fields",
 ]
 
 MOE_ROUTERS = ("softmax", "sigmoid")
@@ -36,17 +49,19 @@ MOE_DISPATCH_MODES = ("dropless", "capacity")
 
 
 @dataclass(frozen=True)
-class MoEModelConfig(ModelConfig):
-    """The reference Transformer's shape with mixture-of-experts blocks.
+class MoEConfig:
+    """The ``[moe]`` section: mixture-of-experts blocks in the reference Transformer.
 
-    ``moe_every > 0``: block ``i`` is an MoE block when ``(i + 1) % moe_every == 0`` (1: every
-    block). Each has ``num_experts`` SwiGLU experts of hidden size ``moe_ffn_dim`` (default
-    ``ffn_dim``), a top-``top_k`` token-choice ``router`` (``softmax`` or ``sigmoid`` scores,
-    computed in float32), ``num_shared_experts`` always-on experts (one SwiGLU of hidden
-    ``num_shared_experts * moe_ffn_dim``), and ``moe_dispatch`` (see ``MOE_DISPATCH_MODES``) with
-    ``capacity_factor`` for the capacity mode. Load balancing: ``moe_bias_update_rate``
+    ``moe_every``: block ``i`` is an MoE block when ``(i + 1) % moe_every == 0`` (1: every
+    block; 0: none, a dense model; left out: 1 when ``num_experts > 0``, else 0). Each has
+    ``num_experts``
+    SwiGLU experts of hidden size ``moe_ffn_dim`` (default ``[model] ffn_dim``), a
+    top-``top_k`` token-choice ``router`` (``softmax`` or ``sigmoid`` scores, computed in
+    float32), ``num_shared_experts`` always-on experts (one SwiGLU of hidden
+    ``num_shared_experts * moe_ffn_dim``), and ``moe_dispatch`` (see ``MOE_DISPATCH_MODES``)
+    with ``capacity_factor`` for the capacity mode. Load balancing: ``moe_bias_update_rate``
     (aux-loss-free expert bias, 0 disables it) and ``moe_aux_loss_coef`` (auxiliary
-    load-balancing loss, 0 disables it). ``moe_every = 0``: a dense model.
+    load-balancing loss, 0 disables it).
 
     Router and expert variants (the defaults are forge's own MoE; the other values express the
     Hugging Face families ``forge_moe_ep.hf`` converts):
@@ -66,7 +81,7 @@ class MoEModelConfig(ModelConfig):
       learned ``g [dim, 1]`` (Qwen2-MoE).
     """
 
-    moe_every: int = 0
+    moe_every: int | None = None
     num_experts: int = 0
     top_k: int = 2
     moe_ffn_dim: int | None = None
@@ -89,16 +104,21 @@ class MoEModelConfig(ModelConfig):
     expert_linear_bias: bool = False
     shared_expert_gate: bool = False
 
-    def _check_fields(self) -> None:
-        super()._check_fields()
+    def __post_init__(self) -> None:
+        check_field_types(self, "moe")
+        if self.moe_every is None:  # NOTE: filled like ModelConfig's n_kv_heads and ffn_dim
+            object.__setattr__(self, "moe_every", 1 if self.num_experts else 0)
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        """Each MoE field alone, then the numbers and the blocks' shape (the one place these
+        rules live: :class:`MoEModelConfig` runs them too)."""
         for name in ("moe_every", "num_experts", "num_shared_experts", "top_k"):
-            check_int(f"model.{name}", getattr(self, name), 0)
+            check_int(f"moe.{name}", getattr(self, name), 0)
         for name in ("router_groups", "router_topk_groups", "router_group_top"):
-            check_int(f"model.{name}", getattr(self, name), 1)
+            check_int(f"moe.{name}", getattr(self, name), 1)
         if self.moe_ffn_dim is not None:
-            check_int("model.moe_ffn_dim", self.moe_ffn_dim)
-        else:
-            object.__setattr__(self, "moe_ffn_dim", self.ffn_dim)
+            check_int("moe.moe_ffn_dim", self.moe_ffn_dim)
         for name, allowed in (
             ("router", MOE_ROUTERS),
             ("moe_dispatch", MOE_DISPATCH_MODES),
@@ -107,7 +127,7 @@ class MoEModelConfig(ModelConfig):
             v = getattr(self, name)
             if v not in allowed:
                 raise ForgeConfigError(
-                    f"model.{name}={v!r} is invalid: choose one of {list(allowed)}"
+                    f"moe.{name}={v!r} is invalid: choose one of {list(allowed)}"
                     + did_you_mean(str(v), allowed)
                 )
         if self.moe_every:
@@ -121,9 +141,9 @@ class MoEModelConfig(ModelConfig):
             "the expert bias moves by up to this much per step and is added to routing scores "
             "in [0, 1] (DeepSeek-V3: 1e-3; 0 turns the update off)"
         )
-        check_number("model.moe_bias_update_rate", self.moe_bias_update_rate, 0, 1, why=rate_why)
+        check_number("moe.moe_bias_update_rate", self.moe_bias_update_rate, 0, 1, why=rate_why)
         check_number(
-            "model.moe_aux_loss_coef",
+            "moe.moe_aux_loss_coef",
             self.moe_aux_loss_coef,
             0,
             1,
@@ -133,7 +153,7 @@ class MoEModelConfig(ModelConfig):
         capacity = self.moe_every and self.moe_dispatch == "capacity"
         experts = max(self.num_experts, 1) if capacity else math.inf
         check_number(
-            "model.capacity_factor",
+            "moe.capacity_factor",
             self.capacity_factor,
             0,
             experts,
@@ -143,30 +163,66 @@ class MoEModelConfig(ModelConfig):
             "empty rows",
         )
         for name in ("router_scale", "expert_act_alpha", "expert_act_limit"):
-            check_number(f"model.{name}", getattr(self, name), 0)
+            check_number(f"moe.{name}", getattr(self, name), 0)
 
     def _check_moe_shape(self) -> None:
         """The MoE blocks' shape: experts, top-k and the router groups fit together."""
         if self.num_experts < 1:
             raise ForgeConfigError(
-                f"model.moe_every={self.moe_every} asks for MoE blocks but model.num_experts="
+                f"moe.moe_every={self.moe_every} asks for MoE blocks but moe.num_experts="
                 f"{self.num_experts}; set num_experts >= 1 (or moe_every=0 for a dense model)"
             )
         if not 1 <= self.top_k <= self.num_experts:
             raise ForgeConfigError(
-                f"model.top_k={self.top_k} must be in [1, num_experts={self.num_experts}]"
+                f"moe.top_k={self.top_k} must be in [1, num_experts={self.num_experts}]"
             )
         groups, chosen = self.router_groups, self.router_topk_groups
         if self.num_experts % groups or chosen > groups:
             raise ForgeConfigError(
-                f"model.router_groups={groups} / router_topk_groups={chosen}: the groups must "
+                f"moe.router_groups={groups} / router_topk_groups={chosen}: the groups must "
                 f"divide num_experts={self.num_experts} and router_topk_groups <= router_groups"
             )
         if self.top_k > chosen * (self.num_experts // groups):
             raise ForgeConfigError(
-                f"model.top_k={self.top_k} is more than the {chosen} chosen groups of "
+                f"moe.top_k={self.top_k} is more than the {chosen} chosen groups of "
                 f"{self.num_experts // groups} experts hold; raise router_topk_groups"
             )
+
+
+@dataclass(frozen=True)
+class MoEModelConfig(MoEConfig, ModelConfig):
+    """The reference Transformer's shape (forge_core's ``ModelConfig``) with the MoE blocks of
+    :class:`MoEConfig`: the one config :func:`~forge_moe_ep.moe_transformer` builds from.
+
+    Its ``moe_every`` defaults to 0 (a dense model), and ``moe_ffn_dim`` to ``ffn_dim``. A forge
+    config keeps the two parts apart (``[model]`` and ``[moe]``) and joins them with
+    :meth:`from_parts`; :meth:`parts` splits them again.
+    """
+
+    moe_every: int = 0
+
+    def __post_init__(self) -> None:
+        ModelConfig.__post_init__(self)
+
+    def _check_fields(self) -> None:
+        ModelConfig._check_fields(self)
+        self._check_moe()
+        if self.moe_ffn_dim is None:
+            object.__setattr__(self, "moe_ffn_dim", self.ffn_dim)
+
+    @classmethod
+    def from_parts(cls, model: ModelConfig, moe: MoEConfig | None) -> MoEModelConfig:
+        """The dense shape ``model`` with ``moe``'s MoE blocks (None: none, a dense model)."""
+        blocks = {} if moe is None else {name: getattr(moe, name) for name in MOE_FIELDS}
+        return cls.from_dense(model, **blocks)
+
+    def parts(self) -> tuple[ModelConfig, MoEConfig | None]:
+        """``(dense shape, MoE fields)``; the MoE part is None for a dense model
+        (``moe_every = 0``)."""
+        dense = ModelConfig(**{f.name: getattr(self, f.name) for f in fields(ModelConfig)})
+        if not self.moe_every:
+            return dense, None
+        return dense, MoEConfig(**{name: getattr(self, name) for name in MOE_FIELDS})
 
     @property
     def size_fields(self) -> tuple[str, ...]:
@@ -220,3 +276,14 @@ MOE_PRESETS: dict[str, ModelConfig] = {
         num_shared_experts=1,
     ),
 }
+
+
+#: The names of the MoE fields (``[moe]``'s keys).
+MOE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(MoEConfig))
+
+
+def split_moe_fields(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``values`` (a ``[model]`` table) sorted into ``(dense fields and the rest, MoE fields)``:
+    how a config or checkpoint written before ``[moe]`` existed is read."""
+    dense = {k: v for k, v in values.items() if k not in MOE_FIELDS}
+    return dense, {k: v for k, v in values.items() if k in MOE_FIELDS}

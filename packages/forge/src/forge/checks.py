@@ -104,7 +104,7 @@ def config_problems(cfg: ForgeConfig, world_size: int | Layout) -> list[str]:
     except ForgeConfigError as err:
         return [str(err)]
     world_size = layout.world_size
-    par, t, m = layout.parallelism, cfg.training, cfg.model
+    par, t, m = layout.parallelism, cfg.training, cfg.decoder
     sizes = {name: getattr(par, name) for name in ("cp", "pp", "tp")}
     problems = plan_problems(par.data, sizes, ac_mode=t.ac_mode)
     if cfg.field is not None:
@@ -235,7 +235,7 @@ def _pipeline_problems(cfg: ForgeConfig, layout: Layout) -> list[str]:
     section against the layout (forge_pp's own checks), and what forge composes around the
     stages: plain tensors between them (no sequence or loss parallelism), a rank model that is
     never called as a whole (no whole-model compile). ``data='ddp'`` is :func:`plan_problems`'."""
-    par, t, m = layout.parallelism, cfg.training, cfg.model
+    par, t, m = layout.parallelism, cfg.training, cfg.decoder
     pp = par.pp
     problems = pp_problems(
         cfg.pp,

@@ -25,7 +25,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from .launch import Interrupted as _Interrupted
 from .launch import RankFailed as _RankFailed
@@ -417,6 +417,29 @@ def _launched(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
 
 
+def _notices_on_one_line() -> None:
+    """Show each :class:`~forge.config.ForgeConfigNotice` (a config written the old way, still
+    read) as one ``forge: notice: ...`` line on stderr; other warnings as Python shows them."""
+    from .config import ForgeConfigNotice
+
+    show = warnings.showwarning
+
+    def one_line(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        if issubclass(category, ForgeConfigNotice):
+            print(f"forge: notice: {message}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = one_line
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="forge", description="forge: make a PyTorch model parallel."
@@ -456,6 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--nproc must be >= 1")
     if args.command == "plan" and args.world_size < 1:
         parser.error("--world-size must be >= 1")
+    _notices_on_one_line()
     return {"build": _build, "train": _train, "plan": _plan, "export": _export}[args.command](args)
 
 

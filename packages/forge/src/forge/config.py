@@ -1,15 +1,18 @@
 """A forge job's configuration: every layer's section composed into one :class:`ForgeConfig`.
 
-``load_config`` reads a TOML file (sections ``[model]``, ``[parallelism]``, ``[training]``,
-``[tp]``, ``[float8]``, ``[data]``, ``[checkpoint]``, for a field model ``[field]``, and for a
-vision-language model ``[vision]``, ``[adapter]``, ``[vlm]``) or a dict, applies ``key=value``
-overrides (``parallelism.tp=2``) and rejects unknown keys with a did-you-mean.
+``load_config`` reads a TOML file (sections ``[model]``, ``[moe]``, ``[parallelism]``,
+``[training]``, ``[tp]``, ``[float8]``, ``[data]``, ``[checkpoint]``, for a field model
+``[field]``, and for a vision-language model ``[vision]``, ``[adapter]``, ``[vlm]``) or a dict,
+applies ``key=value`` overrides (``parallelism.tp=2``) and rejects unknown keys with a
+did-you-mean.
 
 Each section belongs to the layer it configures (``ParallelismConfig`` and the dense
-``ModelConfig`` to forge_core, its MoE fields to forge_moe_ep's ``MoEModelConfig`` (the
-``[model]`` section), ``TPConfig`` to forge_tp_plans, ``Float8Config`` to forge_float8, the VLM configs to
-forge_vlm, ``FieldConfig`` to forge_domain), which also checks it; this module only composes
-them, with the job's own sections (``[training]``, ``[data]``, ``[checkpoint]``). Every check
+``ModelConfig`` (``[model]``) to forge_core, ``MoEConfig`` (``[moe]``) to forge_moe_ep,
+``TPConfig`` to forge_tp_plans, ``Float8Config`` to forge_float8, the VLM configs to forge_vlm,
+``FieldConfig`` to forge_domain), which also checks it; this module only composes them, with the
+job's own sections (:mod:`forge.job_config`: ``[training]``, ``[data]``, ``[checkpoint]``).
+Files and checkpoints written before ``[moe]`` existed kept the MoE fields in ``[model]``: they
+still load, translated, with a one-line :class:`ForgeConfigNotice`. Every check
 here is pure Python on the values (no torch import): a bad config fails before any rank starts,
 with a message that names the field, the value and the fix.
 """
@@ -17,25 +20,20 @@ with a message that names the field, the value and the fix.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tomllib
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from forge_core.config import ParallelismConfig
-from forge_core.errors import (
-    MAX_SIZE,
-    ForgeConfigError,
-    check_field_types,
-    check_int,
-    check_number,
-    did_you_mean,
-    parse_bool_word,
-)
+from forge_core.errors import ForgeConfigError, did_you_mean, parse_bool_word
+from forge_core.model_config import ModelConfig
 from forge_domain.config import FIELD_PRESETS, FieldConfig
 from forge_float8.config import Float8Config
-from forge_moe_ep.config import MoEModelConfig
+from forge_moe_ep.config import MoEConfig, MoEModelConfig, split_moe_fields
 from forge_pp.config import PPConfig
 from forge_tp_plans.config import TPConfig
 from forge_vlm.config import (
@@ -46,6 +44,13 @@ from forge_vlm.config import (
     VLMConfig,
 )
 
+from .job_config import (
+    COMPILE_SCOPES,
+    TOKEN_DTYPES,
+    CheckpointConfig,
+    DataConfig,
+    TrainingConfig,
+)
 from .paths import read_toml
 
 __all__ = [
@@ -55,6 +60,7 @@ __all__ = [
     "CheckpointConfig",
     "DataConfig",
     "ForgeConfig",
+    "ForgeConfigNotice",
     "TrainingConfig",
     "as_config",
     "config_to_dict",
@@ -62,158 +68,20 @@ __all__ = [
 ]
 
 
-#: Where ``torch.compile`` applies (``training.compile_scope``, ``ParallelPlan.compile_scope``).
-COMPILE_SCOPES = ("blocks", "model")
-
-
-#: The largest ``training.seed``: 2**32 - 1. NOTE: seeds reach torch.manual_seed, which takes
-#: at most 2**64 - 1, combined with step numbers ((seed + k) x 1_000_003 + step); a 32-bit seed
-#: (NumPy's range too) keeps every combination inside it.
-MAX_SEED = 2**32 - 1
-_SEED_WHY = "a 32-bit seed: forge derives torch.manual_seed's 64-bit seeds from it per step"
-
-
-@dataclass(frozen=True)
-class TrainingConfig:
-    """The short training job that ``forge build`` runs and checks for parity.
-
-    ``param_dtype`` is FSDP2's compute dtype (master weights stay float32); parity tolerances
-    are the strict fp32 ones only for ``float32``.
-    """
-
-    steps: int = 5
-    global_batch_size: int = 8
-    seq_len: int = 32
-    grad_accum: int = 1
-    lr: float = 1e-3
-    seed: int = 0
-    param_dtype: str = "float32"
-    ac_mode: str = "none"
-    compile: bool = False
-    #: with ``compile``: ``"blocks"`` compiles each block before FSDP2 (inside
-    #: ``ParallelPlan.parallelize``), ``"model"`` the whole sharded model (``maybe_compile``).
-    compile_scope: str = "blocks"
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-    # forge train only (forge build trains at a constant lr, without clipping):
-    #: linear warmup steps, then cosine decay to ``lr * min_lr_ratio`` at ``steps``.
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    #: clip the global gradient norm (over every shard and mesh) to this; 0 turns clipping off.
-    max_grad_norm: float = 1.0
-    #: where ``forge train`` writes ``metrics.jsonl`` (and ``checkpoints/`` unless checkpoint.dir).
-    out_dir: str = "runs/forge"
-    log_every: int = 1
-
-    def __post_init__(self) -> None:
-        check_field_types(self, "training")
-        for name in ("steps", "global_batch_size", "seq_len", "grad_accum", "log_every"):
-            check_int(f"training.{name}", getattr(self, name))
-        check_int("training.warmup_steps", self.warmup_steps, 0)
-        check_int("training.seed", self.seed, 0, MAX_SEED, why=_SEED_WHY)
-        tokens = self.global_batch_size * (self.seq_len + 1)
-        if tokens > MAX_SIZE:
-            raise ForgeConfigError(
-                f"training.global_batch_size={self.global_batch_size} x (training.seq_len + 1) "
-                f"= {tokens} tokens per step, more than 2**31 - 1: a step's token ids are one "
-                "tensor (made whole on every rank for synthetic data); lower them"
-            )
-        if self.param_dtype not in ("float32", "bfloat16", "float16"):
-            raise ForgeConfigError(
-                f"training.param_dtype={self.param_dtype!r}: choose float32, bfloat16 or float16"
-            )
-        if self.compile_scope not in COMPILE_SCOPES:
-            raise ForgeConfigError(
-                f"training.compile_scope={self.compile_scope!r} is invalid: choose one of "
-                f"{list(COMPILE_SCOPES)}" + did_you_mean(str(self.compile_scope), COMPILE_SCOPES)
-            )
-        self._check_optimizer_numbers()
-
-    def _check_optimizer_numbers(self) -> None:
-        """The learning rate, its schedule, weight decay and clipping: finite, in range."""
-        check_number("training.lr", self.lr, 0, lo_open=True)
-        check_number(
-            "training.min_lr_ratio",
-            self.min_lr_ratio,
-            0,
-            1,
-            why="the cosine schedule ends at lr x min_lr_ratio",
-        )
-        check_number("training.max_grad_norm", self.max_grad_norm, 0, why="0 turns clipping off")
-        check_number("training.weight_decay", self.weight_decay, 0)
-        if self.lr * self.weight_decay > 1:
-            raise ForgeConfigError(
-                f"training.weight_decay={self.weight_decay} with training.lr={self.lr}: AdamW "
-                "multiplies every weight by 1 - lr x weight_decay each step, so lr x "
-                "weight_decay must be at most 1; lower weight_decay (0.1 is usual) or lr"
-            )
-
-
-TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Training data for ``forge train``: ``[data]`` section.
-
-    ``path``: a flat binary file of token ids (no header) in ``dtype``, memory-mapped and read
-    in windows of ``training.seq_len + 1`` tokens, each data-parallel rank reading only its own
-    samples; None trains on synthetic tokens (learnable bigram sequences, see
-    ``forge_core.training.synthetic_tokens``). Windows are visited in a seeded shuffled order,
-    reshuffled every pass over the file.
-    """
-
-    path: str | None = None
-    dtype: str = "uint16"
-
-    def __post_init__(self) -> None:
-        check_field_types(self, "data")
-        if self.dtype not in TOKEN_DTYPES:
-            raise ForgeConfigError(
-                f"data.dtype={self.dtype!r} is invalid: choose one of {list(TOKEN_DTYPES)}"
-                + did_you_mean(str(self.dtype), TOKEN_DTYPES)
-            )
-        if self.path is not None and not isinstance(self.path, str):
-            raise ForgeConfigError(f"data.path={self.path!r} must be a file path (a string)")
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """Checkpoints of ``forge train`` (torch.distributed.checkpoint): ``[checkpoint]`` section.
-
-    ``dir``: where ``step-N`` checkpoints go (None: ``<training.out_dir>/checkpoints``).
-    ``every``: save every N steps (0: only at the end and on SIGTERM/Ctrl-C). ``keep``: how many
-    of the newest checkpoints to keep. ``async_save``: write in the background while training
-    goes on. ``resume``: ``"latest"`` continues from the newest checkpoint in ``dir`` if there is
-    one, ``"none"`` starts fresh, anything else is the path of a ``step-N`` directory.
-    ``verify``: check the checkpoint's files against its manifest before loading it (one read
-    of every file; forge's launcher verifies before starting ranks and turns it off for them).
-    """
-
-    dir: str | None = None
-    every: int = 0
-    keep: int = 2
-    async_save: bool = False
-    resume: str = "latest"
-    save_at_end: bool = True
-    verify: bool = True
-
-    def __post_init__(self) -> None:
-        check_field_types(self, "checkpoint")
-        check_int("checkpoint.every", self.every, 0)
-        check_int("checkpoint.keep", self.keep)
-        if not isinstance(self.resume, str) or not self.resume:
-            raise ForgeConfigError(
-                f"checkpoint.resume={self.resume!r}: use 'latest', 'none' or a checkpoint path"
-            )
+class ForgeConfigNotice(FutureWarning):
+    """A config that still loads but is written the old way (the CLI prints it as one line)."""
 
 
 @dataclass(frozen=True)
 class ForgeConfig:
-    """Everything ``forge build`` needs: the model, the layout, TP options and the training job."""
+    """Everything ``forge build`` needs: the model, the layout, TP options and the training job.
 
-    model: MoEModelConfig = field(default_factory=lambda: MoEModelConfig.preset("debug"))
+    ``model`` is the reference decoder's dense shape and ``moe`` its MoE blocks (None: a dense
+    model); :attr:`decoder` joins them. ``ForgeConfig(model=MoEModelConfig(...))`` (the joined
+    config of the Python API) is split into the two.
+    """
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig.preset("debug"))
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     tp: TPConfig = field(default_factory=TPConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
@@ -228,8 +96,28 @@ class ForgeConfig:
     vlm: VLMConfig | None = None
     #: An image-like field model (forge_domain.FieldNet) instead of a token model when set.
     field: FieldConfig | None = None
+    #: ``[moe]``: the decoder's mixture-of-experts blocks (forge-moe-ep's section); None: dense.
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.model, MoEModelConfig):
+            if self.moe is not None:
+                raise ForgeConfigError(
+                    "ForgeConfig got the MoE fields twice (model=MoEModelConfig(...) and moe=...): "
+                    "pass the dense ModelConfig as model and the MoE fields as moe"
+                )
+            dense, moe = self.model.parts()
+            object.__setattr__(self, "model", dense)
+            object.__setattr__(self, "moe", moe)
+        if self.moe is not None and self.field is not None:
+            raise ForgeConfigError(
+                "a field model ([field]) has no MoE blocks: remove the [moe] section"
+            )
+        self._check_parts()
+        if self.field is None:
+            _ = self.decoder  # the joined shape's own checks (e.g. the MoE parameter count)
+
+    def _check_parts(self) -> None:
         parts = (self.vision, self.adapter, self.vlm)
         if any(p is not None for p in parts) and any(p is None for p in parts):
             raise ForgeConfigError(
@@ -239,6 +127,17 @@ class ForgeConfig:
             raise ForgeConfigError(
                 "a config is a field model ([field]) or a vision-language model ([vlm]), not both"
             )
+
+    @functools.cached_property
+    def decoder(self) -> MoEModelConfig:
+        """The reference decoder's config: ``[model]`` joined with ``[moe]``
+        (``MoEModelConfig.from_parts``), what the model is built from and costed by."""
+        return MoEModelConfig.from_parts(self.model, self.moe)
+
+    @property
+    def routed_experts(self) -> int:
+        """Routed experts per MoE block (0: the decoder has no MoE block)."""
+        return self.moe.num_experts if self.moe and self.decoder.custom_ffn_layers else 0
 
     @property
     def is_field(self) -> bool:
@@ -289,7 +188,8 @@ class ForgeConfig:
 
 
 _SECTIONS: dict[str, type] = {
-    "model": MoEModelConfig,
+    "model": ModelConfig,
+    "moe": MoEConfig,
     "parallelism": ParallelismConfig,
     "tp": TPConfig,
     "training": TrainingConfig,
@@ -349,7 +249,7 @@ def _set_override(raw: dict[str, dict[str, Any]], override: str) -> None:
 def _check_keys(section: str, values: Mapping[str, Any]) -> Mapping[str, Any]:
     """Refuse keys that ``section``'s dataclass does not have; returns ``values``."""
     cls = _SECTIONS[section]
-    names = {f.name for f in fields(cls)} | ({"preset"} if cls is MoEModelConfig else set())
+    names = {f.name for f in fields(cls)} | ({"preset"} if cls is ModelConfig else set())
     for key in values:
         if key not in names:
             raise ForgeConfigError(
@@ -363,11 +263,49 @@ def _build_section(section: str, values: Mapping[str, Any]) -> Any:
     cls = _SECTIONS[section]
     if cls is ParallelismConfig:  # also accepts CREDIT's {data, tensor, domain}
         return ParallelismConfig.from_any(values)
-    _check_keys(section, values)
-    if cls is MoEModelConfig:
-        values = dict(values)
-        return MoEModelConfig.preset(_decoder_preset(values.pop("preset", "debug")), **values)
-    return cls(**values)
+    return cls(**_check_keys(section, values))
+
+
+def _model_sections(raw: Mapping[str, Any]) -> tuple[ModelConfig, MoEConfig | None]:
+    """``[model]`` (its preset with the keys given) and ``[moe]`` (the preset's MoE blocks, if
+    it has any, with the keys given; None: a dense model)."""
+    values = dict(_check_keys("model", raw.get("model", {})))
+    name = _decoder_preset(values.pop("preset", "debug"))
+    joined = MoEModelConfig.preset(name, **values)
+    dense, moe = joined.parts()
+    if "moe" not in raw:
+        return dense, moe
+    given = _check_keys("moe", raw["moe"])
+    return dense, replace(moe, **given) if moe is not None else MoEConfig(**given)
+
+
+def _moe_fields_out_of_model(raw: dict[str, Any]) -> None:
+    """Move MoE fields found in ``[model]`` (where files and checkpoints written before
+    ``[moe]`` existed keep them) to ``[moe]``, with a :class:`ForgeConfigNotice`. There an
+    absent ``moe_every`` meant 0 (a dense model, whose MoE fields are then checked and dropped).
+    """
+    dense, moved = split_moe_fields(raw.get("model", {}))
+    if not moved:
+        return
+    given = raw.get("moe", {})
+    twice = sorted(k for k in moved if k in given)
+    if twice:
+        raise ForgeConfigError(
+            f"model.{twice[0]} and moe.{twice[0]} are both set: the MoE fields belong in [moe]; "
+            f"remove model.{twice[0]}"
+        )
+    names = sorted(moved)
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    warnings.warn(
+        f"[model] holds the MoE fields {shown}: read as [moe] (forge keeps them there now; "
+        "move them to [moe] to silence this)",
+        ForgeConfigNotice,
+        stacklevel=3,
+    )
+    moe = {**moved, **given} if "moe" in raw else {"moe_every": 0, **moved}
+    raw["model"] = dense
+    if MoEConfig(**_check_keys("moe", moe)).moe_every or "moe" in raw:
+        raw["moe"] = moe
 
 
 def _decoder_preset(name: Any) -> Any:
@@ -394,8 +332,8 @@ def load_config(
 ) -> ForgeConfig:
     """Load a :class:`ForgeConfig` from a TOML path or a dict, then apply ``key=value`` overrides.
 
-    ``[model]`` takes ``preset = "debug"`` plus any ``MoEModelConfig`` field to override the preset.
-    Missing sections take their defaults; unknown sections and keys are errors. With no path or
+    ``[model]`` takes ``preset = "debug"`` plus any ``ModelConfig`` field to override the preset;
+    ``[moe]`` any ``MoEConfig`` field (over an MoE preset's, such as ``debug_moe``). Missing sections take their defaults; unknown sections and keys are errors. With no path or
     dict, the start is :data:`EMBEDDED_DEFAULT` (what ``forge build`` runs by default). A file
     is read by :func:`forge.paths.read_toml`: UTF-8 with or without a byte-order mark, and it
     may not set ``tp.allow_import`` (a dict or an override may).
@@ -424,23 +362,31 @@ def load_config(
             raise ForgeConfigError(f"config section '{section}' must be a table of key = value")
     for override in overrides:
         _set_override(raw, override)
-    preset = raw.get("model", {}).get("preset", "debug")
-    vlm_preset = VLM_PRESETS.get(preset)
-    is_vlm = vlm_preset is not None or any(name in raw for name in _VLM_SECTIONS)
+    _moe_fields_out_of_model(raw)
     # NOTE: one value per section, each of its own dataclass: ForgeConfig(**built) checks them.
-    built: dict[str, Any] = {}
-    field_preset = FIELD_PRESETS.get(preset)
+    built: dict[str, Any] = dict(zip(("model", "moe"), _model_sections(raw), strict=True))
+    built.update(_field_or_vlm_sections(raw))
     for name in _SECTIONS:
-        if name == "field":
-            if field_preset is not None or "field" in raw:
-                field_base = field_preset or FieldConfig()
-                built[name] = replace(field_base, **_check_keys(name, raw.get(name, {})))
-        elif name not in _VLM_SECTIONS:
+        if name not in built and name not in ("field", *_VLM_SECTIONS):
             built[name] = _build_section(name, raw.get(name, {}))
-        elif is_vlm:
-            vlm_base = vlm_preset[_VLM_SECTIONS.index(name)] if vlm_preset else _SECTIONS[name]()
-            built[name] = replace(vlm_base, **_check_keys(name, raw.get(name, {})))
     return ForgeConfig(**built)
+
+
+def _field_or_vlm_sections(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """``[field]`` (forge-domain) or ``[vision]``, ``[adapter]`` and ``[vlm]`` (forge-vlm): each
+    from the model preset's (``debug_field``, ``debug_vlm``) or the defaults, with the keys
+    given; none when the config names neither."""
+    preset = raw.get("model", {}).get("preset", "debug")
+    vlm_preset, field_preset = VLM_PRESETS.get(preset), FIELD_PRESETS.get(preset)
+    built: dict[str, Any] = {}
+    if field_preset is not None or "field" in raw:
+        base = field_preset or FieldConfig()
+        built["field"] = replace(base, **_check_keys("field", raw.get("field", {})))
+    if vlm_preset is not None or any(name in raw for name in _VLM_SECTIONS):
+        for i, name in enumerate(_VLM_SECTIONS):
+            vlm_base = vlm_preset[i] if vlm_preset else _SECTIONS[name]()
+            built[name] = replace(vlm_base, **_check_keys(name, raw.get(name, {})))
+    return built
 
 
 def config_to_dict(cfg: ForgeConfig) -> dict[str, Any]:

@@ -80,7 +80,7 @@ def export_checkpoint(
     load_model_weights(checkpoint, model)
     weights = model.state_dict()
     if layout == "hf":
-        return export_hf_llama(weights, cfg.model, path)
+        return export_hf_llama(weights, cfg.decoder, path)
     save_safetensors(
         weights,
         path,

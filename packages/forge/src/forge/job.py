@@ -165,7 +165,7 @@ def _moe_report(
     mesh: DeviceMesh,
 ) -> str | None:
     """The MoE line of the report (every rank takes part: the counted step runs collectives)."""
-    if not cfg.model.moe_layers:
+    if not cfg.decoder.moe_layers:
         return None
     metrics = moe_metrics(model)  # read before the counted step adds to them
     if par.pp > 1:  # each pipeline rank holds its stages' MoE layers: the pipeline's sum
@@ -178,7 +178,7 @@ def _moe_report(
         keys = ("moe_layers", "tokens_routed", "tokens_dropped")
         metrics = {**metrics, **dict(zip(keys, counts.tolist(), strict=True))}
     syncs = _count_step_syncs(model, batch, device, mesh)
-    m = cfg.model
+    m = cfg.decoder
     return (
         f"moe:    {metrics['moe_layers']} MoE layers x {m.num_experts} experts (top-{m.top_k}), "
         f"ep={par.ep} ({m.num_experts // par.ep} experts per rank), dispatch {m.moe_dispatch}; "
@@ -297,7 +297,7 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
     lines = [
         f"forge build: {world_size} rank(s) on {device_type}, {'VLM decoder' if cfg.is_vlm else 'model'} "
         f"{cfg.model.n_layers} layers x dim {cfg.model.dim} "
-        f"({cfg.model.num_params():,} parameters), param_dtype {t.param_dtype}",
+        f"({cfg.decoder.num_params():,} parameters), param_dtype {t.param_dtype}",
         "mesh:   "
         + " x ".join(f"{n}={s}" for n, s in zip(names, sizes, strict=True))
         + f"  (data={data})"

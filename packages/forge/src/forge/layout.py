@@ -72,7 +72,7 @@ def resolve_layout(cfg: ForgeConfig, world_size: int, *, device_type: str = "cud
     """The :class:`Layout` of ``cfg`` on ``world_size`` ranks of ``device_type`` ("cuda", the
     default, as ``forge plan`` plans; "cpu" for gloo ranks); raises ForgeConfigError when the
     degrees do not fit ``world_size`` (the message names the fields and the fix)."""
-    experts = cfg.model.num_experts if cfg.model.moe_layers else 0
+    experts = cfg.routed_experts
     par = cfg.parallelism.resolve(world_size, num_experts=experts)
     # NOTE: with every rank used by pp/tp/domain there is no data-parallel axis to shard over;
     # cp ranks hold the same parameters, so FSDP2 / DDP run over them (dp_shard x cp).

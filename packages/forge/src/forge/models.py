@@ -56,5 +56,5 @@ def model_from_config(cfg: ForgeConfig) -> nn.Module:
         with torch.device("meta"):
             return FieldNet(cfg.field_section())
     if cfg.is_vlm:
-        return build_meta_model(cfg.model, *cfg.vlm_sections())
-    return build_meta_model(cfg.model)
+        return build_meta_model(cfg.decoder, *cfg.vlm_sections())
+    return build_meta_model(cfg.decoder)

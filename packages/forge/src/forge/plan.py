@@ -134,7 +134,7 @@ class LayoutPlan:
 
     def text(self) -> str:
         """A readable report; ranks with identical numbers share one row."""
-        m, t, p = self.config.model, self.config.training, self.parallelism
+        m, t, p = self.config.decoder, self.config.training, self.parallelism
         kind = "VLM decoder" if self.config.is_vlm else "model"
         out = [
             f"forge plan: {self.world_size} ranks (fake process group, meta tensors), {kind} "
@@ -298,7 +298,7 @@ def plan_layout(cfg: ForgeConfig, world_size: int) -> LayoutPlan:
     except ForgeConfigError:  # no layout at all: the rules say why
         plan.elapsed_s = time.perf_counter() - start
         return plan
-    experts = cfg.model.num_experts if cfg.model.moe_layers else 0
+    experts = cfg.routed_experts
     par = layout.parallelism
     plan.parallelism, plan.micro_batch = par, layout.micro_batch
     plan.mesh = tuple(zip(*mesh_layout(par, world_size, experts), strict=True))

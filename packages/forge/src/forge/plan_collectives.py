@@ -68,7 +68,7 @@ def step_collectives(
     """Every collective of one training step on a rank holding ``modules`` (a model, or a
     pipeline rank's stage modules) and running ``share``; the rank's view where its group's
     ranks differ (rank 0's without pp, each pipeline rank's with it)."""
-    m, tr, par = cfg.model, cfg.training, layout.parallelism
+    m, tr, par = cfg.decoder, cfg.training, layout.parallelism
     e, b, s, acc = itemsize_of(cfg), share.micro_batch, tr.seq_len // par.cp, share.passes
     tally = CollectiveTally(_group_sizes(par))
     fsdp_collectives(tally, modules, passes=acc, pipelined=share.pipelined, itemsize=e)
@@ -143,7 +143,7 @@ def _step_collectives(
     """The step's scalar reductions: loss average, MoE expert loads, grad norm partial sums."""
     for axis in ("dp_replicate", "dp_shard", "cp"):
         tally.add("step all_reduce", axis, 4, 1, "loss average (fp32 scalar)")
-    expert_load_collectives(tally, cfg.model, moe_blocks, cp=par.cp)
+    expert_load_collectives(tally, cfg.decoder, moe_blocks, cp=par.cp)
     sharded = {  # a gradient norm sums over every mesh dim some gradient is sharded on
         (_dim_name(p.device_mesh, j), p.device_mesh.shape[j]): None
         for p in params

@@ -112,7 +112,7 @@ def estimate_activations(
 
 def _activation_parts(cfg: ForgeConfig, layout: Layout, b: int, device: str) -> _ActivationParts:
     """The terms of :func:`estimate_activations` for micro-batches of ``b`` sequences."""
-    m, t = cfg.model, layout.tp
+    m, t = cfg.decoder, layout.tp
     kv_heads, ffn = m.n_kv_heads, m.ffn_dim
     assert kv_heads and ffn  # filled in by ModelConfig.__post_init__
     sp, lp, cp = layout.sequence_parallel, layout.loss_parallel, layout.parallelism.cp

@@ -154,8 +154,9 @@ def _check_fits(cfg: ForgeConfig, path: Path) -> None:
     that changes a parameter or buffer can be forgotten), and the fields that change a model
     without changing shapes (:data:`_UNSHAPED_FIELDS`) and the model sections are equal."""
     saved = read_train_state(path).get("config", {})
-    saved_model = saved.get("model", {}) if isinstance(saved, dict) else {}
-    mine = dataclasses.asdict(cfg.model)
+    saved = saved if isinstance(saved, dict) else {}
+    saved_model = _saved_decoder(saved)
+    mine = dataclasses.asdict(cfg.decoder)
     fields = [k for k in mine if k in saved_model and saved_model[k] != mine[k]]
     differ = [f"{k}={saved_model[k]!r} there, {mine[k]!r} here" for k in fields]
     refused = [k for k in fields if k in _UNSHAPED_FIELDS]
@@ -173,6 +174,17 @@ def _check_fits(cfg: ForgeConfig, path: Path) -> None:
             f"checkpoint {path.name} was saved for another model ({what}); resume with the "
             "config that saved it, or start over in another checkpoint.dir"
         )
+
+
+def _saved_decoder(saved: dict[str, Any]) -> dict[str, Any]:
+    """The decoder fields of a checkpoint's saved config, flat: ``[model]`` and ``[moe]`` (a
+    checkpoint written before ``[moe]`` existed has them all in ``[model]``), with
+    ``moe_ffn_dim`` filled in as :class:`~forge_moe_ep.MoEModelConfig` fills it."""
+    parts = [saved.get(section) for section in ("model", "moe")]
+    flat = {k: v for part in parts if isinstance(part, dict) for k, v in part.items()}
+    if flat.get("moe_ffn_dim") is None and "ffn_dim" in flat:
+        flat["moe_ffn_dim"] = flat["ffn_dim"]
+    return flat
 
 
 def _tensor_differences(cfg: ForgeConfig, path: Path) -> list[str]:

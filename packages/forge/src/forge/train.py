@@ -421,7 +421,7 @@ def _report(
         model = f"field model FieldNet {f.n_blocks} blocks x {f.hidden} channels"
         data = f"synthetic fields {f.channels} x {f.height} x {f.width}"
     else:
-        m = cfg.model
+        m = cfg.decoder
         model = f"model {m.n_layers} layers x dim {m.dim} ({m.num_params():,} parameters)"
         model += " + vision encoder" if cfg.is_vlm else ""
         data = f"{cfg.data.path or 'synthetic tokens'}, seq {t.seq_len}"

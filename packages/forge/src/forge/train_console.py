@@ -43,7 +43,7 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e
 
 def train_flops_per_token(cfg: ForgeConfig) -> float:
     """Training FLOPs per token: 6 x active parameters + causal attention scores (12 L S d / 2)."""
-    m, s = cfg.model, cfg.training.seq_len
+    m, s = cfg.decoder, cfg.training.seq_len
     active = m.num_params()
     if m.moe_layers:  # count only the experts a token visits
         assert m.moe_ffn_dim is not None  # ModelConfig.__post_init__ defaults it to ffn_dim

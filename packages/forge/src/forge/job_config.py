@@ -1,0 +1,174 @@
+"""The job's own config sections: ``[training]``, ``[data]`` and ``[checkpoint]``.
+
+The layers' sections live in their layers; :mod:`forge.config` composes them all into one
+``ForgeConfig``. Pure Python, no torch import: a bad value fails before any rank starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from forge_core.errors import (
+    MAX_SIZE,
+    ForgeConfigError,
+    check_field_types,
+    check_int,
+    check_number,
+    did_you_mean,
+)
+
+__all__ = [
+    "COMPILE_SCOPES",
+    "MAX_SEED",
+    "TOKEN_DTYPES",
+    "CheckpointConfig",
+    "DataConfig",
+    "TrainingConfig",
+]
+
+
+#: Where ``torch.compile`` applies (``training.compile_scope``, ``ParallelPlan.compile_scope``).
+COMPILE_SCOPES = ("blocks", "model")
+
+
+#: The largest ``training.seed``: 2**32 - 1. NOTE: seeds reach torch.manual_seed, which takes
+#: at most 2**64 - 1, combined with step numbers ((seed + k) x 1_000_003 + step); a 32-bit seed
+#: (NumPy's range too) keeps every combination inside it.
+MAX_SEED = 2**32 - 1
+_SEED_WHY = "a 32-bit seed: forge derives torch.manual_seed's 64-bit seeds from it per step"
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The short training job that ``forge build`` runs and checks for parity.
+
+    ``param_dtype`` is FSDP2's compute dtype (master weights stay float32); parity tolerances
+    are the strict fp32 ones only for ``float32``.
+    """
+
+    steps: int = 5
+    global_batch_size: int = 8
+    seq_len: int = 32
+    grad_accum: int = 1
+    lr: float = 1e-3
+    seed: int = 0
+    param_dtype: str = "float32"
+    ac_mode: str = "none"
+    compile: bool = False
+    #: with ``compile``: ``"blocks"`` compiles each block before FSDP2 (inside
+    #: ``ParallelPlan.parallelize``), ``"model"`` the whole sharded model (``maybe_compile``).
+    compile_scope: str = "blocks"
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    # forge train only (forge build trains at a constant lr, without clipping):
+    #: linear warmup steps, then cosine decay to ``lr * min_lr_ratio`` at ``steps``.
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    #: clip the global gradient norm (over every shard and mesh) to this; 0 turns clipping off.
+    max_grad_norm: float = 1.0
+    #: where ``forge train`` writes ``metrics.jsonl`` (and ``checkpoints/`` unless checkpoint.dir).
+    out_dir: str = "runs/forge"
+    log_every: int = 1
+
+    def __post_init__(self) -> None:
+        check_field_types(self, "training")
+        for name in ("steps", "global_batch_size", "seq_len", "grad_accum", "log_every"):
+            check_int(f"training.{name}", getattr(self, name))
+        check_int("training.warmup_steps", self.warmup_steps, 0)
+        check_int("training.seed", self.seed, 0, MAX_SEED, why=_SEED_WHY)
+        tokens = self.global_batch_size * (self.seq_len + 1)
+        if tokens > MAX_SIZE:
+            raise ForgeConfigError(
+                f"training.global_batch_size={self.global_batch_size} x (training.seq_len + 1) "
+                f"= {tokens} tokens per step, more than 2**31 - 1: a step's token ids are one "
+                "tensor (made whole on every rank for synthetic data); lower them"
+            )
+        if self.param_dtype not in ("float32", "bfloat16", "float16"):
+            raise ForgeConfigError(
+                f"training.param_dtype={self.param_dtype!r}: choose float32, bfloat16 or float16"
+            )
+        if self.compile_scope not in COMPILE_SCOPES:
+            raise ForgeConfigError(
+                f"training.compile_scope={self.compile_scope!r} is invalid: choose one of "
+                f"{list(COMPILE_SCOPES)}" + did_you_mean(str(self.compile_scope), COMPILE_SCOPES)
+            )
+        self._check_optimizer_numbers()
+
+    def _check_optimizer_numbers(self) -> None:
+        """The learning rate, its schedule, weight decay and clipping: finite, in range."""
+        check_number("training.lr", self.lr, 0, lo_open=True)
+        check_number(
+            "training.min_lr_ratio",
+            self.min_lr_ratio,
+            0,
+            1,
+            why="the cosine schedule ends at lr x min_lr_ratio",
+        )
+        check_number("training.max_grad_norm", self.max_grad_norm, 0, why="0 turns clipping off")
+        check_number("training.weight_decay", self.weight_decay, 0)
+        if self.lr * self.weight_decay > 1:
+            raise ForgeConfigError(
+                f"training.weight_decay={self.weight_decay} with training.lr={self.lr}: AdamW "
+                "multiplies every weight by 1 - lr x weight_decay each step, so lr x "
+                "weight_decay must be at most 1; lower weight_decay (0.1 is usual) or lr"
+            )
+
+
+TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Training data for ``forge train``: ``[data]`` section.
+
+    ``path``: a flat binary file of token ids (no header) in ``dtype``, memory-mapped and read
+    in windows of ``training.seq_len + 1`` tokens, each data-parallel rank reading only its own
+    samples; None trains on synthetic tokens (learnable bigram sequences, see
+    ``forge_core.training.synthetic_tokens``). Windows are visited in a seeded shuffled order,
+    reshuffled every pass over the file.
+    """
+
+    path: str | None = None
+    dtype: str = "uint16"
+
+    def __post_init__(self) -> None:
+        check_field_types(self, "data")
+        if self.dtype not in TOKEN_DTYPES:
+            raise ForgeConfigError(
+                f"data.dtype={self.dtype!r} is invalid: choose one of {list(TOKEN_DTYPES)}"
+                + did_you_mean(str(self.dtype), TOKEN_DTYPES)
+            )
+        if self.path is not None and not isinstance(self.path, str):
+            raise ForgeConfigError(f"data.path={self.path!r} must be a file path (a string)")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints of ``forge train`` (torch.distributed.checkpoint): ``[checkpoint]`` section.
+
+    ``dir``: where ``step-N`` checkpoints go (None: ``<training.out_dir>/checkpoints``).
+    ``every``: save every N steps (0: only at the end and on SIGTERM/Ctrl-C). ``keep``: how many
+    of the newest checkpoints to keep. ``async_save``: write in the background while training
+    goes on. ``resume``: ``"latest"`` continues from the newest checkpoint in ``dir`` if there is
+    one, ``"none"`` starts fresh, anything else is the path of a ``step-N`` directory.
+    ``verify``: check the checkpoint's files against its manifest before loading it (one read
+    of every file; forge's launcher verifies before starting ranks and turns it off for them).
+    """
+
+    dir: str | None = None
+    every: int = 0
+    keep: int = 2
+    async_save: bool = False
+    resume: str = "latest"
+    save_at_end: bool = True
+    verify: bool = True
+
+    def __post_init__(self) -> None:
+        check_field_types(self, "checkpoint")
+        check_int("checkpoint.every", self.every, 0)
+        check_int("checkpoint.keep", self.keep)
+        if not isinstance(self.resume, str) or not self.resume:
+            raise ForgeConfigError(
+                f"checkpoint.resume={self.resume!r}: use 'latest', 'none' or a checkpoint path"
+            )
