@@ -1,5 +1,5 @@
 """forge's size and structure measures: modules over 500 lines, functions over cyclomatic
-complexity 15, import cycles between forge's modules.
+complexity 15, import cycles between forge's modules, model-kind branches in the composition.
 
     uv run python tools/code_measures.py
 
@@ -12,6 +12,11 @@ What it counts, and why:
 - **import cycles**: modules that import each other, directly or through others, at any depth
   (imports inside functions count: they are the same dependency, paid later; imports under
   ``if TYPE_CHECKING`` do not). One strongly connected group of modules is one cycle.
+- **model-kind branches**: ``if``, conditional expressions and comprehension filters of the
+  ``forge`` package whose test asks what kind of model it has (a VLM, a field model, an MoE, a
+  Hugging Face model: :data:`KIND_ATTRS`, :data:`KIND_CALLS`, :data:`KIND_TYPES`), outside the
+  modules that exist to tell the kinds apart (:data:`SPEC_MODULES`). Held by the test at a
+  ceiling that only comes down (``KIND_BRANCHES``); the goal is 0.
 
 The upward-import rule (no layer imports ``forge`` or another layer) is tests/test_dependency_rule.py's.
 """
@@ -29,6 +34,25 @@ MODULE_LINES = 500
 #: Modules still over MODULE_LINES, each held at its length when the measure came in (issue 32):
 #: lower a ceiling when its module shrinks; remove it once the module is under the bound.
 OVER_LINES: dict[str, int] = {}
+
+#: Attribute names, called names and types whose use in a test asks for the model's kind.
+KIND_ATTRS = frozenset(
+    {"is_vlm", "is_field", "vlm", "field", "vision", "adapter", "moe", "moe_layers"}
+    | {"custom_ffn_layers", "routed_experts", "kind"}
+)
+KIND_NAMES = frozenset({"vlm", "vision", "adapter", "field"})
+KIND_CALLS = frozenset({"is_hf_model", "is_hf_pretrained", "vlm_sections", "field_section"})
+KIND_TYPES = frozenset({"VLMWrapper", "FieldNet", "FieldBatch", "MoE", "PreTrainedModel"})
+#: The modules whose job is to tell the model kinds apart: the specs (the Hugging Face spec's
+#: preparation and process patches included) and the config's sections.
+SPEC_MODULES = frozenset(
+    {"forge.model_spec", "forge.models", "forge.config"} | {"forge.hf_prepare", "forge.hf_patches"}
+)
+#: The packages of one module per kind (:mod:`forge.kinds`).
+SPEC_PACKAGES = ("forge.kinds",)
+#: Model-kind branches outside SPEC_MODULES when the measure came in (issue 32): lower it as
+#: they move into the specs.
+KIND_BRANCHES = 0
 
 
 def source_roots() -> list[Path]:
@@ -136,6 +160,54 @@ def import_cycles(graph: dict[str, set[str]] | None = None) -> list[list[str]]:
     return sorted(cycles)
 
 
+def _asks_kind(test: ast.AST) -> bool:
+    """Whether the expression ``test`` asks what kind of model it has."""
+    for node in ast.walk(test):
+        if isinstance(node, ast.Attribute) and node.attr in KIND_ATTRS:
+            return True
+        if isinstance(node, ast.Name) and node.id in KIND_TYPES | KIND_NAMES:
+            return True  # a type, or a local named after a kind's section (``vlm = cfg.vlm``)
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = (
+                f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            )
+            if name in KIND_CALLS:
+                return True
+    return False
+
+
+def kind_branches_in(tree: ast.AST) -> list[int]:
+    """Lines of the branches of ``tree`` that ask for the model's kind."""
+    lines = []
+    for node in ast.walk(tree):
+        tests: list[ast.AST] = []
+        if isinstance(node, ast.If | ast.IfExp | ast.While):
+            tests = [node.test]
+        elif isinstance(node, ast.comprehension):
+            tests = list(node.ifs)
+        lines += [
+            node.lineno if hasattr(node, "lineno") else t.lineno for t in tests if _asks_kind(t)
+        ]
+    return sorted(lines)
+
+
+def kind_branches() -> dict[str, list[int]]:
+    """``forge`` module -> the lines of its model-kind branches, outside :data:`SPEC_MODULES`."""
+    found = {}
+    for name, path in modules().items():
+        if (
+            name.partition(".")[0] != "forge"
+            or name in SPEC_MODULES
+            or name.startswith(SPEC_PACKAGES)
+        ):
+            continue
+        lines = kind_branches_in(ast.parse(path.read_text()))
+        if lines:
+            found[name] = lines
+    return found
+
+
 def complexity_over(limit: int = 15) -> list[str]:
     """Functions over ``limit`` (ruff's C901), as ``path:line name (n)``."""
     out = subprocess.run(
@@ -168,6 +240,10 @@ def main() -> int:
     print(f"import cycles: {len(cycles)}")
     for group in cycles:
         print("  " + " <-> ".join(group))
+    kinds = kind_branches()
+    print(f"model-kind branches outside the spec modules: {sum(map(len, kinds.values()))}")
+    for name, at in kinds.items():
+        print(f"  {len(at):3d}  {name} (lines {', '.join(map(str, at))})")
     return 0
 
 

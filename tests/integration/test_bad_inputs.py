@@ -22,7 +22,7 @@ from forge import cli
 from forge.checks import path_problems
 from forge.cli import EXIT_CONFIG, main
 from forge.config import load_config
-from forge.data import data_problems
+from forge.kinds import model_kind
 from forge_core import ForgeConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -303,7 +303,7 @@ def test_a_good_token_file_passes_the_check(tmp_path):
     for code, dtype in (("H", "uint16"), ("i", "int32"), ("I", "uint32"), ("q", "int64")):
         path = _tokens(tmp_path / f"{dtype}.bin", code, IDS)
         cfg = load_config(None, [f"data.path='{path}'", f"data.dtype='{dtype}'"])
-        assert data_problems(cfg) == [], dtype
+        assert model_kind(cfg).data_problems() == [], dtype
 
 
 # --------------------------------------------------------------------------- before torch

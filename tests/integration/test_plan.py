@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from forge import load_config
 from forge.build import ParallelPlan, build_parallel_model
-from forge.job import _param_bytes
+from forge.build_report import param_bytes as _param_bytes
 from forge.plan import build_on_meta, estimate_activations, plan_layout, run_plan
 from forge_core import ForgeConfigError
 from forge_core.contracts import sequence_shard

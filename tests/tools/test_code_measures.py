@@ -82,3 +82,25 @@ def test_no_function_over_complexity_15():
     pytest.importorskip("ruff", reason="ruff is not installed in this environment")
     assert code_measures.complexity_over(15) == []
     assert code_measures.complexity_over(3), "ruff's C901 ran and can fail"
+
+
+def test_model_kind_branches_stay_at_or_below_their_ceiling():
+    found = code_measures.kind_branches()
+    total = sum(map(len, found.values()))
+    assert total <= code_measures.KIND_BRANCHES, found
+    assert not code_measures.SPEC_MODULES & set(found)
+
+
+def test_the_kind_finder_sees_each_way_of_asking():
+    tree = ast.parse(
+        "def f(cfg, model, xs):\n"
+        "    if cfg.is_vlm:\n"  # 2
+        "        pass\n"
+        "    a = 1 if cfg.field is None else 2\n"  # 4
+        "    b = [x for x in xs if isinstance(x, MoE)]\n"  # 5
+        "    if is_hf_model(model) and cfg.training.steps:\n"  # 6
+        "        pass\n"
+        "    if cfg.training.steps > 1:\n"  # not a kind
+        "        pass\n"
+    )
+    assert code_measures.kind_branches_in(tree) == [2, 4, 5, 6]

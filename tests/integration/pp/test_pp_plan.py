@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from forge import load_config
 from forge.build import ParallelPlan, model_from_config
-from forge.job import _param_bytes
+from forge.build_report import param_bytes as _param_bytes
 from forge.plan import (
     build_on_meta,
     estimate_pipeline_activations,

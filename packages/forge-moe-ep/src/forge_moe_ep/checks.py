@@ -1,16 +1,21 @@
 """Pure checks of an expert-parallel layout (no torch import: a launcher runs them on the config
 before any rank starts; :func:`forge_moe_ep.apply_expert_parallel` runs them on the model).
 :func:`expert_parallel_problems` and :func:`dispatch_cp_problems` return the problems as one-line
-messages (empty: fine); :func:`check_expert_parallel` raises the first."""
+messages (empty: fine); :func:`check_expert_parallel` raises the first;
+:func:`moe_layout_problems` runs each that a model config and a layout call for."""
 
 from __future__ import annotations
 
 from forge_core.errors import refuse
+from forge_core.model_config import ModelConfig
+
+from .config import MoEModelConfig
 
 __all__ = [
     "check_expert_parallel",
     "dispatch_cp_problems",
     "expert_parallel_problems",
+    "moe_layout_problems",
     "no_moe_problems",
 ]
 
@@ -62,3 +67,18 @@ def dispatch_cp_problems(moe_dispatch: str, cp: int) -> list[str]:
         "drop other tokens than one device does; set moe.moe_dispatch='dropless' (or "
         "parallelism.cp=1)"
     ]
+
+
+def moe_layout_problems(config: ModelConfig, *, ep: int, cp: int) -> list[str]:
+    """Every MoE rule a layout must keep, for a model config (MoE blocks only in a
+    :class:`~forge_moe_ep.config.MoEModelConfig` that names them): expert parallelism needs MoE
+    blocks (:func:`no_moe_problems`) whose experts it divides (:func:`expert_parallel_problems`),
+    and the capacity dispatch takes no context parallelism (:func:`dispatch_cp_problems`)."""
+    moe = config if isinstance(config, MoEModelConfig) and config.moe_layers else None
+    problems = []
+    if ep > 1:
+        problems += no_moe_problems(ep, moe is not None)
+        problems += expert_parallel_problems(moe.num_experts, ep) if moe is not None else []
+    if moe is not None:
+        problems += dispatch_cp_problems(moe.moe_dispatch, cp)
+    return problems

@@ -13,7 +13,14 @@ from forge_core.costs import CollectiveTally
 
 from .config import MoEModelConfig
 
-__all__ = ["ep_collectives", "expert_load_collectives", "moe_slot_activation_bytes", "routed_rows"]
+__all__ = [
+    "active_params",
+    "ep_collectives",
+    "expert_load_collectives",
+    "ffn_slot_activation_bytes",
+    "moe_slot_activation_bytes",
+    "routed_rows",
+]
 
 
 def routed_rows(m: MoEModelConfig, b: int, s: int) -> int:
@@ -38,6 +45,23 @@ def moe_slot_activation_bytes(m: MoEModelConfig, b: int, s: int, itemsize: int) 
     kept += routed_rows(m, b, s) * (8 + 2 * d * e + 4 * hidden * e)
     kept += 4 * d * (tok + n_exp) if e != 4 else 0
     return kept + 4 * tok * m.num_shared_experts * hidden * e
+
+
+def ffn_slot_activation_bytes(
+    m: MoEModelConfig, dense: int, b: int, s: int, itemsize: int
+) -> tuple[int, ...]:
+    """What autograd keeps for each block's FFN slot: ``dense`` for a dense block, an MoE
+    block's own (:func:`moe_slot_activation_bytes`)."""
+    moe = moe_slot_activation_bytes(m, b, s, itemsize) if m.moe_layers else dense
+    return tuple(moe if m.is_moe_layer(i) else dense for i in range(m.n_layers))
+
+
+def active_params(m: MoEModelConfig) -> int:
+    """Parameters one token's forward uses: all, less the routed experts it does not visit
+    (``num_experts - top_k`` per MoE block)."""
+    assert m.moe_ffn_dim is not None  # MoEModelConfig.__post_init__ defaults it to ffn_dim
+    idle = (m.num_experts - m.top_k) * 3 * m.dim * m.moe_ffn_dim
+    return m.num_params() - len(m.moe_layers) * idle
 
 
 def ep_collectives(

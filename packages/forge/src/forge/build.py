@@ -61,7 +61,6 @@ from forge_vlm import (
     VisionEncoderConfig,
     VLMConfig,
 )
-from forge_vlm import ac_components as vlm_ac_components
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -70,7 +69,13 @@ from .checks import check_float8, check_plan
 from .config import COMPILE_SCOPES, ForgeConfig, as_config
 from .hf_prepare import no_kv_cache_under_ac
 from .layout import Layout, resolve_layout
-from .model_spec import materialize, model_spec, refuse_materialized
+from .model_spec import (
+    ac_components,
+    materialize,
+    model_spec,
+    refuse_materialized,
+    shard_frozen,
+)
 from .models import build_meta_model, model_from_config
 
 __all__ = [
@@ -258,9 +263,7 @@ class ParallelPlan:
         NOTE: resolved only when AC is on: ``ac_components`` refuses some scopes (vision with a
         frozen encoder) that do not matter without AC.
         """
-        if self.vlm is None or self.ac_mode == "none":
-            return None
-        return vlm_ac_components(self.vlm.ac_scope, self.vlm.freeze_encoder)
+        return ac_components(self.vlm, self.ac_mode)
 
     @property
     def fp8_all_gather(self) -> bool:
@@ -398,7 +401,7 @@ class ParallelPlan:
                 mp,
                 self.reshard_after_forward,
                 self.cpu_offload,
-                shard_frozen=None if self.vlm is None else self.vlm.shard_frozen_flag,
+                shard_frozen=shard_frozen(self.vlm),
             )
         if device is not None:
             # NOTE: with CPU offload the sharded parameters live on the CPU (FSDP2 copies them

@@ -20,8 +20,6 @@ own pure checks (``<layer>.checks``); this module only composes them for forge's
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -29,13 +27,13 @@ from forge_core.errors import ForgeConfigError, refuse
 from forge_cp.checks import cp_problems
 from forge_float8.checks import check_float8, float8_problems, torchao_problems
 from forge_fsdp_wrap.checks import ac_mode_problems
-from forge_moe_ep.checks import dispatch_cp_problems, expert_parallel_problems, no_moe_problems
-from forge_pp.checks import pp_problems, schedule_problems
-from forge_tp_plans.checks import plan_import_problems, transformer_tp_problems
-from forge_vlm.checks import ac_scope_problems, vlm_problems
+from forge_moe_ep.checks import moe_layout_problems
+from forge_pp.checks import schedule_problems
+from forge_tp_plans.checks import transformer_tp_problems
 
+from .kinds import model_kind
 from .layout import Layout, resolve_layout
-from .paths import dir_problems, regular_file_problem
+from .paths import dir_problems, importable_problems, regular_file_problem
 
 if TYPE_CHECKING:
     from .config import ForgeConfig
@@ -107,33 +105,14 @@ def config_problems(cfg: ForgeConfig, world_size: int | Layout) -> list[str]:
     par, t, m = layout.parallelism, cfg.training, cfg.decoder
     sizes = {name: getattr(par, name) for name in ("cp", "pp", "tp")}
     problems = plan_problems(par.data, sizes, ac_mode=t.ac_mode)
-    if cfg.field is not None:
-        problems += _field_problems(cfg, layout)
-    elif par.domain > 1:
-        problems.append(
-            f"parallelism.domain={par.domain}: domain parallelism splits 2-D fields (conv nets), "
-            "and this model is a token model. Train a field model (model.preset=debug_field, "
-            "[field] section), or set domain=1"
-        )
+    kind = model_kind(cfg)
+    problems += kind.problems(layout)
     problems += float8_problems(cfg.float8, par.tp)
-    if par.ep > 1:
-        problems += no_moe_problems(par.ep, bool(m.moe_layers)) or expert_parallel_problems(
-            m.num_experts, par.ep
-        )
-    if m.moe_layers:
-        problems += dispatch_cp_problems(m.moe_dispatch, par.cp)
+    problems += moe_layout_problems(m, ep=par.ep, cp=par.cp)
     if cfg.tp.plan is not None:
-        problems += _importable_problems("tp.plan", cfg.tp.plan, cfg.tp.allow_import)
-    if cfg.vision is not None and cfg.adapter is not None and cfg.vlm is not None:
-        vlm = cfg.vlm
-        problems += vlm_problems(m, cfg.vision, cfg.adapter, vlm, seq_len=t.seq_len, tp=par.tp)
-        problems += ac_scope_problems(vlm.ac_scope, vlm.freeze_encoder)
-        if vlm.encoder_tp_plan is not None:
-            plan, allow = vlm.encoder_tp_plan, cfg.tp.allow_import
-            problems += _importable_problems("vlm.encoder_tp_plan", plan, allow)
-    kind = "field" if cfg.field is not None else "vlm" if cfg.is_vlm else "transformer"
+        problems += importable_problems("tp.plan", cfg.tp.plan, cfg.tp.allow_import)
     fitting = _fitting_cp(cfg, world_size) if par.cp > 1 else None
-    problems += cp_problems(par.cp, t.seq_len, pp=par.pp, model_kind=kind, fitting_cp=fitting)
+    problems += cp_problems(par.cp, t.seq_len, pp=par.pp, model_kind=kind.name, fitting_cp=fitting)
     if par.tp > 1:
         sp = layout.sequence_parallel
         # NOTE: under cp, sequence parallelism splits each rank's S / cp tokens over tp
@@ -148,8 +127,8 @@ def config_problems(cfg: ForgeConfig, world_size: int | Layout) -> list[str]:
         )
     if t.seq_len > m.max_seq_len:
         problems.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    if par.pp > 1 and cfg.field is None:  # a field model: one line from _field_problems
-        problems += _pipeline_problems(cfg, layout)
+    if par.pp > 1:
+        problems += kind.pipeline_problems(layout)
     return list(dict.fromkeys(problems))  # the same words twice are one problem
 
 
@@ -168,8 +147,7 @@ def import_problems(cfg: ForgeConfig, world_size: int | Layout) -> list[str]:
         problems += schedule_problems(cfg.pp)
     if cfg.tp.plan is not None and par.tp > 1:
         problems += _explicit_plan_problems(cfg, layout)
-    if par.tp > 1:
-        problems += _encoder_plan_problems(cfg)
+    problems += model_kind(cfg).import_problems(layout)
     return problems
 
 
@@ -203,56 +181,6 @@ def _fitting_cp(cfg: ForgeConfig, world_size: int) -> list[int]:
             continue
         fitting.append(cp)
     return fitting
-
-
-def _field_problems(cfg: ForgeConfig, layout: Layout) -> list[str]:
-    """What a field model (forge_domain.FieldNet) cannot be combined with."""
-    assert cfg.field is not None
-    par = layout.parallelism
-    unsupported = {
-        "parallelism.tp": par.tp > 1,
-        "parallelism.ep": par.ep > 1,
-        "parallelism.pp": par.pp > 1,
-        "float8.enabled": layout.float8,
-        "data.path": cfg.data.path is not None,
-    }
-    problems = [
-        f"{key} is set for a field model ([field]): FieldNet is a conv net; it takes data "
-        "parallelism and parallelism.domain (height split), not this; unset it"
-        for key, bad in unsupported.items()
-        if bad
-    ]
-    if cfg.field.height < par.domain:
-        problems.append(
-            f"field.height={cfg.field.height} gives fewer rows than parallelism.domain="
-            f"{par.domain} ranks; lower domain or raise the height"
-        )
-    return problems
-
-
-def _pipeline_problems(cfg: ForgeConfig, layout: Layout) -> list[str]:
-    """What cannot run with ``parallelism.pp > 1`` on a token model (pure): the ``[pp]``
-    section against the layout (forge_pp's own checks), and what forge composes around the
-    stages: plain tensors between them (no sequence or loss parallelism), a rank model that is
-    never called as a whole (no whole-model compile). ``data='ddp'`` is :func:`plan_problems`'."""
-    par, t, m = layout.parallelism, cfg.training, cfg.decoder
-    pp = par.pp
-    problems = pp_problems(
-        cfg.pp,
-        pp=pp,
-        n_layers=m.n_layers,
-        batch_per_rank=layout.batch_per_rank,
-        grad_accum=t.grad_accum,
-        tie_embeddings=m.tie_embeddings,
-    )
-    problems += layout.refused  # sequence / loss parallelism asked on the stages
-    if t.compile and t.compile_scope == "model":
-        problems.append(
-            f"training.compile_scope='model' with parallelism.pp={pp}: a pipeline rank's model "
-            "is never called as a whole (the schedule calls its stages); set "
-            "training.compile_scope='blocks', which compiles each block of every stage"
-        )
-    return problems
 
 
 def _explicit_plan_problems(cfg: ForgeConfig, layout: Layout) -> list[str]:
@@ -290,32 +218,6 @@ def _explicit_plan_problems(cfg: ForgeConfig, layout: Layout) -> list[str]:
     except ForgeConfigError as err:
         return [f"tp.plan: {err}"]
     return []
-
-
-def _encoder_plan_problems(cfg: ForgeConfig) -> list[str]:
-    """Import ``vlm.encoder_tp_plan`` here (calling nothing), so that a missing module or name is
-    one line before launch, as for ``tp.plan``."""
-    from forge_tp_plans import load_plan_object
-
-    if cfg.vlm is None or cfg.vlm.encoder_tp_plan is None:
-        return []
-    try:
-        load_plan_object(cfg.vlm.encoder_tp_plan, cfg.tp.allow_import)
-    except ForgeConfigError as err:
-        return [f"vlm.encoder_tp_plan: {err}"]
-    return []
-
-
-def _importable_problems(key: str, path: str, allow_import: tuple[str, ...]) -> list[str]:
-    problems = plan_import_problems(path, allow_import)
-    module_name = path.partition(":")[0]
-    if not problems and importlib.util.find_spec(module_name.split(".")[0]) is None:
-        problems.append(
-            f"{key}={path!r}: module '{module_name}' is not importable from here (the working "
-            f"directory {os.getcwd()!r} and PYTHONPATH are searched); run forge where it lives "
-            "or add its folder to PYTHONPATH"
-        )
-    return problems
 
 
 def path_problems(cfg: ForgeConfig, command: str, *, rank_logs: bool = True) -> list[str]:

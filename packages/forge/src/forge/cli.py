@@ -56,6 +56,7 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple[dict, int] | int:
     from forge_core.errors import ForgeConfigError
 
     from .checks import config_problems, import_problems, path_problems
+    from .kinds import model_kind
 
     # NOTE: a plan module next to the config imports from the working directory, here and on
     # the ranks (_launch_local puts it on their PYTHONPATH): on the path before any check.
@@ -75,11 +76,8 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple[dict, int] | int:
         nproc = 4 if nproc is None else nproc
         world_size = int(os.environ["WORLD_SIZE"]) if _under_launcher() else nproc
         problems = config_problems(cfg, world_size)
-        if command == "build" and cfg.is_field:
-            problems.append(
-                "forge build checks token models against one device; a field model "
-                "(model.preset=debug_field) trains with forge train (its parity is in the tests)"
-            )
+        if command == "build":
+            problems += model_kind(cfg).build_problems()
         problems += path_problems(cfg, command, rank_logs=not _under_launcher())
         if problems:
             return _refuse(command, problems)
@@ -89,9 +87,7 @@ def _prepare(args: argparse.Namespace, command: str) -> tuple[dict, int] | int:
             cfg = _checked_resume(cfg)
         problems = import_problems(cfg, world_size)
         if command == "train" and not problems:  # NOTE: reads the token file whole (torch)
-            from .data import data_problems
-
-            problems = data_problems(cfg)
+            problems = model_kind(cfg).data_problems()
         if problems:
             return _refuse(command, problems)
     except CheckpointDamaged as e:

@@ -33,9 +33,8 @@ __all__ = [
     "StepData",
     "SyntheticData",
     "SyntheticFields",
+    "SyntheticVLMData",
     "TokenFile",
-    "data_problems",
-    "make_data",
     "token_file_problems",
 ]
 
@@ -79,7 +78,23 @@ class StepData(ABC, Generic[BatchT]):
 
 
 class SyntheticData(StepData[Batch]):
-    """Learnable synthetic token sequences (and images for a VLM); see ``synthetic_tokens``."""
+    """Learnable synthetic token sequences; see ``synthetic_tokens``."""
+
+    def __init__(self, cfg: ForgeConfig, dp_rank: int, dp_size: int) -> None:
+        t = cfg.training
+        super().__init__(t.global_batch_size, dp_rank, dp_size)
+        self.cfg = cfg
+
+    def batch(self, step: int) -> Batch:
+        t, rows = self.cfg.training, slice(self.first, self.first + self.local_batch)
+        vocab = self.cfg.model.vocab_size
+        tokens = synthetic_tokens(t.seed, 1, t.global_batch_size, t.seq_len, vocab, first_step=step)
+        return Batch(tokens[0, rows])
+
+
+class SyntheticVLMData(SyntheticData):
+    """Synthetic image-text data for a VLM: token sequences with ``image_tokens`` placeholders
+    of ``image_token_id`` (the VLM wrapper's) and their images; see ``synthetic_vlm_batch``."""
 
     def __init__(
         self,
@@ -87,36 +102,33 @@ class SyntheticData(StepData[Batch]):
         dp_rank: int,
         dp_size: int,
         *,
-        image_token_id: int | None = None,
-        image_tokens: int = 0,
+        image_token_id: int,
+        image_tokens: int,
     ) -> None:
-        t = cfg.training
-        super().__init__(t.global_batch_size, dp_rank, dp_size)
-        self.cfg = cfg
+        super().__init__(cfg, dp_rank, dp_size)
         self.image_token_id = image_token_id
         self.image_tokens = image_tokens
 
+    def steps(self, first_step: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole global batches of ``steps`` steps from ``first_step``: token ids
+        ``[steps, B, S+1]`` and images ``[steps, B, C, H, W]``."""
+        t, v = self.cfg.training, self.cfg.vlm_sections()[0]
+        return synthetic_vlm_batch(
+            t.seed,
+            steps,
+            t.global_batch_size,
+            t.seq_len,
+            self.cfg.model.vocab_size,
+            image_token_id=self.image_token_id,
+            image_tokens=self.image_tokens,
+            image_shape=(v.in_channels, v.image_size, v.image_size),
+            first_step=first_step,
+        )
+
     def batch(self, step: int) -> Batch:
-        t, rows = self.cfg.training, slice(self.first, self.first + self.local_batch)
-        vocab = self.cfg.model.vocab_size
-        if self.cfg.is_vlm:
-            v = self.cfg.vision
-            # ForgeConfig sets vision, adapter and vlm together; the VLM wrapper gives the id
-            assert v is not None and self.image_token_id is not None
-            tokens, images = synthetic_vlm_batch(
-                t.seed,
-                1,
-                t.global_batch_size,
-                t.seq_len,
-                vocab,
-                image_token_id=self.image_token_id,
-                image_tokens=self.image_tokens,
-                image_shape=(v.in_channels, v.image_size, v.image_size),
-                first_step=step,
-            )
-            return Batch(tokens[0, rows], images[0, rows])
-        tokens = synthetic_tokens(t.seed, 1, t.global_batch_size, t.seq_len, vocab, first_step=step)
-        return Batch(tokens[0, rows])
+        rows = slice(self.first, self.first + self.local_batch)
+        tokens, images = self.steps(step, 1)
+        return Batch(tokens[0, rows], images[0, rows])
 
 
 class TokenFile(StepData[Batch]):
@@ -203,47 +215,6 @@ class SyntheticFields(StepData[FieldBatch]):
             wrapped.flatten(0, 1)[:, None], stencil[None, None], padding=(1, 0)
         ).view_as(x)
         return FieldBatch(x, 0.6 * torch.roll(x, 1, dims=-1) + 0.4 * diffused)
-
-
-_VLM_TOKEN_FILE = (
-    "data.path with a vision-language model: a token file holds no images; leave data.path "
-    "unset (synthetic image-text data)"
-)
-
-
-def make_data(
-    cfg: ForgeConfig,
-    dp_rank: int,
-    dp_size: int,
-    *,
-    image_token_id: int | None = None,
-    image_tokens: int = 0,
-) -> StepData[Batch] | StepData[FieldBatch]:
-    """The data source the config asks for: the token file at ``data.path``, else synthetic."""
-    t = cfg.training
-    if cfg.is_field:
-        if cfg.data.path is not None:
-            raise ForgeConfigError(
-                "data.path with a field model: a token file holds no fields; leave data.path "
-                "unset (synthetic fields)"
-            )
-        return SyntheticFields(cfg, dp_rank, dp_size)
-    if cfg.data.path is None:
-        return SyntheticData(
-            cfg, dp_rank, dp_size, image_token_id=image_token_id, image_tokens=image_tokens
-        )
-    if cfg.is_vlm:
-        raise ForgeConfigError(_VLM_TOKEN_FILE)
-    return TokenFile(
-        cfg.data.path,
-        cfg.data.dtype,
-        seq_len=t.seq_len,
-        global_batch=t.global_batch_size,
-        vocab_size=cfg.model.vocab_size,
-        seed=t.seed,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-    )
 
 
 # --------------------------------------------------------------------------- pre-launch check
@@ -364,19 +335,3 @@ def token_file_problems(path: str, dtype: str, *, seq_len: int, vocab_size: int)
             f"extra ones 0; set data.dtype = {guess!r}"
         ]
     return []
-
-
-def data_problems(cfg: ForgeConfig) -> list[str]:
-    """What the launcher says of ``cfg``'s training data before any rank starts: the token file
-    at ``data.path`` (:func:`token_file_problems`); nothing to say of synthetic data."""
-    if cfg.data.path is None or cfg.is_field:  # NOTE: config_problems refuses a field model's
-        return []
-    if cfg.is_vlm:
-        return [_VLM_TOKEN_FILE]
-    path, t = cfg.data.path, cfg.training
-    try:
-        return token_file_problems(
-            path, cfg.data.dtype, seq_len=t.seq_len, vocab_size=cfg.model.vocab_size
-        )
-    except OSError as e:  # NOTE: checked readable a moment ago; an I/O error while reading
-        return [f"data.path={path!r} cannot be read: {e.strerror}"]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from forge_checkpoint.export import check_output, export_hf_llama, save_safetensors
 from forge_core import ForgeConfigError
+from forge_core.errors import refuse
 
 __all__ = ["check_export_out", "export_checkpoint"]
 
@@ -65,17 +66,15 @@ def export_checkpoint(
 
     from .build import materialize, model_from_config
     from .config import load_config
+    from .kinds import model_kind
 
     path = check_export_out(checkpoint, out, layout)
     state = read_train_state(checkpoint)
     if verify:  # NOTE: a flipped byte in a shard would otherwise load silently
         verify_checkpoint(checkpoint)
     cfg = load_config(state["config"])
-    if layout == "hf" and (cfg.is_vlm or cfg.is_field):
-        raise ForgeConfigError(
-            "only the reference decoder has a Hugging Face Llama layout; export this model "
-            "with layout='safetensors'"
-        )
+    if layout == "hf":
+        refuse(model_kind(cfg).hf_export_problems())
     model = materialize(model_from_config(cfg), "cpu", cfg.training.seed)
     load_model_weights(checkpoint, model)
     weights = model.state_dict()

@@ -11,36 +11,26 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from forge_core import (
     ORDER_TEXT,
-    ParallelismConfig,
     applied_stages,
-    count_host_syncs,
 )
-from forge_core.mesh_dims import sub_mesh
-from forge_core.stages import unwrap
 from forge_core.testing import compare_runs, train_steps
 from forge_core.torch_compat import inductor_cache_dir
-from forge_core.training import forward_backward, local_batch, synthetic_tokens
-from forge_float8 import float8_report, use_torch_cpu_fp8_kernels
+from forge_core.training import local_batch
+from forge_float8 import use_torch_cpu_fp8_kernels
 from forge_mesh import build_device_mesh, init_distributed, mesh_layout
-from forge_moe_ep import moe_metrics
-from forge_pp import pipeline_stages
-from forge_tp_plans import describe_tp_plan, tp_gradient_mismatches
-from forge_vlm import VLMWrapper, ac_components, num_image_tokens
-from forge_vlm.data import synthetic_vlm_batch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from .build import ParallelPlan, model_from_config
+from .build_report import float8_text, param_bytes, tp_description
 from .checks import check_config
 from .config import ForgeConfig, load_config
+from .kinds import model_kind
 from .layout import Layout, resolve_layout
 
 __all__ = ["BuildReport", "check_config", "run_build", "tp_description"]
@@ -50,142 +40,6 @@ __all__ = ["BuildReport", "check_config", "run_build", "tp_description"]
 class BuildReport:
     text: str
     passed: bool
-
-
-def _vlm_wrapper(model: nn.Module) -> VLMWrapper:
-    """The ``forge_vlm.VLMWrapper`` inside a VLM config's model (DDP / compile unwrapped)."""
-    # NOTE: only called when cfg.is_vlm, whose model_from_config is build_vlm's VLMWrapper
-    # (FSDP2 swaps in a subclass); unwrap is typed nn.Module only.
-    return cast(VLMWrapper, unwrap(model))
-
-
-def _vlm_report(cfg: ForgeConfig, par: ParallelismConfig, model: nn.Module) -> list[str]:
-    """The VLM lines of the report: parts, image tokens, what is frozen, TP per component."""
-    if not cfg.is_vlm:
-        return []
-    v, a, vlm = cfg.vlm_sections()
-    wrapper = _vlm_wrapper(model)
-    encoder = wrapper.encoder
-    if not vlm.freeze_encoder:
-        state = "trainable, FSDP2 per block"
-    elif any(isinstance(m, FSDPModule) for m in encoder.modules()):
-        state = "frozen, FSDP2-sharded (no gradients, no optimizer state)"
-    else:
-        state = "frozen, replicated outside FSDP2 (no gradients, no optimizer state)"
-    ac_mode = cfg.training.ac_mode
-    ac = (
-        "no AC"
-        if ac_mode == "none"
-        else f"AC {ac_mode} (scope {vlm.ac_scope}) on "
-        + " and ".join(ac_components(vlm.ac_scope, vlm.freeze_encoder))
-    )
-    lines = [
-        f"vlm:    {vlm.design} decoder; {v.backend} encoder {v.n_layers} layers x dim {v.dim} on "
-        f"{v.image_size}px images ({v.grid}x{v.grid} patches of {v.patch_size}px) -> adapter "
-        f"(pool {a.pool}) -> {num_image_tokens(v, a)} image tokens at placeholder id "
-        f"{wrapper.image_token_id}; encoder {state}; {ac}",
-        "        per component: "
-        + "; ".join(
-            f"{name} {' -> '.join(applied_stages(part)) or '(none)'}"
-            for name, part in (("encoder", encoder), ("decoder", wrapper.decoder))
-        ),
-    ]
-    if par.tp > 1:
-        lines.append("tp:     decoder " + tp_description(wrapper.decoder, par))
-        if vlm.encoder_tp:
-            lines.append("tp:     encoder " + describe_tp_plan(encoder))
-    return lines
-
-
-def _decoder(model: nn.Module) -> nn.Module:
-    """The language model: a VLM's decoder, else the model itself."""
-    return getattr(unwrap(model), "decoder", model)
-
-
-def tp_description(model: nn.Module, par: ParallelismConfig) -> str:
-    """The ``tp:`` line of forge build's and forge train's reports: the decoder's applied plan;
-    under pp, each of this rank's stages' (basic TP: no sequence or loss parallelism)."""
-    stages = pipeline_stages(unwrap(model))
-    if not stages:
-        return describe_tp_plan(_decoder(model))
-    return "\n".join(
-        f"stage {index}: {describe_tp_plan(_decoder(stage))}" for index, stage in stages
-    )
-
-
-def _float8_text(model: nn.Module) -> str:
-    """The float8 line of the report: what ``apply_float8`` converted and skipped (per stage
-    under pp, where each stage module was converted on its own)."""
-    stages = pipeline_stages(unwrap(model))
-    if not stages:
-        return str(float8_report(_decoder(model)))
-    return "\n".join(f"stage {index}: {float8_report(_decoder(stage))}" for index, stage in stages)
-
-
-def _param_bytes(model: torch.nn.Module) -> int:
-    total = 0
-    for p in model.parameters():
-        local = p.to_local() if isinstance(p, DTensor) else p
-        total += local.numel() * local.element_size()
-    return total
-
-
-def _count_step_syncs(
-    model: nn.Module, batch: torch.Tensor, device: torch.device, mesh: DeviceMesh
-) -> str:
-    """Host syncs of one forward + backward (what a GPU would wait for), as a short text.
-
-    The step is the training step itself (``forward_backward``): a pipelined rank model runs
-    its schedule over every micro-batch (the count is of this rank's stages), a context-parallel
-    one its sequence shards."""
-    with count_host_syncs(device) as counter:
-        forward_backward(model, batch, mesh=mesh)
-    model.zero_grad(set_to_none=True)
-    ops = ", ".join(f"{op} x{n}" for op, n in sorted(counter.ops.items()))
-    return f"{counter.count}" + (f" ({ops})" if ops else "")
-
-
-def _tp_gradient_report(model: nn.Module, batch: torch.Tensor, mesh: DeviceMesh) -> list[str]:
-    """Replicated-over-tp parameters whose gradients differ across the tp ranks after one more
-    forward + backward (``forge_tp_plans.tp_gradient_mismatches``; every rank takes part): a
-    plan that leaves a parameter replicated where each rank sees only its part of the features
-    trains silently wrong. Empty when they all agree."""
-    forward_backward(model, batch, mesh=mesh)
-    found = tp_gradient_mismatches(model, mesh)
-    model.zero_grad(set_to_none=True)
-    return found
-
-
-def _moe_report(
-    cfg: ForgeConfig,
-    par: ParallelismConfig,
-    model: nn.Module,
-    batch: torch.Tensor,
-    device: torch.device,
-    mesh: DeviceMesh,
-) -> str | None:
-    """The MoE line of the report (every rank takes part: the counted step runs collectives)."""
-    if not cfg.decoder.moe_layers:
-        return None
-    metrics = moe_metrics(model)  # read before the counted step adds to them
-    if par.pp > 1:  # each pipeline rank holds its stages' MoE layers: the pipeline's sum
-        counts = torch.tensor(
-            [metrics["moe_layers"], metrics["tokens_routed"], metrics["tokens_dropped"]],
-            dtype=torch.int64,
-            device=device,
-        )
-        dist.all_reduce(counts, group=sub_mesh(mesh, "pp").get_group())
-        keys = ("moe_layers", "tokens_routed", "tokens_dropped")
-        metrics = {**metrics, **dict(zip(keys, counts.tolist(), strict=True))}
-    syncs = _count_step_syncs(model, batch, device, mesh)
-    m = cfg.decoder
-    return (
-        f"moe:    {metrics['moe_layers']} MoE layers x {m.num_experts} experts (top-{m.top_k}), "
-        f"ep={par.ep} ({m.num_experts // par.ep} experts per rank), dispatch {m.moe_dispatch}; "
-        f"tokens dropped {metrics['tokens_dropped']} of {metrics['tokens_routed']} routed in "
-        f"{cfg.training.steps} steps; host syncs "
-        f"counted in one forward+backward: {syncs} (rank 0)"
-    )
 
 
 def setup_rank(cfg: ForgeConfig, device_type: str) -> tuple[int, torch.device, Layout, DeviceMesh]:
@@ -245,28 +99,11 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         float8=replace(cfg.float8, fsdp_float8_all_gather=False),
     )
     reference = one_device.parallelize(model_from_config(cfg), device=device, seed=t.seed)
-    local_bytes = _param_bytes(model)
+    local_bytes = param_bytes(model)
     all_bytes: list[int] = [0] * world_size
     dist.all_gather_object(all_bytes, local_bytes)
-    vlm_batch: dict[str, Any] = {}
-    if cfg.is_vlm:
-        wrapper = _vlm_wrapper(reference)
-        v = cfg.vlm_sections()[0]
-        tokens, images = synthetic_vlm_batch(
-            t.seed,
-            t.steps,
-            t.global_batch_size,
-            t.seq_len,
-            cfg.model.vocab_size,
-            image_token_id=wrapper.image_token_id,
-            image_tokens=wrapper.image_tokens,
-            image_shape=(v.in_channels, v.image_size, v.image_size),
-        )
-        vlm_batch = {"images": images, "ignore_token": wrapper.image_token_id}
-    else:
-        tokens = synthetic_tokens(
-            t.seed, t.steps, t.global_batch_size, t.seq_len, cfg.model.vocab_size
-        )
+    kind = model_kind(cfg)
+    tokens, vlm_batch = kind.build_steps(reference)
     ref_steps = train_steps(reference, tokens, lr=t.lr, device=device, **vlm_batch)
     with warnings.catch_warnings():
         # NOTE: torch 2.15's FSDP2 warns whenever a unit returns a view, because an in-place op
@@ -276,15 +113,8 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         par_steps = train_steps(
             model, tokens, mesh=mesh, lr=t.lr, grad_accum=t.grad_accum, device=device, **vlm_batch
         )
-        moe = (
-            None
-            if cfg.is_vlm
-            else _moe_report(cfg, par, model, local_batch(tokens[0], mesh).to(device), device, mesh)
-        )
-        tp_grads = (
-            _tp_gradient_report(model, local_batch(tokens[0], mesh).to(device), mesh)
-            if par.tp > 1 and par.pp == 1 and not cfg.is_vlm
-            else None
+        moe, tp_grads = kind.decoder_reports(
+            model, local_batch(tokens[0], mesh).to(device), par, device, mesh
         )
     # Float8 rounds every GEMM input to 3 mantissa bits: low-precision tolerances.
     result = compare_runs(ref_steps, par_steps, torch.bfloat16 if layout.float8 else dtype)
@@ -292,10 +122,10 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
     elapsed = time.perf_counter() - start
     if rank != 0:
         return BuildReport("", passed)
-    full_bytes = _param_bytes(reference)
+    full_bytes = param_bytes(reference)
     names, sizes = mesh_layout(par, world_size)
     lines = [
-        f"forge build: {world_size} rank(s) on {device_type}, {'VLM decoder' if cfg.is_vlm else 'model'} "
+        f"forge build: {world_size} rank(s) on {device_type}, {kind.label} "
         f"{cfg.model.n_layers} layers x dim {cfg.model.dim} "
         f"({cfg.decoder.num_params():,} parameters), param_dtype {t.param_dtype}",
         "mesh:   "
@@ -311,10 +141,10 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         + (" -> ".join(applied_stages(model)) or "(none)")
         + (" -> whole-model compile" if t.compile and t.compile_scope == "model" else "")
         + f"   (forge's order: {ORDER_TEXT})",
-        *_vlm_report(cfg, par, model),
+        *kind.part_lines(model, par),
         f"params: unsharded {full_bytes:,} B; per rank "
         + ", ".join(f"r{r} {b:,} B ({b / full_bytes:.0%})" for r, b in enumerate(all_bytes)),
-        *(["tp:     " + tp_description(model, par)] if par.tp > 1 and not cfg.is_vlm else []),
+        *kind.tp_lines(model, par),
         *(
             []
             if tp_grads is None
@@ -329,7 +159,7 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
             ]
         ),
         *([moe] if moe else []),
-        *([_float8_text(model)] if layout.float8 else []),
+        *([float8_text(model)] if layout.float8 else []),
         f"train:  {t.steps} steps, global batch {t.global_batch_size} x seq {t.seq_len}, grad_accum {t.grad_accum}, AdamW lr {t.lr}",
         result.table(),
         f"{'PASS' if passed else 'FAIL'}: parallel run {'matches' if passed else 'does NOT match'} the single-device model "

@@ -35,13 +35,21 @@ from forge_core.torch_compat import non_persistent_buffer_names
 from forge_moe_ep import MoE, apply_expert_parallel
 from forge_tp_plans import apply_tensor_parallel
 from forge_vlm import VisionEncoderConfig, VLMConfig, check_encoder_tp
+from forge_vlm import ac_components as vlm_ac_components
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .hf_prepare import apply_packed_sequences, prepare_hf
 
-__all__ = ["ModelSpec", "materialize", "model_spec", "refuse_materialized"]
+__all__ = [
+    "ModelSpec",
+    "ac_components",
+    "materialize",
+    "model_spec",
+    "refuse_materialized",
+    "shard_frozen",
+]
 
 TPPlan = Mapping[str, ParallelStyle | str | None] | str | None
 
@@ -172,3 +180,20 @@ def materialize(
                     name, buf.to(device), persistent=name not in non_persistent_buffer_names(module)
                 )
     return model
+
+
+def ac_components(vlm: VLMConfig | None, ac_mode: str) -> tuple[str, ...] | None:
+    """The components AC covers: a VLM's ``vlm.ac_scope``; None (all) for other models.
+
+    NOTE: resolved only when AC is on: ``forge_vlm.ac_components`` refuses some scopes (vision
+    with a frozen encoder) that do not matter without AC.
+    """
+    if vlm is None or ac_mode == "none":
+        return None
+    return vlm_ac_components(vlm.ac_scope, vlm.freeze_encoder)
+
+
+def shard_frozen(vlm: VLMConfig | None) -> bool | None:
+    """FSDP2's ``shard_frozen`` (forge_fsdp_wrap.apply_fsdp2): a VLM's
+    ``vlm.shard_frozen_encoder`` (None: decide by size); None for other models."""
+    return None if vlm is None else vlm.shard_frozen_flag

@@ -144,3 +144,22 @@ def dir_problems(key: str, path: str) -> list[str]:
         at = "" if existing == target else f" in {str(existing)!r}"
         return [f"{what} cannot be written: {e.strerror}{at}; choose a directory you can write to"]
     return []
+
+
+def importable_problems(key: str, path: str, allow_import: tuple[str, ...]) -> list[str]:
+    """What is wrong with ``key=path`` (``module:name``) as something to import: not granted by
+    ``allow_import`` (forge_tp_plans' rule), or its top-level module not findable from here.
+    Nothing is imported."""
+    import importlib.util
+
+    from forge_tp_plans.checks import plan_import_problems
+
+    problems = plan_import_problems(path, allow_import)
+    module_name = path.partition(":")[0]
+    if not problems and importlib.util.find_spec(module_name.split(".")[0]) is None:
+        problems.append(
+            f"{key}={path!r}: module '{module_name}' is not importable from here (the working "
+            f"directory {os.getcwd()!r} and PYTHONPATH are searched); run forge where it lives "
+            "or add its folder to PYTHONPATH"
+        )
+    return problems

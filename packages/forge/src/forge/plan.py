@@ -57,6 +57,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from forge_core import ForgeConfigError, ParallelismConfig, applied_stages
 from forge_core.costs import Collective
+from forge_core.errors import refuse
 from forge_core.mesh_dims import axis_size, sub_mesh
 from forge_mesh import build_device_mesh, mesh_layout
 from forge_mesh.per_rank import (
@@ -71,6 +72,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .build import ParallelPlan, model_from_config
 from .checks import config_problems, import_problems
 from .config import ForgeConfig, load_config
+from .kinds import model_kind
 from .layout import resolve_layout
 from .plan_collectives import mesh_dim_index, pipeline_share, step_collectives, whole_model_share
 from .plan_memory import (
@@ -135,7 +137,7 @@ class LayoutPlan:
     def text(self) -> str:
         """A readable report; ranks with identical numbers share one row."""
         m, t, p = self.config.decoder, self.config.training, self.parallelism
-        kind = "VLM decoder" if self.config.is_vlm else "model"
+        kind = model_kind(self.config).label
         out = [
             f"forge plan: {self.world_size} ranks (fake process group, meta tensors), {kind} "
             f"{m.n_layers} layers x dim {m.dim} ({m.num_params():,} parameters), {t.param_dtype}"
@@ -204,7 +206,7 @@ class LayoutPlan:
         pipe = self.pipeline
         assert pipe is not None
         last = pipe.num_stages - 1
-        inputs = "encoder + adapter + embedding" if self.config.is_vlm else "embedding"
+        inputs = model_kind(self.config).first_stage
         lines = [
             f"pipeline: {pipe.schedule}, {pipe.num_stages} stages ({pipe.stages_per_rank} per "
             f"rank), {pipe.microbatches} micro-batches of {pipe.micro_batch}; bubble "
@@ -286,11 +288,7 @@ def plan_layout(cfg: ForgeConfig, world_size: int) -> LayoutPlan:
             f"plan_layout creates a fake process group of {world_size} ranks, but this process "
             "already has one: run it in a fresh process (e.g. `forge plan`), not inside a job"
         )
-    if cfg.is_field:
-        raise ForgeConfigError(
-            "forge plan models token models (the reference decoder, MoE, VLM); a field model "
-            "([field], model.preset=debug_field) is not planned yet: its activations are 2-D fields"
-        )
+    refuse(model_kind(cfg).plan_problems())
     start = time.perf_counter()
     plan = LayoutPlan(cfg, world_size, broken_rules=_broken_rules(cfg, world_size))
     try:

@@ -11,13 +11,12 @@ from dataclasses import dataclass
 import torch
 from forge_core import ForgeConfigError
 from forge_cp.costs import cp_attention_extra_bytes, cp_kept_once_bytes
-from forge_moe_ep.costs import moe_slot_activation_bytes
+from forge_moe_ep.costs import ffn_slot_activation_bytes
 from forge_pp import bubble_fraction, pipeline_actions, replay_peak
 from forge_pp.split import balanced_blocks, stage_indices
-from forge_vlm import ac_components
-from forge_vlm.costs import vlm_activation_bytes
 
 from .config import ForgeConfig
+from .kinds import model_kind
 from .layout import Layout, resolve_layout
 
 
@@ -41,8 +40,7 @@ def itemsize_of(cfg: ForgeConfig) -> int:
 
 def checkpointed_components(cfg: ForgeConfig) -> tuple[str, ...]:
     """The components AC full wraps (a plain model: its decoder blocks)."""
-    vlm = cfg.vlm
-    return ac_components(vlm.ac_scope, vlm.freeze_encoder) if vlm else ("decoder",)
+    return model_kind(cfg).checkpointed_components()
 
 
 @dataclass(frozen=True)
@@ -128,10 +126,8 @@ def _activation_parts(cfg: ForgeConfig, layout: Layout, b: int, device: str) -> 
         b=b, seq_len=whole, cp=cp, dim=d, kv_dim=kv_dim, tp=t, itemsize=e
     )
     attn += 4 * b * s * (m.n_heads // t) + (4 * s * m.head_dim * e if low else 0)
-    dense = moe = 2 * norm + attn + 4 * b * s * (ffn // t) * e
-    if m.moe_layers:
-        moe = 2 * norm + attn + moe_slot_activation_bytes(m, b, s, e)
-    blocks = tuple(moe if m.is_moe_layer(i) else dense for i in range(m.n_layers))
+    slots = ffn_slot_activation_bytes(m, 4 * b * s * (ffn // t) * e, b, s, e)
+    blocks = tuple(2 * norm + attn + slot for slot in slots)
     vocab = m.vocab_size // t if lp else m.vocab_size
     first = 8 * b * (s + (cp == 1))  # token ids (a cp rank's are a copy, without the last)
     cp_once = cp_kept_once_bytes(
@@ -145,11 +141,10 @@ def _activation_parts(cfg: ForgeConfig, layout: Layout, b: int, device: str) -> 
             b * r * d * e + (b * (s - r) * d * e if i == 0 else 0) for i in range(len(blocks))
         )
     recompute = blocks if in_ac else tuple(0 for _ in blocks)
-    first_full, first_top = first, 0
-    v, a, vlm = cfg.vision, cfg.adapter, cfg.vlm
-    if v is not None and a is not None and vlm is not None:  # a VLM (ForgeConfig: all or none)
-        vis = vlm_activation_bytes(v, a, vlm, b=b, s=s, dim=d, tp=t, itemsize=e)
-        first, first_full, first_top = first + vis.none, first_full + vis.full, vis.recompute
+    inputs, inputs_full, first_top = model_kind(cfg).input_activation_bytes(
+        b=b, s=s, dim=d, tp=t, itemsize=e
+    )
+    first, first_full = first + inputs, first + inputs_full
     first += cp_once  # NOTE: under AC full they are saved only while a block is recomputed
     return _ActivationParts(first, first_full, blocks, kept, recompute, first_top, last)
 

@@ -46,22 +46,15 @@ from forge_core import (
     ForgeConfigError,
     attach_optimizer_hooks,
 )
-from forge_core.mesh_dims import axis_size, dp_rank_and_size
+from forge_core.mesh_dims import dp_rank_and_size
 from forge_core.stages import unwrap
-from forge_core.training import (
-    forward_backward,
-    reduce_over_dp,
-    set_gradient_sync,
-)
-from forge_domain import domain_group, shard_spatial, sync_domain_gradients
 from forge_mesh import mesh_layout
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-from torch.distributed.device_mesh import DeviceMesh
 
 from .build import ParallelPlan, model_from_config
 from .config import ForgeConfig, load_config
-from .data import FieldBatch, make_data
 from .job import setup_rank, tp_description
+from .kinds import model_kind
 from .optim import clip_grad_norm_, warmup_cosine
 from .resume import resume_point
 from .train_console import (
@@ -95,37 +88,6 @@ class TrainSummary:
     last_checkpoint: str | None = None
     stopped_by: str | None = None  # the signal's name when SIGTERM / Ctrl-C ended the run
     text: str = ""
-
-
-def _field_step(
-    model: nn.Module, batch: FieldBatch, mesh: DeviceMesh, device: torch.device, grad_accum: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A field model's step: mean squared error over every grid point of the global batch.
-
-    With a ``domain`` axis each rank computes its height slab. Its squared errors (padding rows
-    left out) are scaled by ``dp x domain / elements of the global batch``: FSDP2/DDP average
-    gradients over the data-parallel ranks and ``sync_domain_gradients`` over the domain ranks,
-    which leaves the gradient of the global mean.
-    """
-    x, y = batch.inputs.to(device), batch.targets.to(device)
-    count = torch.tensor(float(x.numel() * dp_rank_and_size(mesh)[1]), device=device)
-    split = axis_size(mesh, "domain") > 1
-    valid = x.shape[-2]
-    if split:
-        x, shard = shard_spatial(x, mesh)
-        y, _ = shard_spatial(y, mesh)
-        valid = max(0, min(shard.rows, shard.size - shard.start))  # rows that are not padding
-    scale = dp_rank_and_size(mesh)[1] * axis_size(mesh, "domain") / count
-    loss_sum = torch.zeros((), device=device)
-    for i, (xm, ym) in enumerate(zip(x.chunk(grad_accum), y.chunk(grad_accum), strict=True)):
-        set_gradient_sync(model, i == grad_accum - 1)
-        sse = ((model(xm) - ym)[..., :valid, :].float() ** 2).sum()
-        (sse * scale).backward()
-        loss_sum += sse.detach()
-    if split:
-        sync_domain_gradients(model, mesh)
-        dist.all_reduce(loss_sum, group=domain_group(mesh))
-    return reduce_over_dp(loss_sum, mesh), count
 
 
 def _nonfinite_values(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -239,19 +201,11 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
     wrapper = unwrap(model)
     ignore = getattr(wrapper, "image_token_id", None)
     dp_rank, dp_size = dp_rank_and_size(mesh)
-    data = make_data(
-        cfg,
-        dp_rank,
-        dp_size,
-        image_token_id=ignore,
-        image_tokens=getattr(wrapper, "image_tokens", 0),
+    kind = model_kind(cfg)
+    data = kind.data(
+        dp_rank, dp_size, image_token_id=ignore, image_tokens=getattr(wrapper, "image_tokens", 0)
     )
-    if cfg.field is not None:  # no MFU: a conv net's FLOPs are not 6 x parameters per item
-        flops_per_item, unit = None, "pts/s"
-        items_per_step = t.global_batch_size * cfg.field.height * cfg.field.width
-    else:
-        flops_per_item, unit = train_flops_per_token(cfg), "tok/s"
-        items_per_step = t.global_batch_size * t.seq_len
+    flops_per_item, unit, items_per_step = kind.throughput()
     run_id = uuid.uuid4().hex[:8]
     metrics = None
     if rank == 0:
@@ -311,17 +265,7 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
         for step in range(summary.start_step, t.steps):
             begin = time.perf_counter()
             batch = data.batch(step)
-            if isinstance(batch, FieldBatch):  # a field model (make_data: cfg.is_field)
-                loss_sum, global_count = _field_step(model, batch, mesh, device, t.grad_accum)
-            else:
-                loss_sum, global_count = forward_backward(
-                    model,
-                    batch.tokens.to(device),
-                    mesh=mesh,
-                    grad_accum=t.grad_accum,
-                    images=None if batch.images is None else batch.images.to(device),
-                    ignore_token=ignore,
-                )
+            loss_sum, global_count = kind.train_step(model, batch, mesh, device, ignore)
             grad_norm = float(clip_grad_norm_(trainable, t.max_grad_norm, mesh=mesh))
             loss = float(loss_sum / global_count)
             # NOTE: before optimizer.step(): a non-finite loss or gradient norm (both reduced
@@ -416,15 +360,7 @@ def _report(
     names, sizes = mesh_layout(par, world_size)
     t = cfg.training
     layout = " x ".join(f"{n}={z}" for n, z in zip(names, sizes, strict=True))
-    if cfg.field is not None:
-        f = cfg.field
-        model = f"field model FieldNet {f.n_blocks} blocks x {f.hidden} channels"
-        data = f"synthetic fields {f.channels} x {f.height} x {f.width}"
-    else:
-        m = cfg.decoder
-        model = f"model {m.n_layers} layers x dim {m.dim} ({m.num_params():,} parameters)"
-        model += " + vision encoder" if cfg.is_vlm else ""
-        data = f"{cfg.data.path or 'synthetic tokens'}, seq {t.seq_len}"
+    model, data = model_kind(cfg).describe()
     lines = [
         f"forge train: {world_size} rank(s) on {device_type}, {layout}; {model}",
         f"data:   {data}; global batch {t.global_batch_size}, grad_accum {t.grad_accum}",

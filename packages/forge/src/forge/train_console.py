@@ -23,6 +23,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from forge_moe_ep.costs import active_params
 
 from .config import ForgeConfig
 
@@ -44,12 +45,7 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e
 def train_flops_per_token(cfg: ForgeConfig) -> float:
     """Training FLOPs per token: 6 x active parameters + causal attention scores (12 L S d / 2)."""
     m, s = cfg.decoder, cfg.training.seq_len
-    active = m.num_params()
-    if m.moe_layers:  # count only the experts a token visits
-        assert m.moe_ffn_dim is not None  # ModelConfig.__post_init__ defaults it to ffn_dim
-        per_expert = 3 * m.dim * m.moe_ffn_dim
-        active -= len(m.moe_layers) * (m.num_experts - m.top_k) * per_expert
-    return 6.0 * active + 6.0 * m.n_layers * s * m.dim
+    return 6.0 * active_params(m) + 6.0 * m.n_layers * s * m.dim
 
 
 def peak_flops(device: torch.device) -> float | None:
