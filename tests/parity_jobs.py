@@ -6,18 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-
-#: The sizes of a tiny Hugging Face decoder config (transformers' key names), shared by the
-#: tests that build Hugging Face models from configs with random weights.
-TINY_HF_DECODER = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
+from forge_core.testing.hf import TINY_HF_DECODER as TINY_HF_DECODER  # re-exported
 
 
 class HFLogits(nn.Module):

@@ -300,3 +300,37 @@ def test_a_layers_tests_import_no_other_layer(folder):
         f"tests/{folder}/ imports a forge layer other than {sorted(allowed)} (move those tests "
         "to tests/integration/" + folder + "/):\n  " + "\n  ".join(problems)
     )
+
+
+def foreign_test_modules(folder: str, start: Path) -> list[str]:
+    """Each import by ``start`` (a file of ``tests/<folder>/``) of a ``tests.*`` module outside
+    ``tests/<folder>/`` (the shared ``tests`` package itself aside)."""
+
+    def offends(name: str) -> bool:
+        parts = name.split(".")
+        outside = parts[0] == "tests" and len(parts) > 1 and parts[1] != folder
+        return outside and _local_file(name) is not None  # a module, not a name in one
+
+    return [line for line in offending_paths(start, offends) if " -> " not in line]
+
+
+def test_the_own_folder_rule_sees_a_shared_helper(tmp_path, monkeypatch):
+    pkg = _fake_layer_folder(tmp_path, monkeypatch)
+    (tmp_path / "tests" / "shared.py").write_text("X = 1\n")
+    (pkg / "jobs.py").write_text("Y = 2\n")
+    (pkg / "test_a.py").write_text("from tests.shared import X\nfrom tests.lay.jobs import Y\n")
+    assert foreign_test_modules("lay", pkg / "test_a.py") == [
+        "tests/lay/test_a.py:1 imports tests.shared"
+    ]
+
+
+@pytest.mark.parametrize("folder", LAYER_FOLDERS)
+def test_a_layers_tests_import_only_their_own_folders_helpers(folder):
+    """A helper two layer folders share goes to forge_core.testing (which every layer's tests
+    may import), or to the one layer folder it belongs to."""
+    problems = [
+        line for path in _layer_files(folder) for line in foreign_test_modules(folder, path)
+    ]
+    assert not problems, (
+        f"tests/{folder}/ imports test modules outside its folder:\n  " + "\n  ".join(problems)
+    )

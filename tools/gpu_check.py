@@ -608,7 +608,7 @@ def _gpu_count() -> int:
 
 
 def torchao_found(env: dict[str, str]) -> bool:
-    """Whether torchao is importable with ``env``; decided as tests/markers.py's
+    """Whether torchao is importable with ``env``; decided as tests/float8/markers.py's
     ``needs_torchao`` decides it (``find_spec``), so the selection matches what would skip."""
     probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('torchao') is None)"
     return subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT).returncode == 0

@@ -20,7 +20,7 @@ from forge_checkpoint.export import (
 from forge_core import ForgeConfigError, ModelConfig, Transformer
 from safetensors import safe_open
 
-from tests.places import read_only_dir
+from tests.checkpoint.places import read_only_dir
 
 transformers = pytest.importorskip("transformers")
 

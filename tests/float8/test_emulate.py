@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.markers import needs_torchao
+from tests.float8.markers import needs_torchao
 
 pytestmark = needs_torchao
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 from forge_core import ForgeConfigError
 from forge_float8 import apply_float8
 
-from tests.markers import needs_torchao
+from tests.float8.markers import needs_torchao
 
 pytestmark = needs_torchao
 

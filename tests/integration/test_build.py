@@ -19,7 +19,7 @@ from forge_core import ForgeConfigError, ModelConfig, applied_stages
 from forge_mesh import build_device_mesh
 from forge_vlm import VLMConfig
 
-from tests.markers import needs_torchao
+from tests.float8.markers import needs_torchao
 
 CFG = ModelConfig.preset("debug")
 ROOT = Path(__file__).resolve().parents[2]

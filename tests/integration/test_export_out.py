@@ -19,7 +19,7 @@ from forge.cli import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, main
 from forge.train import run_train
 from forge_checkpoint.export import load_safetensors
 
-from tests.places import read_only_dir
+from tests.checkpoint.places import read_only_dir
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,10 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 from forge_core import ForgeConfigError
+from forge_core.testing.hf import TINY_HF_DECODER
 from forge_moe_ep import MoEModelConfig
 from forge_moe_ep.hf import HFMoE, convert_hf_moe, restore_hf_moe
-
-from tests.parity_jobs import TINY_HF_DECODER
 
 FAMILIES = (
     "qwen3_moe",

@@ -11,12 +11,11 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn as nn
+from forge_core.testing.hf import TINY_HF_DECODER
 from forge_mesh import build_device_mesh
 from forge_tp_plans import applied_tp_plan, apply_tensor_parallel, tp_gradient_mismatches
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-
-from tests.parity_jobs import TINY_HF_DECODER
 
 # NOTE: the Hugging Face lane (marker zoo, with tests/zoo), not the README suite (its time).
 pytestmark = pytest.mark.zoo

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.float8.markers import needs_torchao
 from tests.integration.float8.jobs import all_gather_on_off_and_hook, fp8_and_bf16
-from tests.markers import needs_torchao
 
 pytestmark = needs_torchao
 

@@ -15,8 +15,8 @@ from forge_moe_ep import moe_transformer
 from forge_moe_ep.config import MoEModelConfig
 from forge_tp_plans import apply_tensor_parallel
 
+from tests.float8.markers import needs_torchao
 from tests.integration.float8.jobs import parent_input_restyled_to_fp8
-from tests.markers import needs_torchao
 
 pytestmark = needs_torchao
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.float8.markers import needs_torchao
 from tests.integration.vlm.jobs import bf16_hand_off, fp8_and_bf16_vlm, vlm_parity
-from tests.markers import needs_torchao
 
 FSDP2 = {"dp_shard": 4}
 FSDP2_TP = {"dp_shard": 2, "tp": 2}

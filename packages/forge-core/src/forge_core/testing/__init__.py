@@ -5,6 +5,7 @@
   parity check against a single-device model (:mod:`.parity`)
 - :func:`no_host_sync`, :func:`count_host_syncs`, :class:`HostSyncError`: catch device-to-host
   synchronizations (:mod:`.sync_guard`)
+- :data:`TINY_HF_DECODER`: the sizes of the tiny Hugging Face decoders tests build (:mod:`.hf`)
 
 Nothing in forge's layers imports this package; it is here so that every layer's tests, and
 projects vendoring a layer, prove parity the same way.
@@ -27,10 +28,12 @@ _EXPORTS = {
     "HostSyncError": "sync_guard",
     "count_host_syncs": "sync_guard",
     "no_host_sync": "sync_guard",
+    "TINY_HF_DECODER": "hf",
 }
 
 if TYPE_CHECKING:
     from .harness import RankError, RankPool
+    from .hf import TINY_HF_DECODER
     from .parity import (
         ParityResult,
         StepRecord,
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
+    "TINY_HF_DECODER",
     "HostSyncError",
     "ParityResult",
     "RankError",

@@ -1,4 +1,5 @@
-"""Skip markers shared by test modules, each with the reason it prints."""
+"""Skip markers of the Float8 tests, each with the reason it prints (the integration tests of
+Float8 import them from here too)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""File-system places shared by test modules (what a test needs the machine to refuse)."""
+"""File-system places the checkpoint tests need (what a test needs the machine to refuse);
+the integration tests import them from here too."""
 
 from __future__ import annotations
 
