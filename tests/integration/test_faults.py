@@ -53,7 +53,7 @@ def _steps(out: Path) -> list[tuple[int, float, float]]:
     return [(r["step"], r["loss"], r["grad_norm"]) for r in records if "loss" in r]
 
 
-@pytest.mark.slow
+@pytest.mark.lifecycle  # NOTE: a whole forge train killed or starved of disk: the process lane
 @pytest.mark.parametrize(
     ("fault", "says"),
     [

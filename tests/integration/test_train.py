@@ -239,6 +239,7 @@ def stalled_saves(tmp_path_factory):
     saves.close()
 
 
+@pytest.mark.lifecycle  # NOTE: whole forge train runs killed mid-save: the process lane
 @pytest.mark.parametrize("phase", _PHASES)
 def test_a_save_killed_half_way_leaves_the_previous_checkpoint_intact(stalled_saves, phase):
     root = stalled_saves.roots[phase]
@@ -638,7 +639,7 @@ def test_train_20_steps_on_4_ranks_for_each_model_kind(run_on_ranks, tmp_path, p
     assert find_latest(tmp_path / "checkpoints").name == "step-00000020"
 
 
-@pytest.mark.slow
+@pytest.mark.lifecycle  # NOTE: a whole forge train signalled (Ctrl-C): the process lane
 def test_progress_bar_on_a_terminal_and_ctrl_c_saves_and_exits_cleanly(tmp_path):
     import pty
 
@@ -672,7 +673,7 @@ def test_progress_bar_on_a_terminal_and_ctrl_c_saves_and_exits_cleanly(tmp_path)
     assert state["step"] >= 4
 
 
-@pytest.mark.slow
+@pytest.mark.lifecycle  # NOTE: a whole forge train signalled (SIGTERM): the process lane
 def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path):
     proc = subprocess.Popen(
         [
