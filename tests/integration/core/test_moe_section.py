@@ -65,6 +65,17 @@ def test_moe_fields_in_model_are_translated_with_one_notice(tmp_path: Path, wher
     assert "moe_every, num_experts, top_k" in message and "[moe]" in message
 
 
+def test_old_moe_fields_override_an_moe_presets_as_they_did():
+    with pytest.warns(ForgeConfigNotice):
+        old = load_config(None, ["model.preset=debug_moe", "model.top_k=1"])
+    new = load_config(None, ["model.preset=debug_moe", "moe.top_k=1"])
+    assert old == new and old.decoder.top_k == 1 and old.decoder.moe_layers == (0, 1)
+    # over a dense preset, an old [model] without moe_every was a dense model
+    with pytest.warns(ForgeConfigNotice):
+        dense = load_config({"model": {"num_experts": 4}})
+    assert dense.moe is None and dense.decoder.moe_layers == ()
+
+
 def test_an_old_checkpoints_config_loads_to_the_same_config():
     for new in (load_config(NEW), load_config({"model": {"preset": "debug_moe"}}), load_config()):
         with pytest.warns(ForgeConfigNotice, match=r"and \d+ more"):

@@ -279,10 +279,20 @@ def _model_sections(raw: Mapping[str, Any]) -> tuple[ModelConfig, MoEConfig | No
     return dense, replace(moe, **given) if moe is not None else MoEConfig(**given)
 
 
+def _preset_has_moe(raw: Mapping[str, Any]) -> bool:
+    """Whether ``[model] preset`` names a decoder with MoE blocks (``debug_moe``)."""
+    name = raw.get("model", {}).get("preset", "debug")
+    if not isinstance(name, str):
+        return False  # NOTE: _model_sections refuses it, with the fix
+    preset = MoEModelConfig.presets().get(_decoder_preset(name))
+    return preset is not None and bool(preset.custom_ffn_layers)
+
+
 def _moe_fields_out_of_model(raw: dict[str, Any]) -> None:
     """Move MoE fields found in ``[model]`` (where files and checkpoints written before
-    ``[moe]`` existed keep them) to ``[moe]``, with a :class:`ForgeConfigNotice`. There an
-    absent ``moe_every`` meant 0 (a dense model, whose MoE fields are then checked and dropped).
+    ``[moe]`` existed keep them) to ``[moe]``, with a :class:`ForgeConfigNotice`. They override
+    an MoE preset's fields as they did; over a dense preset an absent ``moe_every`` meant 0 (a
+    dense model, whose MoE fields are then checked and dropped).
     """
     dense, moved = split_moe_fields(raw.get("model", {}))
     if not moved:
@@ -302,9 +312,11 @@ def _moe_fields_out_of_model(raw: dict[str, Any]) -> None:
         ForgeConfigNotice,
         stacklevel=3,
     )
-    moe = {**moved, **given} if "moe" in raw else {"moe_every": 0, **moved}
+    moe, keep = {**moved, **given}, "moe" in raw or _preset_has_moe(raw)
+    if not keep:
+        moe.setdefault("moe_every", 0)
     raw["model"] = dense
-    if MoEConfig(**_check_keys("moe", moe)).moe_every or "moe" in raw:
+    if keep or MoEConfig(**_check_keys("moe", moe)).moe_every:
         raw["moe"] = moe
 
 
