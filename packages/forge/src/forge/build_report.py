@@ -40,7 +40,7 @@ __all__ = [
 
 def vlm_wrapper(model: nn.Module) -> VLMWrapper:
     """The ``forge_vlm.VLMWrapper`` inside a VLM config's model (DDP / compile unwrapped)."""
-    # NOTE: only called when cfg.is_vlm, whose model_from_config is build_vlm's VLMWrapper
+    # NOTE: only forge.kinds.VLMKind calls it: its model_from_config is build_vlm's VLMWrapper
     # (FSDP2 swaps in a subclass); unwrap is typed nn.Module only.
     return cast(VLMWrapper, unwrap(model))
 

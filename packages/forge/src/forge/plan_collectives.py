@@ -23,8 +23,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .config import ForgeConfig
+from .kinds import model_kind
 from .layout import Layout
-from .plan_memory import PipelinePlan, checkpointed_components, itemsize_of
+from .plan_memory import PipelinePlan, itemsize_of
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def step_collectives(
     # AC full recomputes each block's forward up to its last saved tensor (w2's input / the MoE
     # combine): the attention's collectives again, the FFN's output reduction not. (Selective
     # and op AC are counted as none.)
-    ac = int(tr.ac_mode == "full" and "decoder" in checkpointed_components(cfg))
+    ac = int(tr.ac_mode == "full" and "decoder" in model_kind(cfg).checkpointed_components())
     moe_blocks = sum(m.is_moe_layer(i) for i in share.blocks)
     block_passes = len(share.blocks) * acc
     if par.tp > 1 and applied is not None:

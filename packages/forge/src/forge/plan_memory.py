@@ -38,11 +38,6 @@ def itemsize_of(cfg: ForgeConfig) -> int:
     return getattr(torch, cfg.training.param_dtype).itemsize
 
 
-def checkpointed_components(cfg: ForgeConfig) -> tuple[str, ...]:
-    """The components AC full wraps (a plain model: its decoder blocks)."""
-    return model_kind(cfg).checkpointed_components()
-
-
 @dataclass(frozen=True)
 class _ActivationParts:
     """:func:`estimate_activations`' bytes per micro-batch, by where they are made: ``first``
@@ -134,7 +129,7 @@ def _activation_parts(cfg: ForgeConfig, layout: Layout, b: int, device: str) -> 
         seq_len=whole, cp=cp, head_dim=m.head_dim, itemsize=e, device=device
     )
     last = 8 * b * s + 4 + norm + 4 * b * s * vocab  # targets, loss scalar, final norm, log-probs
-    in_ac = "decoder" in checkpointed_components(cfg)
+    in_ac = "decoder" in model_kind(cfg).checkpointed_components()
     kept = blocks
     if in_ac:  # AC full: each block keeps its input (the first block's unsplit under SP)
         kept = tuple(
