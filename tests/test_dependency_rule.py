@@ -138,3 +138,11 @@ def test_layer_installs_alone_and_loads_no_other_layer(dist, tmp_path):
         text=True,
     ).stdout.split()
     assert set(out) <= _allowed(dist), out
+
+
+def test_the_workspace_installs_the_kernels_native_extra():
+    """forge-kernels needs cmake and ninja only for its native ops (an extra, kernels/tests
+    checks); forge's development install asks for that extra, so the native ops build in
+    development and CI."""
+    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["dependency-groups"]["dev"]
+    assert "forge-parallel-kernels[native]" in dev

@@ -3,7 +3,7 @@
 Why: forge runs on torch 2.11 through 2.15; a private attribute (a module's ``_forward_hooks``
 dicts, ``DeviceMesh._flatten``, a ``torch.x._y`` module) may change in any release and then
 breaks silently deep in a layer. ``torch_compat.py`` is the one place allowed to touch them,
-tested by ``tests/core/test_torch_compat.py``. (Float8 + TP was the last user of the
+tested by ``packages/forge-core/tests/test_torch_compat.py``. (Float8 + TP was the last user of the
 forward-hook dicts.)
 
 A source scan (``ast``) of ``packages/*/src``:

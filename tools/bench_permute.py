@@ -180,14 +180,9 @@ def bench_layout(shapes, device, reps) -> list[dict]:
 
 
 def _interpreter_fix() -> contextlib.AbstractContextManager[None]:
-    """tests/kernels' fix for triton 3.6's interpreter under numpy >= 2.4 (triton issue #9171).
-
-    NOTE: imported from the tests, not copied: it patches a private triton function, and one
-    copy fails loudly in one place when triton changes. A no-op where numpy is older.
-    """
-    if str(ROOT) not in sys.path:
-        sys.path.insert(1, str(ROOT))  # NOTE: ahead of site-packages, where a stray `tests` may be
-    from tests.kernels.triton_interpreter import interpreter_index_fix
+    """forge_kernels.interpreter's fix for triton 3.6's interpreter under numpy >= 2.4 (triton
+    issue #9171); a no-op where numpy is older."""
+    from forge_kernels.interpreter import interpreter_index_fix
 
     return interpreter_index_fix()
 

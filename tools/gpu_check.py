@@ -13,9 +13,9 @@ What each phase runs, as timed steps (each under ``timeout``, from the phase's d
   temporary folder put first on PYTHONPATH), report the environment (device, driver, python,
   torch, triton, torchao), build and load the native ops (``FORGE_KERNELS_REQUIRE_NATIVE=1``,
   with CUDA: ``FORGE_KERNELS_CUDA=1``).
-- ``tests``: pytest over ``tests/kernels tests/moe_ep/test_moe.py tests/core/test_sync_guard.py
-  tests/cp/test_cp_units.py``
-  (plus ``tests/float8`` when torchao imports) with ``FORGE_KERNELS_TEST_CUDA_BUILD=1``; their
+- ``tests``: pytest over ``kernels/tests packages/forge-moe-ep/tests/test_moe.py packages/forge-core/tests/test_sync_guard.py
+  packages/forge-cp/tests/test_cp_units.py``
+  (plus ``packages/forge-float8/tests`` when torchao imports) with ``FORGE_KERNELS_TEST_CUDA_BUILD=1``; their
   CUDA cases run in bf16 under sync debug mode "error". Then ``tools/nccl_probe.py`` (NCCL with
   several ranks on the one GPU, and forge build's parity job on it when NCCL allows), then a
   smoke run of every benchmark (``--no-smokes`` leaves them to a bench call that follows).
@@ -67,7 +67,7 @@ WHEEL_DIR = ROOT / ".whl"
 # stable against torch 2.11 from 0.17.0 on; 0.18.0's torchao/__init__.py loads its C++
 # extensions for any torch >= 2.11.0 (0.16.0 and older only for the exact torch they were built
 # for). Tested 2026-11-24 in tools/gpu_image_env (torch 2.11.0+cu130, CPU), each release
-# installed with `--no-deps --target` and `pytest tests/float8`: 0.14.1, 0.15.0, 0.16.0, 0.17.0
+# installed with `--no-deps --target` and `pytest packages/forge-float8/tests`: 0.14.1, 0.15.0, 0.16.0, 0.17.0
 # and 0.18.0 all gave 9 passed, 2 failed, the same two failures for each, both torch 2.11's and
 # not torchao's (they pass with torch 2.15 + torchao 0.18.0 in the main lane):
 # `[fsdp2xtp-rowwise]` (torch 2.11's CPU `_scaled_mm` supports only per-tensor scales) and
@@ -99,16 +99,16 @@ GPU_PLATFORMS = (
 )
 
 TESTS = (
-    "tests/kernels",
-    "tests/moe_ep/test_moe.py",
-    "tests/core/test_sync_guard.py",
-    "tests/cp/test_cp_units.py",  # the CUDA lower-right causal bias of forge-cp's kernel
+    "kernels/tests",
+    "packages/forge-moe-ep/tests/test_moe.py",
+    "packages/forge-core/tests/test_sync_guard.py",
+    "packages/forge-cp/tests/test_cp_units.py",  # the CUDA lower-right causal bias of forge-cp's kernel
 )
-FLOAT8_TESTS = ("tests/float8", "tests/integration/float8")
-NATIVE_TESTS = "tests/kernels/test_native.py"
+FLOAT8_TESTS = ("packages/forge-float8/tests", "tests/integration/float8")
+NATIVE_TESTS = "kernels/tests/test_native.py"
 # NOTE: the dry run's real pytest run: the native ops' tests (they load the library the build
 # step made) and the sync guard; the full CPU suite runs elsewhere in the GPU-image lane.
-DRY_RUN_TESTS = ("tests/kernels/test_native.py", "tests/core/test_sync_guard.py")
+DRY_RUN_TESTS = ("kernels/tests/test_native.py", "packages/forge-core/tests/test_sync_guard.py")
 # NOTE: 8 minutes per call (the issue), less what the machine needs around the command.
 DEFAULT_BUDGET_S = 460.0
 MIN_STEP_S = 5.0
@@ -608,7 +608,7 @@ def _gpu_count() -> int:
 
 
 def torchao_found(env: dict[str, str]) -> bool:
-    """Whether torchao is importable with ``env``; decided as tests/float8/markers.py's
+    """Whether torchao is importable with ``env``; decided as packages/forge-float8/tests/float8_markers.py's
     ``needs_torchao`` decides it (``find_spec``), so the selection matches what would skip."""
     probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('torchao') is None)"
     return subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT).returncode == 0

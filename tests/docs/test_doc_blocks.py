@@ -1,5 +1,5 @@
 """Every Python block of README.md, docs/ and the layer READMEs runs as the page says, and prints
-what the page shows (the docs lane: ``pytest -m docs tests``).
+what the page shows (the docs lane: ``pytest -m docs``).
 
 How a block runs is read from the page itself:
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from float8_markers import needs_torchao
 from forge import load_config
 from forge.build import build_parallel_model
 from forge.cli import main
@@ -18,8 +19,6 @@ from forge.job import run_build
 from forge_core import ForgeConfigError, ModelConfig, applied_stages
 from forge_mesh import build_device_mesh
 from forge_vlm import VLMConfig
-
-from tests.float8.markers import needs_torchao
 
 CFG = ModelConfig.preset("debug")
 ROOT = Path(__file__).resolve().parents[2]

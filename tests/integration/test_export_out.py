@@ -15,11 +15,10 @@ from pathlib import Path
 import forge.export
 import forge_checkpoint.files
 import pytest
+from checkpoint_places import read_only_dir
 from forge.cli import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, main
 from forge.train import run_train
 from forge_checkpoint.export import load_safetensors
-
-from tests.checkpoint.places import read_only_dir
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,7 +1,7 @@
 """How a run ends: ranks die with their launcher, one run per directory, signals stop cleanly.
 
 The tests marked ``lifecycle`` start whole ``forge train`` runs (2 ranks, tiny) and kill, signal,
-lock out or starve them of disk: their own CI lane (``uv run pytest -m lifecycle tests``). The
+lock out or starve them of disk: their own CI lane (``uv run pytest -m lifecycle``). The
 others drive forge's launcher (:mod:`forge.launch`) with a few lines of Python on two ranks and
 stay in the default suite.
 """

@@ -179,7 +179,7 @@ def _forward_backward(cfg: Any, model: Any, mesh: Any, *, backward: bool = True)
 
 def _real_comm_counts(overrides: list[str]) -> dict[str, int]:
     # NOTE: imported here, on the rank: torch.distributed.tensor.debug imports triton, and a
-    # triton imported at collection time, before tests/kernels set TRITON_INTERPRET=1, would
+    # triton imported at collection time, before kernels/tests set TRITON_INTERPRET=1, would
     # leave triton's own builtins compiled-mode and break the interpreted kernel tests.
     from torch.distributed.tensor.debug import CommDebugMode
 

@@ -22,11 +22,14 @@ from forge_core.model_config import ModelConfig
 from forge_tp_plans import check_tensor_parallel
 
 ROOT = Path(__file__).resolve().parents[2]
-FIXTURES = "tests.tp_plans.plan_fixtures"
+FIXTURES = "tp_plan_fixtures"
+#: The plan modules of forge-tp-plans' tests, granted by name (they are top-level modules there)
+ALLOW = ["tp_plan_fixtures", "tp_plan_raises_at_import"]
+TP_TESTS = ROOT / "packages" / "forge-tp-plans" / "tests"
 
 
 def _cfg(plan: str):
-    return load_config(None, [f"tp.plan='{plan}'", "tp.allow_import=['tests.tp_plans']"])
+    return load_config(None, [f"tp.plan='{plan}'", f"tp.allow_import={ALLOW}"])
 
 
 @pytest.mark.parametrize(
@@ -40,7 +43,7 @@ def _cfg(plan: str):
         (f"{FIXTURES}:MATCHES_NOTHING", "'layers.*.mlp.up_proj' matches no module"),
         (f"{FIXTURES}:COLWISE_ON_A_NORM", "gives ColwiseParallel to a RMSNorm"),
         (
-            "tests.tp_plans.plan_raises_at_import:PLAN",
+            "tp_plan_raises_at_import:PLAN",
             "failed: RuntimeError: this module does something at import",
         ),
     ],
@@ -65,7 +68,7 @@ def test_a_plan_function_runs_only_on_the_ranks_and_its_failure_is_one_line(plan
     with torch.device("meta"):
         model = Transformer(ModelConfig.preset("debug"))
     with pytest.raises(ForgeConfigError) as err:  # what a rank's apply_tensor_parallel runs
-        check_tensor_parallel(model, 2, plan=plan, allow_import=["tests.tp_plans"])
+        check_tensor_parallel(model, 2, plan=plan, allow_import=ALLOW)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
@@ -84,13 +87,13 @@ def test_the_vlm_encoder_plan_is_import_checked_before_launch():
     overrides = ["model.preset=debug_vlm", "vlm.encoder_tp=true"]
     cfg = load_config(None, [*overrides, f"vlm.encoder_tp_plan='{FIXTURES}:MISSING'"])
     problems = import_problems(cfg, 4)
-    assert any("--allow-import tests" in p for p in problems), problems
+    assert any("--allow-import tp_plan_fixtures" in p for p in problems), problems
     granted = load_config(
         None,
         [
             *overrides,
             f"vlm.encoder_tp_plan='{FIXTURES}:MISSING'",
-            "tp.allow_import=['tests.tp_plans']",
+            f"tp.allow_import={ALLOW}",
         ],
     )
     (line,) = import_problems(granted, 4)
@@ -145,11 +148,11 @@ def test_a_good_imported_plan_passes_the_check():
 
 
 def test_the_cli_refuses_a_wrong_plan_with_exit_2_and_one_line(tmp_path: Path):
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    path = os.pathsep.join(p for p in (str(TP_TESTS), os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "forge.cli", "build"]
         + ["--set", f"tp.plan='{FIXTURES}:A_NUMBER'"]
-        + ["--allow-import", "tests.tp_plans"],
+        + ["--allow-import", FIXTURES],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": path},

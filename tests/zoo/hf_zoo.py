@@ -743,7 +743,7 @@ MOE_LAYOUT: dict[str, Any] = {"dp_shard": 2, "ep": 2}
 def _randomize_zeros(model: Any) -> None:
     """Random values (N(0, 0.1^2), fixed seed) for every floating parameter or buffer that
     transformers initialises to zero (routers, biases, correction biases) or that is a bias, so
-    that routing and biases matter (as ``tests/moe_ep/test_hf_moe.py`` does)."""
+    that routing and biases matter (as ``packages/forge-moe-ep/tests/test_hf_moe.py`` does)."""
     import torch
 
     g = torch.Generator().manual_seed(2)

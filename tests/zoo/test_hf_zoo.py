@@ -17,9 +17,9 @@ class (``forge_moe_ep.hf.HF_MOE_BLOCKS``), and is refused for having no forge Mo
 or not.
 
 Marker ``zoo``: the README's suite leaves it out; CI runs it as a lane of its own
-(``uv run pytest -m zoo tests``). Under transformers 5.17 (the GPU image) the family set
+(``uv run pytest -m zoo``). Under transformers 5.17 (the GPU image) the family set
 differs: only the installed transformers' families are checked, and entries for families it
-lacks are ignored (run it there with ``tools/gpu_image_env python -m pytest -m zoo tests``).
+lacks are ignored (run it there with ``tools/gpu_image_env python -m pytest -m zoo``).
 """
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ pytest.importorskip("transformers")
 from packaging.version import Version  # noqa: E402 - after the skip
 
 from tests.zoo import hf_zoo  # noqa: E402
+
+#: What this module's rank functions import inside the function: the rank workers' forkserver
+#: imports it once (forge_core.testing.pytest_ranks).
+RANK_PRELOAD = ["transformers"]
 
 pytestmark = pytest.mark.zoo
 

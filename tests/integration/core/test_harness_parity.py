@@ -1,4 +1,4 @@
-"""forge_core's parity harness (tests/core/test_harness.py) on a model that forge's
+"""forge_core's parity harness (packages/forge-core/tests/test_harness.py) on a model that forge's
 ParallelPlan built: parity holds after an evaluation forward left an FSDP2 unit gathered."""
 
 from __future__ import annotations

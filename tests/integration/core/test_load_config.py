@@ -1,14 +1,13 @@
 """forge's ``load_config``: every invalid configuration, from a dict, a TOML file or ``--set``
 overrides, gets a ForgeConfigError naming the field, the value and the fix (the config classes
-of forge_core alone: tests/core/test_config.py)."""
+of forge_core alone: packages/forge-core/tests/test_core_config.py)."""
 
 from __future__ import annotations
 
 import pytest
 from forge import load_config
 from forge_core import ForgeConfigError, ModelConfig, ParallelismConfig
-
-from tests.core.test_config import HUGE
+from test_core_config import HUGE
 
 
 def test_credit_style_errors_name_the_credit_key():

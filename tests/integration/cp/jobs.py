@@ -1,6 +1,6 @@
 """Rank functions of the context-parallel tests that build through forge's ParallelPlan or compose
 forge_cp with another layer (forge_fsdp_wrap's apply_ac) (module level, so the rank pool can pickle
-them); forge_cp's own are in tests/cp/jobs.py."""
+them); forge_cp's own are in packages/forge-cp/tests/jobs.py."""
 
 from __future__ import annotations
 

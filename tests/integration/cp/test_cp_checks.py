@@ -1,6 +1,6 @@
 """forge with context parallelism: every bad cp config refused before launch (forge.checks),
 the degrees it suggests, ParallelPlan's refusals on the ranks in the config's words, and the
-plan's activation memory per rank (forge.plan). forge-cp's own pieces: tests/cp/test_cp_units.py."""
+plan's activation memory per rank (forge.plan). forge-cp's own pieces: packages/forge-cp/tests/test_cp_units.py."""
 
 from __future__ import annotations
 

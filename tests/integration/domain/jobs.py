@@ -1,5 +1,5 @@
 """Rank functions of the domain-parallel tests that build through forge's ParallelPlan (the
-conv net and forge_domain's own rank functions: tests/domain/jobs.py)."""
+conv net and forge_domain's own rank functions: packages/forge-domain/tests/domain_jobs.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from domain_jobs import H, W, _net
 from forge_core.training import global_grad_norm, local_batch
 from forge_domain import domain_group, shard_spatial, sync_domain_gradients
 from forge_mesh import build_device_mesh
-
-from tests.domain.jobs import H, W, _net
 
 
 def train_domain_data(steps: int = 10) -> dict[str, Any]:

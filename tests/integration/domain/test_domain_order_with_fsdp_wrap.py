@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch.nn as nn
+from domain_jobs import ConvNet
 from forge_core import ForgeConfigError
 from forge_core.stages import check_stage
 from forge_domain import DomainConv2d
 from forge_fsdp_wrap import apply_ac
-
-from tests.domain.jobs import ConvNet
 
 
 def test_domain_stage_sits_between_float8_and_ac():

@@ -1,5 +1,5 @@
 """Spatial domain parallelism through forge's ParallelPlan on 4 CPU ranks (gloo, fp32): domain 2 x
-FSDP2 2 trains like one device (forge_domain alone: tests/domain/test_domain.py)."""
+FSDP2 2 trains like one device (forge_domain alone: packages/forge-domain/tests/test_domain.py)."""
 
 from __future__ import annotations
 

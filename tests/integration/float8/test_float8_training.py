@@ -1,5 +1,5 @@
 """Float8 training (torchao) of models built by forge's build_parallel_model, composed with FSDP2,
-TP and EP on 4 CPU ranks (forge_float8's conversion, refusals and report: tests/float8).
+TP and EP on 4 CPU ranks (forge_float8's conversion, refusals and report: packages/forge-float8/tests).
 
 CPU float8 runs through torch's CPU ``_scaled_mm`` (bf16 compute). Tolerance: Float8 against
 the same run in bf16, relative loss difference <= 2% at every one of 10 steps. Measured on this
@@ -11,8 +11,8 @@ bound leaves 2.5x headroom for the drift over 10 AdamW steps.
 from __future__ import annotations
 
 import pytest
+from float8_markers import needs_torchao
 
-from tests.float8.markers import needs_torchao
 from tests.integration.float8.jobs import all_gather_on_off_and_hook, fp8_and_bf16
 
 pytestmark = needs_torchao

@@ -1,12 +1,13 @@
 """forge-float8's tests composed with other layers: forge-moe-ep's ``moe_transformer`` as the
 model Float8 converts (its report and refusals), forge-tp-plans' tensor parallelism before Float8
 (the fp8 all-gather refusals, a parent's input preparation moved to fp8) and forge-fsdp-wrap's AC
-(Float8 refused after it). forge_float8 alone: tests/float8/test_float8.py."""
+(Float8 refused after it). forge_float8 alone: packages/forge-float8/tests/test_float8.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch.nn as nn
+from float8_markers import needs_torchao
 from forge_core import ForgeConfigError, ModelConfig
 from forge_float8 import apply_float8, float8_report
 from forge_fsdp_wrap import apply_ac
@@ -15,7 +16,6 @@ from forge_moe_ep import moe_transformer
 from forge_moe_ep.config import MoEModelConfig
 from forge_tp_plans import apply_tensor_parallel
 
-from tests.float8.markers import needs_torchao
 from tests.integration.float8.jobs import parent_input_restyled_to_fp8
 
 pytestmark = needs_torchao

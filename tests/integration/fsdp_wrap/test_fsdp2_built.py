@@ -1,6 +1,6 @@
 """FSDP2 / DDP wrapping of models built by forge's build_parallel_model: sharded init, units,
 no-sync accumulation, unshard, bf16 autocast, replicate-only (forge_fsdp_wrap alone:
-tests/fsdp_wrap/test_fsdp2.py)."""
+packages/forge-fsdp-wrap/tests/test_fsdp2.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Expert parallelism in models built by forge's build_parallel_model on CPU ranks: FSDP2 units of
 MoE blocks, the experts' own axis, no process group held by the MoE layers (the EP layer's
-mechanics alone: tests/moe_ep/test_ep_layer.py)."""
+mechanics alone: packages/forge-moe-ep/tests/test_ep_layer.py)."""
 
 from __future__ import annotations
 

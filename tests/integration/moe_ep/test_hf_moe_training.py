@@ -1,7 +1,7 @@
 """Hugging Face MoE families (tiny configs, random weights) through forge's ParallelPlan: training
 parity under EP=2 x FSDP2 and dp2(ep2) x tp2 against the unconverted Hugging Face model on one
 device. The conversion itself (forge_moe_ep.hf: equal logits, the way back to a Hugging Face
-checkpoint): tests/moe_ep/test_hf_moe.py."""
+checkpoint): packages/forge-moe-ep/tests/test_hf_moe.py."""
 
 from __future__ import annotations
 
@@ -14,9 +14,13 @@ from forge_core.testing import run_parity
 from forge_mesh import build_device_mesh
 from forge_moe_ep.hf import HFMoE
 from forge_tp_plans import applied_tp_plan
+from test_hf_moe import FAMILIES, VOCAB, build_hf_moe
 
-from tests.moe_ep.test_hf_moe import FAMILIES, VOCAB, build_hf_moe
 from tests.parity_jobs import HFLogits
+
+#: What this module's rank functions import inside the function: the rank workers' forkserver
+#: imports it once (forge_core.testing.pytest_ranks).
+RANK_PRELOAD = ["transformers"]
 
 
 def _hf_moe_training_parity(layout: dict) -> list[tuple[str, object, tuple]]:

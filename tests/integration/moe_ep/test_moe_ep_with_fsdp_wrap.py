@@ -1,7 +1,7 @@
 """forge-moe-ep's tests composed with forge-fsdp-wrap: apply_expert_parallel refuses to run after
 apply_fsdp2 (with its other refusals), and the MoE's load-balancing bias update is the same under
 apply_ac's activation checkpointing as without it (forge_moe_ep alone:
-tests/moe_ep/test_ep_layer.py and tests/moe_ep/test_moe.py)."""
+packages/forge-moe-ep/tests/test_ep_layer.py and packages/forge-moe-ep/tests/test_moe.py)."""
 
 from __future__ import annotations
 

@@ -7,14 +7,14 @@ auxiliary loss made on a stage before the last; what each rank holds after the s
 from __future__ import annotations
 
 import pytest
+from test_pp_units import OLD_TORCH
 
 from tests.integration.pp.jobs import pipeline_parity, rank_model_facts, vlm_pipeline_parity
-from tests.pp.test_pp_units import OLD_TORCH
 
 PP2 = {"pp": 2, "data": "none"}
 
 #: forge-pp refuses the V-placed schedules on torch < 2.15 (their stage set-up fails on gloo
-#: there); tests/pp/test_pp_units.py checks that refusal on those releases.
+#: there); packages/forge-pp/tests/test_pp_units.py checks that refusal on those releases.
 V_NEEDS_NEW_TORCH = pytest.mark.skipif(
     OLD_TORCH, reason="V schedules are refused on torch < 2.15 (forge_pp.checks)"
 )

@@ -7,7 +7,7 @@
   keeps alive (autograd's saved tensors, the stage outputs torch's stage holds) on 2 gloo ranks,
   for every schedule (the in-flight rules written in ``estimate_pipeline_activations`` hold
   against torch's own action order for many (pp, micro-batches, stages per rank):
-  tests/pp/test_pp_in_flight.py);
+  packages/forge-pp/tests/test_pp_in_flight.py);
 - (c) 4,096 ranks with pp=8 plan in seconds, every pipeline rank reported; a schedule torch
   refuses is a broken rule (exit 2);
 - (d) the FSDP2, TP and point-to-point traffic of a step equal what the real step runs.
@@ -45,9 +45,9 @@ from forge_pp import (
     schedule_problems,
     stage_indices,
 )
+from test_pp_units import OLD_TORCH
 
 from tests.child import json_from_child
-from tests.pp.test_pp_units import OLD_TORCH
 
 PP2 = ["parallelism.pp=2", "model.n_layers=4"]
 #: Layouts on 4 ranks (overrides of forge's default config: debug model, tp=2).
@@ -241,7 +241,7 @@ def _real_peak(overrides: list[str]) -> tuple[int, int, int, int]:
 
 
 def _skip_refused_here(overrides: list[str]) -> None:
-    """Skip a real run of a schedule forge-pp refuses on this torch (tests/pp/test_pp_units.py
+    """Skip a real run of a schedule forge-pp refuses on this torch (packages/forge-pp/tests/test_pp_units.py
     checks the refusal)."""
     names = [o.split("=", 1)[1] for o in overrides if o.startswith("pp.schedule=")]
     if names and schedule_problems(PPConfig(schedule=names[-1])):

@@ -1,6 +1,6 @@
 """forge-tp-plans' Hugging Face model tests composed with forge-fsdp-wrap: under FSDP2 x TP the
 logits and every gradient match the unsharded model, and training matches it in loss and gradient
-norm (TP=2 alone: tests/tp_plans/test_hf_models.py, whose models and check these reuse)."""
+norm (TP=2 alone: packages/forge-tp-plans/tests/test_hf_models.py, whose models and check these reuse)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,15 @@ from forge_core.testing import run_parity
 from forge_fsdp_wrap import apply_fsdp2, default_mp_policy
 from forge_mesh import build_device_mesh
 from forge_tp_plans import apply_tensor_parallel
+from test_hf_models import COMMON, _build
+from test_hf_models import _hf_logits_and_grads as _tp_logits_and_grads
 from torch.distributed.device_mesh import DeviceMesh
 
 from tests.parity_jobs import HFLogits
-from tests.tp_plans.test_hf_models import COMMON, _build
-from tests.tp_plans.test_hf_models import _hf_logits_and_grads as _tp_logits_and_grads
+
+#: What this module's rank functions import inside the function: the rank workers' forkserver
+#: imports it once (forge_core.testing.pytest_ranks).
+RANK_PRELOAD = ["transformers"]
 
 # NOTE: the Hugging Face lane (marker zoo, with tests/zoo), not the README suite (its time).
 pytestmark = pytest.mark.zoo
@@ -28,7 +32,7 @@ def _fsdp2(model: nn.Module, mesh: DeviceMesh) -> None:
 
 
 def _hf_logits_and_grads(name: str, layout: dict) -> dict:
-    """tests/tp_plans/test_hf_models.py's check, with FSDP2 applied after TP."""
+    """packages/forge-tp-plans/tests/test_hf_models.py's check, with FSDP2 applied after TP."""
     return _tp_logits_and_grads(name, layout, shard=_fsdp2)
 
 

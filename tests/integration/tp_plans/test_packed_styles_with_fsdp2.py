@@ -1,6 +1,6 @@
 """forge-tp-plans' fused-Linear ("packed") and MLA style tests composed with forge-fsdp-wrap: under
 FSDP2 x TP on 4 CPU gloo ranks, a packed Phi3 and an MLA MiniCPM3 match the unsharded model in
-logits and every gradient (TP=2 alone: tests/tp_plans/test_packed_styles.py, whose models and
+logits and every gradient (TP=2 alone: packages/forge-tp-plans/tests/test_packed_styles.py, whose models and
 check these reuse)."""
 
 from __future__ import annotations
@@ -9,9 +9,12 @@ import pytest
 import torch
 import torch.nn as nn
 from forge_fsdp_wrap import apply_fsdp2, default_mp_policy
+from test_packed_styles import _hf_parity as _tp_parity
 from torch.distributed.device_mesh import DeviceMesh
 
-from tests.tp_plans.test_packed_styles import _hf_parity as _tp_parity
+#: What this module's rank functions import inside the function: the rank workers' forkserver
+#: imports it once (forge_core.testing.pytest_ranks).
+RANK_PRELOAD = ["transformers"]
 
 # NOTE: the Hugging Face lane (marker zoo, with tests/zoo), not the README suite (its time).
 pytestmark = pytest.mark.zoo
@@ -22,7 +25,7 @@ def _fsdp2(model: nn.Module, mesh: DeviceMesh) -> None:
 
 
 def _hf_parity(name: str, layout: dict, explicit: bool) -> dict:
-    """tests/tp_plans/test_packed_styles.py's check, with FSDP2 applied after TP."""
+    """packages/forge-tp-plans/tests/test_packed_styles.py's check, with FSDP2 applied after TP."""
     return _tp_parity(name, layout, explicit, shard=_fsdp2)
 
 

@@ -1,6 +1,6 @@
 """forge-tp-plans' tests composed with forge-fsdp-wrap: apply_tensor_parallel's refusals on CPU
 ranks, among them TP refused after apply_fsdp2 (the order contract) (forge_tp_plans alone:
-tests/tp_plans/test_plans.py)."""
+packages/forge-tp-plans/tests/test_plans.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from forge_core import ModelConfig, Transformer
 from forge_fsdp_wrap import apply_fsdp2, default_mp_policy
 from forge_mesh import build_device_mesh
 from forge_tp_plans import apply_tensor_parallel
-
-from tests.tp_plans.test_plans import _error, _meta
+from test_plans import _error, _meta
 
 
 def _validation_in_ranks() -> dict[str, str]:

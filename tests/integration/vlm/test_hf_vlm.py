@@ -16,6 +16,10 @@ from forge_mesh import build_device_mesh
 from forge_tp_plans import applied_tp_plan
 from torch.distributed.fsdp import FSDPModule
 
+#: What this module's rank functions import inside the function: the rank workers' forkserver
+#: imports it once (forge_core.testing.pytest_ranks).
+RANK_PRELOAD = ["transformers"]
+
 # NOTE: the Hugging Face lane (marker zoo, with tests/zoo), not the README suite (its time).
 pytestmark = pytest.mark.zoo
 

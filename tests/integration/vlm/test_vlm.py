@@ -5,8 +5,8 @@ steps; the bf16 dtype hand-off by ``cast_forward_inputs``; refusals of bad layou
 from __future__ import annotations
 
 import pytest
+from float8_markers import needs_torchao
 
-from tests.float8.markers import needs_torchao
 from tests.integration.vlm.jobs import bf16_hand_off, fp8_and_bf16_vlm, vlm_parity
 
 FSDP2 = {"dp_shard": 4}

@@ -1,7 +1,7 @@
 """A forge_vlm VLM built from forge's ``debug_vlm`` config (forge.load_config) on one process:
 the encoder, causality across the image, init, freezing, the frozen-sharding rule, the
 per-component stage contract, the config sections and their refusals. forge_vlm's modules
-alone: tests/vlm/test_model.py."""
+alone: packages/forge-vlm/tests/test_model.py."""
 
 from __future__ import annotations
 

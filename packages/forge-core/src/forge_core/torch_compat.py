@@ -3,7 +3,7 @@
 forge runs on torch 2.11 (the lent GPU machines) through 2.15. A few things it needs are private
 in torch (a mesh unflatten, FSDP2's parameter groups, autograd's running-backward flag). Their
 access lives here and nowhere else in the layers, so a torch release that moves one breaks this
-file, and ``tests/core/test_torch_compat.py`` names the function that broke instead of a
+file, and ``packages/forge-core/tests/test_torch_compat.py`` names the function that broke instead of a
 traceback deep in a layer. Where versions differ, the function says which needs which path.
 
 Provides :func:`unflatten_mesh_dim`, :func:`flatten_mesh`, :func:`mesh_group_ranks`,

@@ -3,8 +3,8 @@
 Keyed by the model's class name (no transformers import), with the module paths transformers'
 models use. Only the decoder blocks are split (attention by heads, the MLP in then out);
 embeddings and the head stay replicated, which keeps tied weights tied. Each entry is proven at
-TP=2 against the unsharded model, logits and every gradient (``tests/tp_plans/test_hf_models.py``:
-StableLM, GPT-J; ``tests/tp_plans/test_hf_classics.py``: OPT, GPT-2, GPT-BigCode, Falcon, Bloom).
+TP=2 against the unsharded model, logits and every gradient (``packages/forge-tp-plans/tests/test_hf_models.py``:
+StableLM, GPT-J; ``packages/forge-tp-plans/tests/test_hf_classics.py``: OPT, GPT-2, GPT-BigCode, Falcon, Bloom).
 
 Attention with separate q, k and v projections (StableLM, GPT-J, OPT) is split column then row
 with torch's styles; the head counts its forward reads are in :data:`FAMILY_HEAD_COUNTS` (OPT's
