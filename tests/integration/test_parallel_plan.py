@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import forge_float8.checks
@@ -85,6 +86,25 @@ def test_from_config_parallelizes_an_hf_llama_fsdp2_x_tp_like_one_device(run_on_
     assert out["stages"] == ["tp", "fsdp2"]
     assert out["tp"].startswith("huggingface plan over 2 ranks"), out["tp"]
     assert len(out["result"].parallel) == 5
+
+
+def _default_data_modes(_: None) -> dict[str, Any]:
+    from forge_core import ParallelismConfig
+
+    dp = ParallelPlan(build_device_mesh(ParallelismConfig(dp_shard=2), "cpu"))
+    return {"dp": (dp.data, dp.data_mode)}
+
+
+def test_a_plan_keeps_the_data_it_was_given_and_derives_the_mode(run_on_ranks):
+    """``data=None`` stays None on the frozen plan (nothing rewrites a field); ``data_mode`` is
+    fsdp2 over a data-parallel mesh, none on one device; a changed copy derives it again."""
+    out = run_on_ranks(2, _default_data_modes, None)[0]
+    assert out["dp"] == (None, "fsdp2")
+    one = ParallelPlan(None)
+    assert (one.data, one.data_mode) == (None, "none")
+    assert replace(one, data="none").data_mode == "none"
+    with pytest.raises(ForgeConfigError, match="needs a mesh with a data-parallel axis"):
+        replace(one, data="fsdp2")
 
 
 # --- from_config is the mapping forge build uses ------------------------------------------------

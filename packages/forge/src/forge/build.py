@@ -56,11 +56,7 @@ from forge_pp import PipelineSplit, attach_schedule, pipeline_split, share_buffe
 from forge_pp.checks import stages_per_rank_problems
 from forge_pp.config import PPConfig
 from forge_tp_plans.checks import pipeline_stage_problems
-from forge_vlm import (
-    AdapterConfig,
-    VisionEncoderConfig,
-    VLMConfig,
-)
+from forge_vlm import AdapterConfig, VisionEncoderConfig, VLMConfig
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -69,13 +65,7 @@ from .checks import check_float8, check_plan
 from .config import COMPILE_SCOPES, ForgeConfig, as_config
 from .hf_prepare import no_kv_cache_under_ac
 from .layout import Layout, resolve_layout
-from .model_spec import (
-    ac_components,
-    materialize,
-    model_spec,
-    refuse_materialized,
-    shard_frozen,
-)
+from .model_spec import ac_components, materialize, model_spec, refuse_materialized, shard_frozen
 from .models import build_meta_model, model_from_config
 
 __all__ = [
@@ -111,7 +101,8 @@ class ParallelPlan:
 
     A plan is frozen: :func:`dataclasses.replace` makes a changed copy (checked again).
 
-    ``data``: ``fsdp2`` | ``ddp`` | ``none``; None picks ``fsdp2`` when the mesh has a DP axis.
+    ``data``: ``fsdp2`` | ``ddp`` | ``none``; None picks ``fsdp2`` when the mesh has a DP axis
+    (:attr:`data_mode` is the mode applied).
     ``param_dtype`` is the compute dtype; parameters (master weights) stay float32 in every mode.
     FSDP2 gets it through ``default_mp_policy`` (ignored when ``mp_policy`` is given); DDP and
     ``none`` run the forward under ``torch.autocast(param_dtype)`` (see ``enable_autocast``).
@@ -157,18 +148,25 @@ class ParallelPlan:
     packed_sequences: bool | None = None
     pp: PPConfig = PPConfig()
 
+    @property
+    def data_mode(self) -> str:
+        """The data-parallel mode this plan applies: ``data`` as given, or for ``data=None``
+        ``fsdp2`` when the mesh has a data-parallel axis and ``none`` otherwise (derived on
+        each read: a frozen plan keeps the fields it was given)."""
+        if self.data is not None:
+            return self.data
+        return "fsdp2" if has_dp_mesh(self.device_mesh) else "none"
+
     def __post_init__(self) -> None:
         sizes = {axis: axis_size(self.device_mesh, axis) for axis in ("cp", "pp", "tp", "domain")}
-        if self.data is None:  # frozen: the resolved default is set once, here
-            object.__setattr__(self, "data", "fsdp2" if has_dp_mesh(self.device_mesh) else "none")
         check_plan(
-            str(self.data),
+            self.data_mode,
             sizes,
             ac_mode=self.ac_mode,
         )
-        if self.data in ("fsdp2", "ddp") and not has_dp_mesh(self.device_mesh):
+        if self.data_mode in ("fsdp2", "ddp") and not has_dp_mesh(self.device_mesh):
             raise ForgeConfigError(
-                f"data={self.data!r} needs a mesh with a data-parallel axis; use data='none' on "
+                f"data={self.data_mode!r} needs a mesh with a data-parallel axis; use data='none' on "
                 "one device, or a mesh with dp_shard / dp_replicate > 1"
             )
         if self.compile_scope not in COMPILE_SCOPES:
@@ -271,7 +269,7 @@ class ParallelPlan:
         (:meth:`forge_float8.Float8Config.resolve_fsdp_all_gather`) for this plan's mesh."""
         backend = "gloo" if _ranks_device_type(self.device_mesh) == "cpu" else "nccl"
         return self.float8.resolve_fsdp_all_gather(
-            data=str(self.data), tp=axis_size(self.device_mesh, "tp"), dp_backend=backend
+            data=self.data_mode, tp=axis_size(self.device_mesh, "tp"), dp_backend=backend
         )
 
     def parallelize(
@@ -329,7 +327,7 @@ class ParallelPlan:
         if axis_size(mesh, "pp") <= 1:
             raise ForgeConfigError("parallelize_stages needs a mesh with a pp axis of size > 1")
         assert mesh is not None
-        if self.data == "ddp" or self.compile_scope == "model" and self.compile_model:
+        if self.data_mode == "ddp" or self.compile_scope == "model" and self.compile_model:
             raise ForgeConfigError(
                 "parallelism.pp > 1 supports data='fsdp2' or 'none' and per-block compile; "
                 "set parallelism.data='fsdp2' and training.compile_scope='blocks'"
@@ -392,7 +390,7 @@ class ParallelPlan:
             apply_ac(model, self.ac_mode, components=self.ac_components)
         if self.compile_model and self.compile_scope == "blocks":
             apply_compile(model, backend=self.compile_backend)
-        if self.data == "fsdp2":
+        if self.data_mode == "fsdp2":
             mp = self.mp_policy or default_mp_policy(self.param_dtype)
             assert mesh is not None  # data='fsdp2' has a DP axis (__post_init__)
             apply_fsdp2(
@@ -406,11 +404,11 @@ class ParallelPlan:
         if device is not None:
             # NOTE: with CPU offload the sharded parameters live on the CPU (FSDP2 copies them
             # to the device per unit); buffers are not managed by FSDP2 and must be on the device.
-            offload = self.cpu_offload and self.data == "fsdp2"
+            offload = self.cpu_offload and self.data_mode == "fsdp2"
             spec.materialize(device, seed or 0, param_device="cpu" if offload else device)
-        if self.data in ("ddp", "none") and self.param_dtype != torch.float32:
+        if self.data_mode in ("ddp", "none") and self.param_dtype != torch.float32:
             enable_autocast(model, self.param_dtype)
-        if self.data == "ddp":
+        if self.data_mode == "ddp":
             assert mesh is not None  # data='ddp' has a DP axis (__post_init__)
             return apply_ddp(model, mesh)
         return model

@@ -81,7 +81,7 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
     t = cfg.training
     dtype = getattr(torch, t.param_dtype)
     plan = ParallelPlan.from_config(cfg, mesh, layout=layout)  # the one config -> plan mapping
-    data = plan.data
+    data = plan.data_mode
     model = plan.parallelize(model_from_config(cfg), device=device, seed=t.seed)
     model = plan.maybe_compile(model)
     # NOTE: with Float8 the reference is the same Float8 model on one device (bf16 compute when
