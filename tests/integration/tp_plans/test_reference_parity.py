@@ -64,6 +64,8 @@ def test_fsdp2_x_tp_2x2_matches_single_device(run_on_ranks):
     _check(run_on_ranks(4, _parity, {"tp": 2}))
 
 
+# NOTE: the heavy lane (marker heavy, run by .ci/run in both venvs): among the suite's slowest.
+@pytest.mark.heavy
 def test_hsdp_x_tp_2x2x2_matches_single_device(run_on_ranks):
     _check(run_on_ranks(8, _parity, {"dp_replicate": 2, "tp": 2}, steps=4))
 
@@ -84,6 +86,8 @@ def test_fsdp2_x_tp_with_ac_matches_single_device(run_on_ranks, ac_mode):
     _check(run_on_ranks(4, _parity, {"tp": 2}, ac_mode=ac_mode))
 
 
+# NOTE: the heavy lane (marker heavy, run by .ci/run in both venvs): among the suite's slowest.
+@pytest.mark.heavy
 def test_fsdp2_x_tp_with_ac_and_compile_aot_eager_matches_single_device(run_on_ranks):
     """torch.compile with the aot_eager backend (inductor on 2 CPU cores would dominate the suite)."""
     for result in run_on_ranks(4, compiled_parity, {"tp": 2}):

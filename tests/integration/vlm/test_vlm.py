@@ -121,6 +121,8 @@ def test_vlm_with_an_moe_decoder_and_expert_parallelism_matches_single_device(ru
     assert first["stages"]["decoder"] == ["ep", "fsdp2"]
 
 
+# NOTE: the heavy lane (marker heavy, run by .ci/run in both venvs): among the suite's slowest.
+@pytest.mark.heavy
 @needs_torchao
 def test_vlm_float8_decoder_trains_within_two_percent_of_bf16(run_on_ranks):
     # The bound of tests/integration/float8 (fp8 rounding averaged over the GEMM reductions, 10
