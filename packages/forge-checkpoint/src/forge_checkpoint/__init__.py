@@ -13,6 +13,9 @@
   index records, read by an unpickler that admits exact globals only
   (:mod:`forge_checkpoint.index`)
 - :func:`load_model_weights`: fill a model from a checkpoint's shards in one process
+- :func:`load_hf_weights`, :func:`hf_weight_problems`, :func:`hf_weight_shapes`: a Hugging Face
+  model directory's safetensors into a parallelized model, each rank reading only its slices,
+  and the check of names and shapes before any rank starts (:mod:`forge_checkpoint.hf_weights`)
 - :func:`to_hf_llama`, :func:`from_hf_llama`, :func:`export_hf_llama`, :func:`save_safetensors`,
   :func:`load_safetensors`: the reference Transformer <-> Hugging Face Llama, one-file
   safetensors with shared tensors kept shared (:mod:`forge_checkpoint.export`)
@@ -45,6 +48,12 @@ _EXPORTS = {
     "SafeFileSystemReader": "dcp",
     "load_model_weights": "dcp",
     "optimizer_hyperparameters": "dcp",
+    "HF_INDEX": "hf_weights",
+    "HF_SINGLE": "hf_weights",
+    "hf_weight_files": "hf_weights",
+    "hf_weight_problems": "hf_weights",
+    "hf_weight_shapes": "hf_weights",
+    "load_hf_weights": "hf_weights",
     "export_hf_llama": "export",
     "from_hf_llama": "export",
     "hf_llama_config": "export",
@@ -84,6 +93,14 @@ if TYPE_CHECKING:
         read_train_state,
         verify_checkpoint,
     )
+    from .hf_weights import (
+        HF_INDEX,
+        HF_SINGLE,
+        hf_weight_files,
+        hf_weight_problems,
+        hf_weight_shapes,
+        load_hf_weights,
+    )
     from .index import RefusedPickle, model_shapes
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
@@ -91,6 +108,8 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __version__ = "0.1.0"
 
 __all__ = [
+    "HF_INDEX",
+    "HF_SINGLE",
     "CheckpointDamaged",
     "CheckpointIOError",
     "Checkpointer",
@@ -107,7 +126,11 @@ __all__ = [
     "forge_written",
     "from_hf_llama",
     "hf_llama_config",
+    "hf_weight_files",
+    "hf_weight_problems",
+    "hf_weight_shapes",
     "latest_intact",
+    "load_hf_weights",
     "load_model_weights",
     "load_safetensors",
     "model_shapes",

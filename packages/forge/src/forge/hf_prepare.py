@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.nn as nn
 from forge_core import ForgeConfigError
 from forge_core.contracts import declare_components, declared_components
@@ -139,3 +140,25 @@ def apply_packed_sequences(model: nn.Module, packed_sequences: bool | None) -> N
         )
     else:
         logger.info("packed_sequences=False: this transformers has no such check; no hooks")
+
+
+@torch.no_grad()
+def init_hf_weights(model: nn.Module, seed: int) -> None:
+    """Fill a Hugging Face model just allocated from the meta device as transformers initializes
+    one, from ``seed``: the parameters by the model's own ``_init_weights`` (normal, zeros, ones
+    by module type) and the buffers no checkpoint holds (rotary frequencies, embedding scales)
+    recomputed from the config. ``load_hf_weights`` then replaces the parameters of a pretrained
+    model; the buffers it does not touch are right either way.
+
+    ``PreTrainedModel.init_weights`` takes no seed (and does nothing when it believes it is on
+    the meta device): the seed goes to torch's generator, restored afterwards.
+    """
+    initialize = getattr(model, "initialize_weights", None)
+    if not callable(initialize):
+        raise ForgeConfigError(
+            f"{type(model).__name__} has no initialize_weights(): materialize it yourself, or "
+            "build it with transformers >= 5"
+        )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        initialize()

@@ -23,8 +23,9 @@ Provides :class:`ModelSpec`, :func:`model_spec`, :func:`materialize`,
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -40,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .hf_prepare import apply_packed_sequences, prepare_hf
+from .hf_prepare import apply_packed_sequences, init_hf_weights, prepare_hf
 
 __all__ = [
     "ModelSpec",
@@ -113,7 +114,8 @@ class ModelSpec:
     ) -> None:
         """:func:`materialize` the model; a component left out of FSDP2 then computes on
         ``device`` even when the sharded parameters live on ``param_device`` (CPU offload)."""
-        materialize(self.model, device, seed, param_device=param_device)
+        init = partial(init_hf_weights, self.model) if self.kind == "hf" else None
+        materialize(self.model, device, seed, param_device=param_device, init=init)
         for part in self.parts:
             if param_device != device and not isinstance(part, FSDPModule):
                 part.to(device)
@@ -160,12 +162,14 @@ def materialize(
     seed: int,
     *,
     param_device: torch.device | str | None = None,
+    init: Callable[[int], None] | None = None,
 ) -> nn.Module:
-    """Allocate a meta-device model and fill it deterministically from ``seed``.
+    """Allocate a meta-device model and fill it deterministically from ``seed``: with ``init``
+    (called with the seed) or the model's own ``init_weights(seed)``.
 
     Parameters go to ``param_device`` (default ``device``), buffers to ``device``.
     """
-    init_weights = getattr(model, "init_weights", None)
+    init_weights = init or getattr(model, "init_weights", None)
     if not callable(init_weights):
         raise ForgeConfigError(
             f"{type(model).__name__} has no init_weights(seed); materialize it yourself"

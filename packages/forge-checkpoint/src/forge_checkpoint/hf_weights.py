@@ -1,0 +1,204 @@
+"""Hugging Face weights in, sharded: fill a parallelized model from a model directory, each rank
+reading only the slices of each tensor it owns.
+
+A Hugging Face model directory holds ``model.safetensors`` or several safetensors files with an
+index (``model.safetensors.index.json``: tensor name -> file). :func:`load_hf_weights` loads them
+into a model whose parameters are already sharded (FSDP2, HSDP, TP, any mix: DTensors) or plain,
+through torch.distributed.checkpoint's Hugging Face storage reader, which reads each rank's
+slices with ``safetensors``' lazy slicing: no rank ever holds a whole tensor it does not own, let
+alone the whole model. Values are converted to each parameter's dtype as they are copied.
+
+:func:`hf_weight_problems` is the check before any rank starts: every name and shape the model
+expects against the files' headers (read as JSON, no tensor data and no torch), one line per
+kind of mismatch. A tensor the model ties to another (a language model head sharing the
+embedding) may be absent from the files, as transformers writes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import warnings
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from forge_core import ForgeConfigError
+from forge_core.errors import refuse
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+__all__ = [
+    "HF_INDEX",
+    "HF_SINGLE",
+    "hf_weight_files",
+    "hf_weight_problems",
+    "hf_weight_shapes",
+    "load_hf_weights",
+]
+
+HF_SINGLE = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+#: A safetensors header larger than this is refused (the format's own readers cap it at 100 MB).
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+def _index_files(directory: Path) -> dict[str, Path]:
+    index = directory / HF_INDEX
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ForgeConfigError(f"{index}: not a readable safetensors index ({err})") from err
+    if not isinstance(weight_map, dict):
+        raise ForgeConfigError(f"{index}: 'weight_map' must map tensor names to files")
+    files: dict[str, Path] = {}
+    for name, file in weight_map.items():
+        path = (directory / str(file)).resolve()
+        if path.parent != directory.resolve() or not path.is_file():
+            raise ForgeConfigError(
+                f"{index}: tensor {name!r} names {file!r}, which is not a file in {directory}"
+            )
+        files[str(name)] = path
+    return files
+
+
+def hf_weight_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
+    """Each tensor name of a Hugging Face model directory -> the safetensors file holding it.
+
+    Refuses, with one line naming the directory, one without weights, an index that names a
+    file outside the directory or a missing one.
+    """
+    folder = Path(directory)
+    if (folder / HF_INDEX).is_file():
+        return _index_files(folder)
+    single = folder / HF_SINGLE
+    if single.is_file():
+        return dict.fromkeys(_header(single), single)
+    raise ForgeConfigError(
+        f"{folder}: no {HF_SINGLE} or {HF_INDEX}: a Hugging Face model directory holds its "
+        "weights as safetensors (save_pretrained writes them)"
+    )
+
+
+def _header(path: Path) -> dict[str, tuple[int, ...]]:
+    """The tensor shapes a safetensors file's header records (8-byte length, then JSON)."""
+    try:
+        with path.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > min(_MAX_HEADER, path.stat().st_size - 8):
+                raise ValueError(f"header length {size} exceeds the file")
+            header = json.loads(f.read(size))
+        shapes = {
+            str(name): tuple(int(d) for d in entry["shape"])
+            for name, entry in header.items()
+            if name != "__metadata__"
+        }
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
+        raise ForgeConfigError(f"{path}: not a readable safetensors file ({err})") from err
+    return shapes
+
+
+def hf_weight_shapes(directory: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Hugging Face model directory -> its shape, from the headers alone."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    files = hf_weight_files(directory)
+    for path in sorted(set(files.values())):
+        shapes.update(_header(path))
+    missing = sorted(set(files) - set(shapes))
+    if missing:
+        raise ForgeConfigError(
+            f"{directory}: the index names {len(missing)} tensor(s) its files do not hold "
+            f"({', '.join(missing[:3])})"
+        )
+    return {name: shapes[name] for name in files}
+
+
+def _names(names: Iterable[str]) -> str:
+    listed = sorted(names)
+    more = f" and {len(listed) - 3} more" if len(listed) > 3 else ""
+    return ", ".join(listed[:3]) + more
+
+
+def hf_weight_problems(
+    expected: Mapping[str, tuple[int, ...]],
+    directory: str | os.PathLike[str],
+    *,
+    tied: Iterable[str] = (),
+) -> list[str]:
+    """What stops ``directory``'s weights from filling a model that expects ``expected`` (name ->
+    full shape): missing tensors (``tied`` ones excepted), tensors the model does not have, and
+    shapes that differ, each one line naming the directory. An unreadable directory gives its
+    own one line."""
+    try:
+        stored = hf_weight_shapes(directory)
+    except ForgeConfigError as err:
+        return [str(err)]
+    problems = []
+    missing = set(expected) - set(stored) - set(tied)
+    if missing:
+        problems.append(
+            f"{directory}: the weights lack {len(missing)} tensor(s) the model has "
+            f"({_names(missing)}); is the directory this model's (config.json)?"
+        )
+    unexpected = set(stored) - set(expected)
+    if unexpected:
+        problems.append(
+            f"{directory}: the weights hold {len(unexpected)} tensor(s) the model does not have "
+            f"({_names(unexpected)}); is config.json the one these weights were saved with?"
+        )
+    wrong = [
+        f"{n} {list(stored[n])} (model: {list(expected[n])})"
+        for n in sorted(set(stored) & set(expected))
+        if tuple(stored[n]) != tuple(expected[n])
+    ]
+    if wrong:
+        more = f" and {len(wrong) - 2} more" if len(wrong) > 2 else ""
+        problems.append(
+            f"{directory}: {len(wrong)} tensor(s) have another shape than the model's: "
+            + "; ".join(wrong[:2])
+            + more
+        )
+    return problems
+
+
+def _tied_names(model: nn.Module, stored: Iterable[str]) -> set[str]:
+    """Names absent from the files whose parameter is the very object a stored name holds (a
+    tied head); ``state_dict(keep_vars=True)`` keeps the objects, which plain state dicts
+    detach into distinct tensors."""
+    present = set(stored)
+    objects = model.state_dict(keep_vars=True)
+    held = {id(t) for name, t in objects.items() if name in present}
+    return {name for name, t in objects.items() if name not in present and id(t) in held}
+
+
+def load_hf_weights(model: nn.Module, directory: str | os.PathLike[str]) -> None:
+    """Fill ``model`` (parallelized or not, materialized on its device) from a Hugging Face model
+    directory's safetensors, each rank reading only its own slices.
+
+    Collective when a process group is initialized: every rank of the model's group calls it.
+    The model's parameter names must be the directory's tensor names (a model built from the
+    directory's config.json); anything else is refused with one line, before any read.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    state_dict = get_model_state_dict(model)
+    stored = hf_weight_shapes(directory)
+    tied = _tied_names(model, stored)
+    shapes = {n: tuple(getattr(t, "shape", ())) for n, t in state_dict.items()}
+    refuse(hf_weight_problems(shapes, directory, tied=tied))
+    wanted = {name: t for name, t in state_dict.items() if name not in tied}
+    one_process = not (dist.is_available() and dist.is_initialized())
+    reader = HuggingFaceStorageReader(str(directory))
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.filterwarnings("ignore", message=".*single process")
+        dcp_load(wanted, storage_reader=reader, no_dist=one_process)
+    set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))

@@ -1,0 +1,130 @@
+"""Hugging Face weights in, sharded: a model built on the meta device from a directory's config,
+parallelized by forge (FSDP2 x TP on 4 CPU ranks), materialized and filled by
+``forge_checkpoint.load_hf_weights`` gives the logits ``from_pretrained`` gives on one device,
+while each rank reads only its slices of the safetensors files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from forge.build import ParallelPlan
+from forge_core import ParallelismConfig
+from forge_core.testing import TINY_HF_DECODER
+from forge_mesh import build_device_mesh
+
+transformers = pytest.importorskip("transformers")
+
+#: What this module's rank functions import inside the function (the forkserver imports it once).
+RANK_PRELOAD = ["transformers"]
+
+# NOTE: the Hugging Face lane (marker zoo: per-family HF parity), not the README suite (its time).
+pytestmark = pytest.mark.zoo
+
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 8}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 8, "sliding_window": 4}),
+}
+TOKENS = torch.randint(
+    0, TINY_HF_DECODER["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3)
+)
+
+
+def save_tiny(family: str, directory: Path, max_shard_size: str | None = None) -> None:
+    """A tiny model of ``family`` with random weights (not the init's: every tensor moved, so a
+    tensor left unloaded shows) saved by ``save_pretrained``, sharded when asked."""
+    import transformers
+
+    name, extra = FAMILIES[family]
+    config = getattr(transformers, name)(**TINY_HF_DECODER, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **kwargs)
+
+
+def _meta_model(directory: str) -> torch.nn.Module:
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(directory)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _sharded_logits(directory: str, layout: dict[str, int]) -> dict[str, Any]:
+    """One rank: meta model -> forge's plan -> materialize -> load; logits and what was read."""
+    import safetensors
+    from forge_checkpoint import load_hf_weights
+
+    mesh = build_device_mesh(ParallelismConfig(**layout), "cpu")
+    plan = ParallelPlan(mesh, param_dtype=torch.float32)
+    model = plan.parallelize(_meta_model(directory), device="cpu", seed=0)
+    read: list[int] = []
+    real = safetensors.safe_open
+
+    class Counting:  # records the elements of every slice read
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.file = real(*args, **kwargs)
+
+        def __enter__(self) -> Counting:
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            self.file.__exit__(*exc)
+
+        def __getattr__(self, name: str) -> Any:  # keys(), metadata(): the file's own
+            return getattr(self.file, name)
+
+        def get_slice(self, name: str) -> Any:
+            sliced = self.file.get_slice(name)
+
+            class Slice:
+                def __getattr__(self, attr: str) -> Any:  # get_shape(), get_dtype()
+                    return getattr(sliced, attr)
+
+                def __getitem__(self, index: Any) -> torch.Tensor:
+                    out = sliced[index]
+                    read.append(out.numel())
+                    return out
+
+            return Slice()
+
+    safetensors.safe_open = Counting
+    try:
+        load_hf_weights(model, directory)
+    finally:
+        safetensors.safe_open = real
+    with torch.no_grad():
+        logits = model(TOKENS).logits
+    full = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    return {"logits": full, "read": sum(read)}
+
+
+def _reference(directory: Path) -> tuple[torch.Tensor, int]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(TOKENS).logits
+    return logits, sum(p.numel() for p in model.state_dict().values())
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_sharded_load_equals_from_pretrained_and_reads_only_owned_slices(
+    family, run_on_ranks, tmp_path
+):
+    save_tiny(family, tmp_path, max_shard_size="20KB" if family == "llama" else None)
+    if family == "llama":
+        assert (tmp_path / "model.safetensors.index.json").is_file()
+    expected, total = _reference(tmp_path)
+    outs = run_on_ranks(4, _sharded_logits, str(tmp_path), {"dp_shard": 2, "tp": 2})
+    for out in outs:
+        torch.testing.assert_close(out["logits"], expected, rtol=1e-5, atol=1e-6)
+        # each rank's share of the weights is about a quarter (norms are replicated over tp)
+        assert 0 < out["read"] < 0.5 * total, (out["read"], total)
