@@ -128,3 +128,42 @@ def test_sharded_load_equals_from_pretrained_and_reads_only_owned_slices(
         torch.testing.assert_close(out["logits"], expected, rtol=1e-5, atol=1e-6)
         # each rank's share of the weights is about a quarter (norms are replicated over tp)
         assert 0 < out["read"] < 0.5 * total, (out["read"], total)
+
+
+def _seeded_params(layout: dict[str, int] | None) -> dict[str, torch.Tensor]:
+    """A tiny Gemma 3 on meta (a padding row, tied head, scaled embedding) materialized by forge
+    from seed 5, on one process or under ``layout``: every parameter and buffer, whole."""
+    import transformers
+
+    name, extra = FAMILIES["gemma3"]
+    config = getattr(transformers, name)(**TINY_HF_DECODER, **extra, pad_token_id=1)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    mesh = build_device_mesh(ParallelismConfig(**layout), "cpu") if layout else None
+    model = ParallelPlan(mesh, param_dtype=torch.float32).parallelize(model, device="cpu", seed=5)
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in state.items()
+    }
+
+
+def test_a_seeded_init_is_the_same_sharded_or_not(run_on_ranks):
+    """parallelize(meta model, device, seed) fills a Hugging Face model by its own init rules,
+    with values that do not depend on the layout (torch 2.11 could not even index a sharded
+    embedding's padding row)."""
+    one = _seeded_params(None)
+    sharded = run_on_ranks(4, _seeded_params, {"dp_shard": 2, "tp": 2})[0]
+    assert one.keys() == sharded.keys()
+    differ = [name for name, value in one.items() if not torch.equal(sharded[name], value)]
+    assert not differ, differ
+    embed = one["model.embed_tokens.weight"]
+    assert embed[1].abs().sum() == 0 and embed[0].abs().sum() > 0  # the padding row
+    assert 0.01 < embed.std() < 0.03  # N(0, initializer_range=0.02)
+    assert torch.isfinite(
+        one[
+            "model.rotary_emb.local_inv_freq"
+            if "model.rotary_emb.local_inv_freq" in one
+            else next(k for k in one if k.endswith("inv_freq"))
+        ]
+    ).all()

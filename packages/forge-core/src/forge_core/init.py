@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from .torch_compat import local_shape_and_offset
 
-__all__ = ["canonical_name", "fill_param_", "param_seed"]
+__all__ = ["canonical_name", "copy_full_", "fill_param_", "param_seed"]
 
 # Name segments that activation checkpointing, torch.compile and FSDP1 insert.
 _WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
@@ -44,6 +44,13 @@ def fill_param_(
     """Fill ``param`` in place with ``init_fn(full_tensor, generator)``, sharded or not."""
     full = torch.empty(param.shape, dtype=torch.float32, device="cpu")
     init_fn(full, torch.Generator(device="cpu").manual_seed(param_seed(seed, fqn)))
+    copy_full_(param, full)
+
+
+@torch.no_grad()
+def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy into ``param`` its part of ``full`` (the whole tensor's values): for a DTensor only
+    the local slice its layout gives this rank, with no collective; else everything."""
     if isinstance(param, DTensor):
         local = param.to_local()
         shape, offset = local_shape_and_offset(param.shape, param.device_mesh, param.placements)

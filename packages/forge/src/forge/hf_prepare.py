@@ -8,17 +8,21 @@ Provides:
   (:func:`declare_hf_vlm_components`);
 - :func:`no_kv_cache_under_ac`: the KV cache off before AC wraps the model;
 - :func:`apply_packed_sequences`: the ``packed_sequences`` setting, as hooks on
-  transformers' packed-sequence check (:mod:`forge.hf_patches`).
+  transformers' packed-sequence check (:mod:`forge.hf_patches`);
+- :func:`init_hf_weights`: a model materialized from the meta device filled as transformers
+  initializes it, the same values however it is sharded.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
 from forge_core import ForgeConfigError
 from forge_core.contracts import declare_components, declared_components
+from forge_core.init import copy_full_, param_seed
 from forge_core.mesh_dims import axis_size
 from forge_fsdp_wrap.blocks import find_block_container
 from forge_moe_ep.hf import convert_hf_moe
@@ -142,23 +146,52 @@ def apply_packed_sequences(model: nn.Module, packed_sequences: bool | None) -> N
         logger.info("packed_sequences=False: this transformers has no such check; no hooks")
 
 
+def _owned_modules(
+    module: nn.Module, prefix: str = "", owner: nn.Module | None = None
+) -> Iterator[tuple[str, nn.Module, nn.Module | None]]:
+    """Every module after its children (``fqn``, module, the Hugging Face model whose
+    ``_init_weights`` initializes it: the nearest one enclosing it), as transformers visits
+    them."""
+    if callable(getattr(module, "_init_weights", None)) and hasattr(module, "config"):
+        owner = module
+    for name, child in module.named_children():
+        yield from _owned_modules(child, f"{prefix}{name}.", owner)
+    yield prefix.rstrip("."), module, owner
+
+
 @torch.no_grad()
 def init_hf_weights(model: nn.Module, seed: int) -> None:
     """Fill a Hugging Face model just allocated from the meta device as transformers initializes
-    one, from ``seed``: the parameters by the model's own ``_init_weights`` (normal, zeros, ones
-    by module type) and the buffers no checkpoint holds (rotary frequencies, embedding scales)
-    recomputed from the config. ``load_hf_weights`` then replaces the parameters of a pretrained
-    model; the buffers it does not touch are right either way.
+    one, the same values however it is sharded: each module by its model's own
+    ``_init_weights`` (normal, zeros, ones by module type; a padding row zeroed; rotary
+    frequencies and other buffers no checkpoint holds recomputed from the config), on whole
+    stand-in tensors drawn from a generator seeded by ``(seed, module name)``; each rank then
+    keeps its slice of each (``forge_core.init.copy_full_``). One module's tensors at a time
+    exist whole. A parameter two modules share (a tied head) is filled by the first.
 
-    ``PreTrainedModel.init_weights`` takes no seed (and does nothing when it believes it is on
-    the meta device): the seed goes to torch's generator, restored afterwards.
+    ``load_hf_weights`` then replaces the parameters of a pretrained model.
     """
-    initialize = getattr(model, "initialize_weights", None)
-    if not callable(initialize):
-        raise ForgeConfigError(
-            f"{type(model).__name__} has no initialize_weights(): materialize it yourself, or "
-            "build it with transformers >= 5"
-        )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        initialize()
+    # NOTE: to_empty() from the meta device gives each module its own new parameter, which
+    # unties a tied head on one device: tie again first (as transformers does after loading).
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()
+    done: set[int] = set()
+    for fqn, module, owner in _owned_modules(model):
+        if owner is None:
+            continue
+        # NOTE: every parameter gets a stand-in, those filled already (a tied head) too: the
+        # init must never write into a real one (a DTensor would take the same values on every
+        # rank); only the first fill of a parameter is kept.
+        params = list(module.named_parameters(recurse=False))
+        for name, param in params:
+            setattr(module, name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype)))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(param_seed(seed, fqn or "model"))
+            owner._init_weights(module)  # type: ignore[operator]
+        for name, param in params:
+            full = getattr(module, name)
+            setattr(module, name, param)
+            if id(param) not in done:
+                copy_full_(param, full.detach())
+                done.add(id(param))
