@@ -38,6 +38,7 @@ NOT_TORCH = frozenset(
         "_getframe",  # sys
         "_exit",  # os
         "_attn_implementation",  # transformers' PretrainedConfig
+        "_init_weights",  # transformers' PreTrainedModel: its per-module init (forge.hf_prepare)
     }
 )
 #: Torch-private uses outside torch_compat.py allowed by (file, name): none (each earlier one moved
