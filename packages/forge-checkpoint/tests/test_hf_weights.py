@@ -116,3 +116,13 @@ def test_a_directory_without_weights_and_broken_files_are_refused(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text("not json")
     with pytest.raises(ForgeConfigError, match="not a readable safetensors index"):
         hf_weight_files(tmp_path)
+
+
+def test_per_expert_weights_for_stacked_experts_are_refused_by_name(tmp_path):
+    """transformers 5 stacks an MoE block's experts in memory while its files hold them one by
+    one; until forge maps them, the refusal says so instead of listing names."""
+    tensors = {f"mlp.experts.{e}.up_proj.weight": torch.zeros(2, 3) for e in range(2)}
+    _save(tmp_path, tensors)
+    (problem,) = hf_weight_problems({"mlp.experts.gate_up_proj": (2, 4, 3)}, tmp_path)
+    assert "hold experts one by one (mlp.experts.0.up_proj.weight, ...)" in problem
+    assert "not supported yet" in problem and "\n" not in problem

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import warnings
 from collections.abc import Iterable, Mapping
@@ -41,6 +42,8 @@ __all__ = [
 
 HF_SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
+#: A tensor name of one expert of an MoE block (``model.layers.0.mlp.experts.3.up_proj.weight``).
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 #: A safetensors header larger than this is refused (the format's own readers cap it at 100 MB).
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -137,6 +140,14 @@ def hf_weight_problems(
         return [str(err)]
     problems = []
     missing = set(expected) - set(stored) - set(tied)
+    per_expert = sorted(n for n in set(stored) - set(expected) if _PER_EXPERT.search(n))
+    if per_expert and any(".experts." in n for n in missing):
+        return [
+            f"{directory}: the weights hold experts one by one ({per_expert[0]}, ...) where the "
+            "model holds them stacked (fused or converted MoE experts); loading a Hugging Face "
+            "MoE checkpoint into stacked experts is not supported yet: load it with "
+            "from_pretrained instead"
+        ]
     if missing:
         problems.append(
             f"{directory}: the weights lack {len(missing)} tensor(s) the model has "
