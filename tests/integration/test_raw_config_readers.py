@@ -26,7 +26,7 @@ RAW = {
 DECIDER = "layout.py"
 #: (module, section, field) -> why that module reads the raw field.
 HELD = {
-    ("build.py", "tp", "sequence_parallel_flag"): (
+    ("config_fields.py", "tp", "sequence_parallel_flag"): (
         "ParallelPlan.from_config hands the TP layer the ask: its plan may parallelize a "
         "Hugging Face model, for which forge_tp_plans decides 'auto' per model"
     ),

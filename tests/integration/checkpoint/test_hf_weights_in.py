@@ -58,14 +58,13 @@ def _meta_model(directory: str) -> torch.nn.Module:
         return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def _sharded_logits(directory: str, layout: dict[str, int]) -> dict[str, Any]:
+def _sharded_logits(directory: str, layout: dict[str, int], explicit: bool) -> dict[str, Any]:
     """One rank: meta model -> forge's plan -> materialize -> load; logits and what was read."""
     import safetensors
     from forge_checkpoint import load_hf_weights
 
     mesh = build_device_mesh(ParallelismConfig(**layout), "cpu")
     plan = ParallelPlan(mesh, param_dtype=torch.float32)
-    model = plan.parallelize(_meta_model(directory), device="cpu", seed=0)
     read: list[int] = []
     real = safetensors.safe_open
 
@@ -99,7 +98,11 @@ def _sharded_logits(directory: str, layout: dict[str, int]) -> dict[str, Any]:
 
     safetensors.safe_open = Counting
     try:
-        load_hf_weights(model, directory)
+        if explicit:  # a seeded materialization, then the load
+            model = plan.parallelize(_meta_model(directory), device="cpu", seed=0)
+            load_hf_weights(model, directory)
+        else:  # the load in parallelize: buffers computed, parameters only read
+            model = plan.parallelize(_meta_model(directory), device="cpu", weights=directory)
     finally:
         safetensors.safe_open = real
     with torch.no_grad():
@@ -123,7 +126,8 @@ def test_sharded_load_equals_from_pretrained_and_reads_only_owned_slices(
     if family == "llama":
         assert (tmp_path / "model.safetensors.index.json").is_file()
     expected, total = _reference(tmp_path)
-    outs = run_on_ranks(4, _sharded_logits, str(tmp_path), {"dp_shard": 2, "tp": 2})
+    explicit = family == "llama"
+    outs = run_on_ranks(4, _sharded_logits, str(tmp_path), {"dp_shard": 2, "tp": 2}, explicit)
     for out in outs:
         torch.testing.assert_close(out["logits"], expected, rtol=1e-5, atol=1e-6)
         # each rank's share of the weights is about a quarter (norms are replicated over tp)
@@ -167,3 +171,22 @@ def test_a_seeded_init_is_the_same_sharded_or_not(run_on_ranks):
             else next(k for k in one if k.endswith("inv_freq"))
         ]
     ).all()
+
+
+def test_weights_need_a_device_a_hugging_face_model_and_no_pipeline(tmp_path):
+    from forge_core import ForgeConfigError, ModelConfig, Transformer
+
+    save_tiny("llama", tmp_path)
+    plan = ParallelPlan(None, param_dtype=torch.float32)
+    with pytest.raises(ForgeConfigError, match="pass device= too"):
+        plan.parallelize(_meta_model(str(tmp_path)), weights=tmp_path)
+    with torch.device("meta"):
+        forge_model = Transformer(ModelConfig.preset("debug"))
+    with pytest.raises(
+        ForgeConfigError, match="loads a Hugging Face model's weights, but this is a Transformer"
+    ):
+        plan.parallelize(forge_model, device="cpu", weights=tmp_path)
+    model = plan.parallelize(_meta_model(str(tmp_path)), device="cpu", weights=tmp_path)
+    reference, _ = _reference(tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS).logits, reference, rtol=1e-5, atol=1e-6)

@@ -7,13 +7,9 @@ EP runs whenever the model has MoE layers and a mesh: with an ``ep`` axis it sha
 and installs the token dispatch hooks; either way each MoE layer gets a load hook that sums its
 token counts over the data-parallel ranks (load balancing). The layers hold no process group.
 
-A vision-language model (``forge_vlm.VLMWrapper``: components encoder, adapter, decoder) goes
-through the same order, per component: TP on the decoder (its plan, SP) and optionally on the
-encoder (its own plan, no SP) -> EP and Float8 on the decoder -> AC on the components
-``ac_scope`` names ->
-compile every component's blocks -> FSDP2 units encoder blocks, encoder, adapter, decoder
-blocks, decoder, root (a frozen encoder may stay replicated instead; see
-``forge_fsdp_wrap.apply_fsdp2``). The stage-order contract checks each component.
+A vision-language model (components encoder, adapter, decoder) goes through the same order per
+component (:class:`forge.model_spec.ModelSpec` says which stage applies where); the stage-order
+contract checks each component.
 
 From a config (what ``forge build`` does, for a model you already have)::
 
@@ -63,9 +59,17 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .checks import check_float8, check_plan
 from .config import COMPILE_SCOPES, ForgeConfig, as_config
+from .config_fields import config_fields
 from .hf_prepare import no_kv_cache_under_ac
 from .layout import Layout, resolve_layout
-from .model_spec import ac_components, materialize, model_spec, refuse_materialized, shard_frozen
+from .model_spec import (
+    ac_components,
+    materialize,
+    model_spec,
+    refuse_materialized,
+    shard_frozen,
+    weights_call_problems,
+)
 from .models import build_meta_model, model_from_config
 
 __all__ = [
@@ -79,6 +83,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+Device = torch.device | str
+Weights = str | Path | None
 
 
 def _ranks_device_type(mesh: DeviceMesh | None) -> str:
@@ -232,26 +238,7 @@ class ParallelPlan:
                     f"ParallelPlan.from_config got unknown field '{key}'{did_you_mean(key, names)}; "
                     f"fields: {sorted(names)}"
                 )
-        t = cfg.training
-        mapped: dict[str, Any] = {
-            "data": layout.data if device_mesh is not None else "none",  # no mesh: one device
-            "ac_mode": t.ac_mode,
-            "compile_model": t.compile,
-            "compile_scope": t.compile_scope,
-            "param_dtype": getattr(torch, t.param_dtype),
-            "reshard_after_forward": t.reshard_after_forward,
-            "cpu_offload": t.cpu_offload,
-            "tp_plan": cfg.tp.plan,
-            "sequence_parallel": cfg.tp.sequence_parallel_flag,  # None: per model, by forge_tp_plans
-            "loss_parallel": layout.loss_parallel,
-            "allow_plan_import": cfg.tp.allow_import,
-            # the layout's resolved fp8 all-gather: "auto" is decided once, by resolve_layout
-            "float8": replace(cfg.float8, fsdp_float8_all_gather=layout.float8_all_gather)
-            if layout.float8
-            else cfg.float8,
-            "vlm": cfg.vlm,
-            "pp": cfg.pp,
-        }
+        mapped = config_fields(cfg, layout, one_device=device_mesh is None)
         return cls(device_mesh, **{**mapped, **overrides})
 
     @property
@@ -273,7 +260,12 @@ class ParallelPlan:
         )
 
     def parallelize(
-        self, model: nn.Module, *, device: torch.device | str | None = None, seed: int | None = None
+        self,
+        model: nn.Module,
+        *,
+        device: Device | None = None,
+        seed: int | None = None,
+        weights: Weights = None,
     ) -> nn.Module:
         """Apply the plan to ``model`` in order; with ``device``, materialize on it from ``seed``.
 
@@ -284,12 +276,17 @@ class ParallelPlan:
         same values. Returns the model (the DDP wrapper for ``data='ddp'``); with
         ``compile_scope='model'`` pass what it returns to :meth:`maybe_compile`.
 
+        ``weights``: a Hugging Face directory whose safetensors fill the Hugging Face model built
+        on meta from its ``config.json``, each rank reading its slices (no random init first).
+
         A model made of components (a VLM) gets TP on its ``decoder`` (and on its ``encoder``
         with ``encoder_tp``), EP and Float8 on the decoder, AC on ``ac_components`` (None: all).
         """
-        if axis_size(self.device_mesh, "pp") > 1:
+        pipeline = axis_size(self.device_mesh, "pp") > 1
+        refuse(weights_call_problems(weights, device, pipeline=pipeline))
+        if pipeline:
             return self._parallelize_pipeline(model, device=device, seed=seed)
-        return self._parallelize_one(model, device=device, seed=seed)
+        return self._parallelize_one(model, device=device, seed=seed, weights=weights)
 
     def _parallelize_pipeline(
         self, model: nn.Module, *, device: torch.device | str | None, seed: int | None
@@ -353,7 +350,7 @@ class ParallelPlan:
         return split
 
     def _parallelize_one(
-        self, model: nn.Module, *, device: torch.device | str | None, seed: int | None
+        self, model: nn.Module, *, device: Device | None, seed: int | None, weights: Weights = None
     ) -> nn.Module:
         """The stages in forge's order on one model (or one pipeline stage's module)."""
         if device is not None:
@@ -405,7 +402,8 @@ class ParallelPlan:
             # NOTE: with CPU offload the sharded parameters live on the CPU (FSDP2 copies them
             # to the device per unit); buffers are not managed by FSDP2 and must be on the device.
             offload = self.cpu_offload and self.data_mode == "fsdp2"
-            spec.materialize(device, seed or 0, param_device="cpu" if offload else device)
+            param_device = "cpu" if offload else device
+            spec.materialize(device, seed or 0, param_device=param_device, weights=weights)
         if self.data_mode in ("ddp", "none") and self.param_dtype != torch.float32:
             enable_autocast(model, self.param_dtype)
         if self.data_mode == "ddp":

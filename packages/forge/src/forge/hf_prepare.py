@@ -160,7 +160,7 @@ def _owned_modules(
 
 
 @torch.no_grad()
-def init_hf_weights(model: nn.Module, seed: int) -> None:
+def init_hf_weights(model: nn.Module, seed: int, *, parameters: bool = True) -> None:
     """Fill a Hugging Face model just allocated from the meta device as transformers initializes
     one, the same values however it is sharded: each module by its model's own
     ``_init_weights`` (normal, zeros, ones by module type; a padding row zeroed; rotary
@@ -169,7 +169,9 @@ def init_hf_weights(model: nn.Module, seed: int) -> None:
     keeps its slice of each (``forge_core.init.copy_full_``). One module's tensors at a time
     exist whole. A parameter two modules share (a tied head) is filled by the first.
 
-    ``load_hf_weights`` then replaces the parameters of a pretrained model.
+    ``parameters=False`` (weights about to be loaded): the stand-ins live on the meta device
+    and nothing is copied, so only the buffers are computed and the parameters stay as
+    allocated, for ``load_hf_weights`` to fill.
     """
     # NOTE: to_empty() from the meta device gives each module its own new parameter, which
     # unties a tied head on one device: tie again first (as transformers does after loading).
@@ -184,14 +186,16 @@ def init_hf_weights(model: nn.Module, seed: int) -> None:
         # init must never write into a real one (a DTensor would take the same values on every
         # rank); only the first fill of a parameter is kept.
         params = list(module.named_parameters(recurse=False))
+        where = "cpu" if parameters else "meta"
         for name, param in params:
-            setattr(module, name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype)))
+            stand_in = torch.empty(param.shape, dtype=param.dtype, device=where)
+            setattr(module, name, nn.Parameter(stand_in))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(param_seed(seed, fqn or "model"))
             owner._init_weights(module)  # type: ignore[operator]
         for name, param in params:
             full = getattr(module, name)
             setattr(module, name, param)
-            if id(param) not in done:
+            if parameters and id(param) not in done:
                 copy_full_(param, full.detach())
                 done.add(id(param))

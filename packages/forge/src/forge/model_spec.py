@@ -23,12 +23,14 @@ Provides :class:`ModelSpec`, :func:`model_spec`, :func:`materialize`,
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.nn as nn
+from forge_checkpoint import load_hf_weights
 from forge_core import ForgeConfigError
 from forge_core.contracts import declared_components, model_components
 from forge_core.mesh_dims import axis_size
@@ -50,6 +52,7 @@ __all__ = [
     "model_spec",
     "refuse_materialized",
     "shard_frozen",
+    "weights_call_problems",
 ]
 
 TPPlan = Mapping[str, ParallelStyle | str | None] | str | None
@@ -110,12 +113,29 @@ class ModelSpec:
             apply_expert_parallel(self.decoder, mesh)
 
     def materialize(
-        self, device: torch.device | str, seed: int, *, param_device: torch.device | str
+        self,
+        device: torch.device | str,
+        seed: int,
+        *,
+        param_device: torch.device | str,
+        weights: str | os.PathLike[str] | None = None,
     ) -> None:
-        """:func:`materialize` the model; a component left out of FSDP2 then computes on
-        ``device`` even when the sharded parameters live on ``param_device`` (CPU offload)."""
-        init = partial(init_hf_weights, self.model) if self.kind == "hf" else None
+        """:func:`materialize` the model (a Hugging Face model by its own init rules; with
+        ``weights``, its buffers only, then the directory's weights loaded sharded); a component
+        left out of FSDP2 then computes on ``device`` even when the sharded parameters live on
+        ``param_device`` (CPU offload)."""
+        if weights is not None and self.kind != "hf":
+            raise ForgeConfigError(
+                f"parallelize(weights={str(weights)!r}) loads a Hugging Face model's weights, but "
+                f"this is a {type(self.model).__name__}: build the model from the directory's "
+                "config.json (transformers' AutoModelForCausalLM.from_config on the meta device)"
+            )
+        init = None
+        if self.kind == "hf":
+            init = partial(init_hf_weights, self.model, parameters=weights is None)
         materialize(self.model, device, seed, param_device=param_device, init=init)
+        if weights is not None:
+            load_hf_weights(self.model, weights)
         for part in self.parts:
             if param_device != device and not isinstance(part, FSDPModule):
                 part.to(device)
@@ -141,6 +161,23 @@ def model_spec(
         )
     kind = "hf" if hf else "components" if parts else "model"
     return ModelSpec(kind, model, parts.get("decoder", model), encoder, tuple(parts.values()))
+
+
+def weights_call_problems(
+    weights: str | os.PathLike[str] | None, device: torch.device | str | None, *, pipeline: bool
+) -> list[str]:
+    """What refuses ``parallelize(weights=...)``: no ``device`` (the model is filled after it is
+    allocated there from the meta device), or a pipeline (forge-pp splits only forge's model)."""
+    if weights is None:
+        return []
+    if device is None:
+        return ["parallelize(weights=...) fills a model built on the meta device: pass device= too"]
+    if pipeline:
+        return [
+            "parallelize(weights=...) loads a Hugging Face model, which forge-pp does not split "
+            "yet: use a mesh without a pp axis"
+        ]
+    return []
 
 
 def refuse_materialized(model: nn.Module, device: torch.device | str) -> None:
