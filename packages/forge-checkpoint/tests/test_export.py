@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,19 @@ def test_export_keeps_the_weights_dtype(tmp_path):
     assert torch.equal(
         hf.model.layers[1].mlp.down_proj.weight, state["layers.1.feed_forward.w2.weight"]
     )
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_exported_files_get_an_ordinary_mode_under_the_umask(tmp_path, umask):
+    """safetensors' writer creates 0600 files; an export is for others to read (0644 under the
+    usual umask 022), and a stricter umask still rules."""
+    before = os.umask(umask)
+    try:
+        export_hf_llama(_forge(CFG).state_dict(), CFG, tmp_path)
+    finally:
+        os.umask(before)
+    modes = {name: (tmp_path / name).stat().st_mode & 0o777 for name in HF_FILES}
+    assert modes == dict.fromkeys(HF_FILES, 0o666 & ~umask), {k: oct(v) for k, v in modes.items()}
 
 
 @pytest.mark.parametrize("cfg", [CFG, TIED], ids=["untied", "tied"])

@@ -272,9 +272,27 @@ def _write_then_rename(path: Path, write: Callable[[Path], object]) -> None:
     tmp = path.with_name(f".forge-export-{uuid.uuid4().hex[:12]}.tmp")
     try:
         write(tmp)
+        # NOTE: safetensors' writer creates its file 0600; an export is for others to read, so
+        # it gets an ordinary file's mode (0666 less the umask: 0644 under the usual 022).
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it where Linux says it (``Umask:`` of
+    ``/proc/self/status``); elsewhere set and restored at once."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _safetensors_metadata(path: Path) -> dict[str, Any] | None:
