@@ -28,12 +28,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forge_core import ForgeConfigError, ModelConfig
+
+from .hf_weights import safetensors_header
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -299,14 +302,10 @@ def _safetensors_metadata(path: Path) -> dict[str, Any] | None:
     """The ``__metadata__`` of a safetensors file's JSON header; None if ``path`` is not one.
     Reads the header only (8-byte length, then JSON): nothing in it can run code."""
     try:
-        with path.open("rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            if not 2 <= size <= 100 * 2**20:
-                return None
-            header = json.loads(f.read(size))
-    except (OSError, ValueError):
+        header = safetensors_header(path)
+    except (OSError, ValueError, struct.error):
         return None
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    meta = header.get("__metadata__")
     return meta if isinstance(meta, dict) else None
 
 

@@ -23,7 +23,7 @@ import struct
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from forge_core import ForgeConfigError
 from forge_core.errors import refuse
@@ -85,17 +85,26 @@ def hf_weight_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
     )
 
 
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """A safetensors file's JSON header (8-byte little-endian length, then JSON), read without
+    the tensor data: nothing in it can run code. Raises ``ValueError`` (or ``OSError``) for a
+    file that is not one, or whose header is over 100 MB or past the file's end."""
+    with path.open("rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        if not 2 <= size <= min(_MAX_HEADER, path.stat().st_size - 8):
+            raise ValueError(f"header length {size} does not fit the file")
+        header = json.loads(f.read(size))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    return header
+
+
 def _header(path: Path) -> dict[str, tuple[int, ...]]:
-    """The tensor shapes a safetensors file's header records (8-byte length, then JSON)."""
+    """The tensor shapes a safetensors file's header records."""
     try:
-        with path.open("rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            if size > min(_MAX_HEADER, path.stat().st_size - 8):
-                raise ValueError(f"header length {size} exceeds the file")
-            header = json.loads(f.read(size))
         shapes = {
             str(name): tuple(int(d) for d in entry["shape"])
-            for name, entry in header.items()
+            for name, entry in safetensors_header(path).items()
             if name != "__metadata__"
         }
     except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
