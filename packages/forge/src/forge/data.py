@@ -41,10 +41,18 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Batch:
-    """One rank's slice of a step's global batch: ``tokens [b, S+1]`` and VLM ``images``."""
+    """One rank's slice of a step's global batch: ``tokens [b, S+1]`` and VLM ``images``.
+
+    Packed text (:mod:`forge.text_data`) adds ``positions [b, S]``, each input token's position
+    in its document (restarting at 0 where a document starts, so attention does not cross it),
+    and ``loss_mask [b, S]``, whether the target ``tokens[:, 1:]`` counts in the loss (False
+    across a document boundary, on padding, and in SFT on all but the assistant's tokens).
+    """
 
     tokens: torch.Tensor
     images: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    loss_mask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

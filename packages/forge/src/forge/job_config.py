@@ -22,7 +22,9 @@ __all__ = [
     "MAX_SEED",
     "TOKEN_DTYPES",
     "CheckpointConfig",
+    "DATA_MODES",
     "DataConfig",
+    "MetricsConfig",
     "TrainingConfig",
 ]
 
@@ -118,19 +120,39 @@ class TrainingConfig:
 TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
 
 
+#: What ``data.mode`` trains on: whole documents (``pretrain``) or conversations (``sft``).
+DATA_MODES = ("pretrain", "sft")
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Training data for ``forge train``: ``[data]`` section.
 
     ``path``: a flat binary file of token ids (no header) in ``dtype``, memory-mapped and read
     in windows of ``training.seq_len + 1`` tokens, each data-parallel rank reading only its own
-    samples; None trains on synthetic tokens (learnable bigram sequences, see
-    ``forge_core.training.synthetic_tokens``). Windows are visited in a seeded shuffled order,
-    reshuffled every pass over the file.
+    samples; or text to tokenize (:mod:`forge.text_data`): a ``.jsonl``/``.json``, ``.parquet``
+    or ``.txt`` file, or a directory saved by ``datasets``' ``save_to_disk``. None trains on
+    synthetic tokens (learnable bigram sequences, see ``forge_core.training.synthetic_tokens``).
+    Windows are visited in a seeded shuffled order, reshuffled every pass over the data.
+
+    Text only: ``tokenizer`` (a directory; default the model's, ``model.hf``), ``mode``
+    (``"pretrain"``: documents from ``text_field`` packed with EOS between them;
+    ``"sft"``: conversations from ``messages_field`` through the tokenizer's chat template,
+    the loss on assistant tokens only), ``packing`` (sft: pack conversations into rows, or one
+    per row padded), ``cache_dir`` (tokenized data, keyed by the file's contents and the
+    tokenizer; default ``<training.out_dir>/token_cache``) and ``validation_fraction`` (the
+    share of documents held out for the validation loss, ``[metrics] validation_every``).
     """
 
     path: str | None = None
     dtype: str = "uint16"
+    tokenizer: str | None = None
+    mode: str = "pretrain"
+    text_field: str = "text"
+    messages_field: str = "messages"
+    packing: bool = True
+    cache_dir: str | None = None
+    validation_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         check_field_types(self, "data")
@@ -139,8 +161,46 @@ class DataConfig:
                 f"data.dtype={self.dtype!r} is invalid: choose one of {list(TOKEN_DTYPES)}"
                 + did_you_mean(str(self.dtype), TOKEN_DTYPES)
             )
-        if self.path is not None and not isinstance(self.path, str):
-            raise ForgeConfigError(f"data.path={self.path!r} must be a file path (a string)")
+        for name in ("path", "tokenizer", "cache_dir"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ForgeConfigError(f"data.{name}={value!r} must be a path (a string)")
+        if self.mode not in DATA_MODES:
+            raise ForgeConfigError(
+                f"data.mode={self.mode!r} is invalid: choose one of {list(DATA_MODES)}"
+                + did_you_mean(str(self.mode), DATA_MODES)
+            )
+        for name in ("text_field", "messages_field"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ForgeConfigError(f"data.{name} must name a column (a non-empty string)")
+        check_number(
+            "data.validation_fraction",
+            self.validation_fraction,
+            0,
+            1,
+            hi_open=True,
+            why="the share of documents held out for the validation loss",
+        )
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """What ``forge train`` records besides ``metrics.jsonl``: ``[metrics]`` section.
+
+    ``tensorboard``: TensorBoard event files in ``<training.out_dir>/tensorboard`` (needs the
+    ``tensorboard`` package: ``forge[metrics]``). ``validation_every``: a validation loss every N
+    steps (0: never) over ``validation_batches`` global batches of the held-out documents
+    (``data.validation_fraction``).
+    """
+
+    tensorboard: bool = False
+    validation_every: int = 0
+    validation_batches: int = 1
+
+    def __post_init__(self) -> None:
+        check_field_types(self, "metrics")
+        check_int("metrics.validation_every", self.validation_every, 0)
+        check_int("metrics.validation_batches", self.validation_batches)
 
 
 @dataclass(frozen=True)
