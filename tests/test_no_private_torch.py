@@ -39,6 +39,8 @@ NOT_TORCH = frozenset(
         "_exit",  # os
         "_attn_implementation",  # transformers' PretrainedConfig
         "_init_weights",  # transformers' PreTrainedModel: its per-module init (forge.hf_prepare)
+        "_SubParsersAction",  # argparse's type of add_subparsers() (forge.plot's CLI hook)
+        "_Hash",  # hashlib's type of a running digest (forge's text cache keys)
     }
 )
 #: Torch-private uses outside torch_compat.py allowed by (file, name): none (each earlier one moved
