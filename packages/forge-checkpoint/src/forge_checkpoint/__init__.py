@@ -12,7 +12,10 @@
   (:mod:`forge_checkpoint.binding`); :func:`model_shapes`: the tensor shapes a checkpoint's DCP
   index records, read by an unpickler that admits exact globals only
   (:mod:`forge_checkpoint.index`)
-- :func:`load_model_weights`: fill a model from a checkpoint's shards in one process
+- :func:`load_model_weights`, :func:`load_model_tensors`: fill a model (or some of its tensors)
+  from a checkpoint's shards in one process
+- :func:`export_hf_model`, :func:`load_checkpoint_tensors`: a trained Hugging Face model back
+  to a Hugging Face directory, one shard at a time (:mod:`forge_checkpoint.hf_export`)
 - :func:`load_hf_weights`, :func:`hf_weight_problems`, :func:`hf_weight_shapes`: a Hugging Face
   model directory's safetensors into a parallelized model, each rank reading only its slices,
   and the check of names and shapes before any rank starts (:mod:`forge_checkpoint.hf_weights`)
@@ -47,6 +50,9 @@ _EXPORTS = {
     "Checkpointer": "dcp",
     "SafeFileSystemReader": "dcp",
     "load_model_weights": "dcp",
+    "load_model_tensors": "dcp",
+    "export_hf_model": "hf_export",
+    "load_checkpoint_tensors": "hf_export",
     "optimizer_hyperparameters": "dcp",
     "HF_INDEX": "hf_weights",
     "HF_SINGLE": "hf_weights",
@@ -68,6 +74,7 @@ if TYPE_CHECKING:
         Checkpointer,
         CheckpointIOError,
         SafeFileSystemReader,
+        load_model_tensors,
         load_model_weights,
         optimizer_hyperparameters,
     )
@@ -93,6 +100,7 @@ if TYPE_CHECKING:
         read_train_state,
         verify_checkpoint,
     )
+    from .hf_export import export_hf_model, load_checkpoint_tensors
     from .hf_weights import (
         HF_INDEX,
         HF_SINGLE,
@@ -121,6 +129,7 @@ __all__ = [
     "check_train_state",
     "checkpoint_lock",
     "export_hf_llama",
+    "export_hf_model",
     "find_latest",
     "foreign_dirs",
     "forge_written",
@@ -130,7 +139,9 @@ __all__ = [
     "hf_weight_problems",
     "hf_weight_shapes",
     "latest_intact",
+    "load_checkpoint_tensors",
     "load_hf_weights",
+    "load_model_tensors",
     "load_model_weights",
     "load_safetensors",
     "model_shapes",

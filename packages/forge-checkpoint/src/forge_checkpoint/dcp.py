@@ -442,12 +442,22 @@ def load_model_weights(path: str | os.PathLike[str], model: nn.Module) -> nn.Mod
     needed. Every tensor of the model must be in the checkpoint, and every saved rank's shard
     must carry the checkpoint's binding (:class:`CheckpointDamaged` otherwise).
     """
+    state = model.state_dict()
+    load_model_tensors(path, state)
+    model.load_state_dict(state)
+    return model
+
+
+def load_model_tensors(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor]) -> None:
+    """Fill ``tensors`` (model state-dict names -> whole tensors of their shapes) from
+    checkpoint ``path`` in one process, reading only those names' slices: a caller that asks a
+    few names at a time holds no more than those (an export writing shard by shard)."""
     path = Path(path)
     train_state = read_train_state(path)
     expected = expected_binding(path, train_state)
     world = saved_world(train_state, path)
     bindings = {rank_key(r): torch.zeros(BINDING_BYTES, dtype=torch.uint8) for r in range(world)}
-    state = {"model": model.state_dict(), ID_KEY: bindings}
+    state = {"model": tensors, ID_KEY: bindings}
     reader = SafeFileSystemReader(path)
     reader.read_metadata()  # NOTE: a damaged index is one plain line (see read_metadata)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
@@ -457,8 +467,6 @@ def load_model_weights(path: str | os.PathLike[str], model: nn.Module) -> nn.Mod
     problem = binding_problem(path, reader, bindings, expected)
     if problem:
         raise CheckpointDamaged(problem)
-    model.load_state_dict(state["model"])
-    return model
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

@@ -58,6 +58,9 @@ _WRITER_KEY, _WRITER = "forge.writer", "forge_checkpoint.export"
 _CONFIG_SHA_KEY = "forge.config_sha256"
 #: What :func:`export_hf_llama` writes into its folder (and nothing else).
 HF_FILES = ("model.safetensors", "config.json")
+#: The record of the files an export of a Hugging Face model wrote (name -> SHA-256), beside
+#: them (:mod:`forge_checkpoint.hf_export`): what it may overwrite on the next export.
+EXPORT_MANIFEST = ".forge-export.json"
 _EMBED = ("tok_embeddings.weight", "model.embed_tokens.weight")
 _HEAD = ("output.weight", "lm_head.weight")
 _BLOCK = (  # forge suffix, HF suffix, within block i
@@ -314,12 +317,23 @@ def _forge_wrote(path: Path) -> bool:
     if path.name == HF_FILES[1]:
         meta = _safetensors_metadata(path.with_name(HF_FILES[0])) or {}
         try:
-            return meta.get(_CONFIG_SHA_KEY) == hashlib.sha256(path.read_bytes()).hexdigest()
+            sha = hashlib.sha256(path.read_bytes()).hexdigest()
         except OSError:
             return False
+        return sha in (meta.get(_CONFIG_SHA_KEY), _manifest_entry(path))
     meta = _safetensors_metadata(path) or {}
     # NOTE: ``forge_step`` marks the files forge export wrote before ``forge.writer`` existed.
     return meta.get(_WRITER_KEY) == _WRITER or "forge_step" in meta
+
+
+def _manifest_entry(path: Path) -> str | None:
+    """The SHA-256 that :data:`EXPORT_MANIFEST` beside ``path`` records for it (None: none)."""
+    try:
+        owned = json.loads(path.with_name(EXPORT_MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    entry = owned.get(path.name) if isinstance(owned, dict) else None
+    return entry if isinstance(entry, str) else None
 
 
 def _check_path_text(path: Path, name: str) -> None:

@@ -180,6 +180,8 @@ def forward_backward(
     grad_accum: int = 1,
     images: torch.Tensor | None = None,
     ignore_token: int | None = None,
+    positions_BS: torch.Tensor | None = None,
+    loss_mask_BS: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step's forward and backward of a token model: the step forge build's parity
     check, forge train and every layer's parity test run.
@@ -198,6 +200,12 @@ def forward_backward(
     slices of every sequence and their global ``positions``; its token count and loss are
     summed over the ``cp`` ranks as well, and the gradient scale counts them among the ranks
     FSDP2 / DDP average over (they shard and reduce over ``dp x cp``).
+
+    Packed documents (a Hugging Face model's batch from ``forge.text_data``): ``positions_BS
+    [b, S]`` is each input token's position in its document, passed as ``position_ids`` (from
+    which transformers keeps attention inside each document), and ``loss_mask_BS [b, S]`` says
+    which targets count (False: a document boundary, padding, a prompt token). A model may
+    return transformers' output object: its ``logits`` are taken.
 
     Returns ``(loss sum, token count)`` over the global batch (both reduced over the
     data-parallel and context-parallel ranks, on the device): their ratio is the step's loss.
@@ -221,7 +229,17 @@ def forward_backward(
     inputs_BS, targets = tokens_BS[:, :-1], tokens_BS[:, 1:]
     if ignore_token is not None:
         targets = targets.masked_fill(targets == ignore_token, IGNORE_INDEX)
+    if loss_mask_BS is not None:
+        targets = targets.masked_fill(~loss_mask_BS.to(torch.bool), IGNORE_INDEX)
     where: dict[str, torch.Tensor] = {}
+    micro_positions: list[torch.Tensor | None] = [None] * grad_accum
+    if positions_BS is not None:
+        if shard is not None or step is not None:
+            raise ForgeConfigError(
+                "packed documents (per-token positions) cannot run split into pipeline stages or "
+                "context-parallel shards yet: set parallelism.pp=1 and parallelism.cp=1"
+            )
+        micro_positions = list(positions_BS.chunk(grad_accum))
     cp = 1
     if shard is not None:
         cp = axis_size(mesh, "cp")
@@ -256,7 +274,9 @@ def forward_backward(
         zip(inputs_BS.chunk(grad_accum), micro_images, strict=True)
     ):
         set_gradient_sync(model, i == grad_accum - 1)
-        logits = model(micro, **where) if pixels is None else model(micro, pixels, **where)
+        at = where if micro_positions[i] is None else {"position_ids": micro_positions[i]}
+        out = model(micro, **at) if pixels is None else model(micro, pixels, **at)
+        logits = out if isinstance(out, torch.Tensor) else out.logits  # transformers' output
         # Vocab-sharded logits (loss parallel): the cross entropy reduces over the tp ranks
         # without gathering the logits; forward and backward both need the context.
         with loss_parallel() if isinstance(logits, DTensor) else nullcontext():

@@ -34,6 +34,7 @@ from forge_tp_plans.checks import transformer_tp_problems
 from .kinds import model_kind
 from .layout import Layout, resolve_layout
 from .paths import dir_problems, importable_problems, regular_file_problem
+from .tensorboard_log import tensorboard_problems
 
 if TYPE_CHECKING:
     from .config import ForgeConfig
@@ -129,7 +130,21 @@ def config_problems(cfg: ForgeConfig, world_size: int | Layout) -> list[str]:
         problems.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     if par.pp > 1:
         problems += kind.pipeline_problems(layout)
+    problems += validation_problems(cfg)
     return list(dict.fromkeys(problems))  # the same words twice are one problem
+
+
+def validation_problems(cfg: ForgeConfig) -> list[str]:
+    """``metrics.validation_every`` needs held-out documents: text ``data.path`` with
+    ``data.validation_fraction > 0`` (pure; the text itself is checked with the data)."""
+    every, data = cfg.metrics.validation_every, cfg.data
+    if not every or (data.path is not None and data.validation_fraction > 0):
+        return []
+    return [
+        f"metrics.validation_every={every} needs held-out documents: set data.validation_fraction "
+        "(e.g. 0.05) with a text data.path (jsonl, parquet, text or a saved dataset), or set "
+        "metrics.validation_every = 0"
+    ]
 
 
 def import_problems(cfg: ForgeConfig, world_size: int | Layout) -> list[str]:
@@ -148,6 +163,8 @@ def import_problems(cfg: ForgeConfig, world_size: int | Layout) -> list[str]:
     if cfg.tp.plan is not None and par.tp > 1:
         problems += _explicit_plan_problems(cfg, layout)
     problems += model_kind(cfg).import_problems(layout)
+    if cfg.metrics.tensorboard:
+        problems += tensorboard_problems()
     return problems
 
 

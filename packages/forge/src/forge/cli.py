@@ -460,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan.add_argument("--world-size", type=int, required=True, help="ranks to plan for")
     export = sub.add_parser(
         "export",
-        help="write a checkpoint's model as one safetensors file or a Hugging Face Llama folder",
+        help="write a checkpoint's model as one safetensors file or a Hugging Face folder",
     )
     export.add_argument("checkpoint", help="a step-N directory written by forge train")
     export.add_argument(
@@ -470,13 +470,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "forge export; a file forge did not write is never overwritten",
     )
     export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors")
+    from .plot import add_plot_parser, run_plot
+
+    add_plot_parser(sub)
     args = parser.parse_args(argv)
     if getattr(args, "nproc", None) is not None and args.nproc < 1:
         parser.error("--nproc must be >= 1")
     if args.command == "plan" and args.world_size < 1:
         parser.error("--world-size must be >= 1")
     _notices_on_one_line()
-    return {"build": _build, "train": _train, "plan": _plan, "export": _export}[args.command](args)
+    commands = {"build": _build, "train": _train, "plan": _plan, "export": _export}
+    return {**commands, "plot": run_plot}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """A forge job's configuration: every layer's section composed into one :class:`ForgeConfig`.
 
 ``load_config`` reads a TOML file (sections ``[model]``, ``[moe]``, ``[parallelism]``,
-``[training]``, ``[tp]``, ``[float8]``, ``[data]``, ``[checkpoint]``, for a field model
+``[training]``, ``[tp]``, ``[float8]``, ``[data]``, ``[checkpoint]``, ``[metrics]``, for a field model
 ``[field]``, and for a vision-language model ``[vision]``, ``[adapter]``, ``[vlm]``) or a dict,
 applies ``key=value`` overrides (``parallelism.tp=2``) and rejects unknown keys with a
 did-you-mean.
@@ -44,11 +44,13 @@ from forge_vlm.config import (
     VLMConfig,
 )
 
+from .hf_source import HFModelConfig, decoder_shape, hf_section, read_hf_config
 from .job_config import (
     COMPILE_SCOPES,
     TOKEN_DTYPES,
     CheckpointConfig,
     DataConfig,
+    MetricsConfig,
     TrainingConfig,
 )
 from .paths import read_toml
@@ -60,6 +62,7 @@ __all__ = [
     "CheckpointConfig",
     "DataConfig",
     "ForgeConfig",
+    "MetricsConfig",
     "ForgeConfigNotice",
     "TrainingConfig",
     "as_config",
@@ -89,6 +92,7 @@ class ForgeConfig:
     pp: PPConfig = field(default_factory=PPConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     #: A vision-language model when set (all three together): ``[vision]``, ``[adapter]`` and
     #: ``[vlm]``, filled from the model preset (e.g. ``debug_vlm``) and overridden per key.
     vision: VisionEncoderConfig | None = None
@@ -98,6 +102,9 @@ class ForgeConfig:
     field: FieldConfig | None = None
     #: ``[moe]``: the decoder's mixture-of-experts blocks (forge-moe-ep's section); None: dense.
     moe: MoEConfig | None = None
+    #: ``[model] hf``: a Hugging Face model directory trained instead of forge's model (then
+    #: ``model`` is the reference shape closest to its config.json, what sizes and costs read).
+    hf: HFModelConfig | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.model, MoEModelConfig):
@@ -109,6 +116,11 @@ class ForgeConfig:
             dense, moe = self.model.parts()
             object.__setattr__(self, "model", dense)
             object.__setattr__(self, "moe", moe)
+        if self.hf is not None and (self.moe, self.field, self.vlm) != (None, None, None):
+            raise ForgeConfigError(
+                "model.hf is set with [moe], [field] or [vlm]: a Hugging Face model's blocks "
+                "come from its config.json; remove those sections"
+            )
         if self.moe is not None and self.field is not None:
             raise ForgeConfigError(
                 "a field model ([field]) has no MoE blocks: remove the [moe] section"
@@ -197,6 +209,7 @@ _SECTIONS: dict[str, type] = {
     "pp": PPConfig,
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
+    "metrics": MetricsConfig,
     "vision": VisionEncoderConfig,
     "adapter": AdapterConfig,
     "vlm": VLMConfig,
@@ -359,13 +372,15 @@ def load_config(
         ]
         if presets and presets[-1] in FIELD_PRESETS:  # a conv net: split the height, not tp
             raw["parallelism"] = {"domain": 2}
+        if any(o.partition("=")[0].strip() == "model.hf" for o in overrides):
+            raw["model"] = {}  # NOTE: the directory's config.json replaces the debug preset
     elif isinstance(path_or_dict, Mapping):
         raw = {k: dict(v) if isinstance(v, Mapping) else v for k, v in path_or_dict.items()}
     else:
         raw = read_toml(Path(path_or_dict))
     raw = {k: v for k, v in raw.items() if v is not None}  # absent VLM parts of a dumped config
     for section, values in raw.items():
-        if section not in _SECTIONS:
+        if section not in _SECTIONS and section != "hf":  # NOTE: hf: a dumped config's
             raise ForgeConfigError(
                 f"unknown config section '{section}'{did_you_mean(section, _SECTIONS)}; "
                 f"sections: {list(_SECTIONS)}"
@@ -376,7 +391,13 @@ def load_config(
         _set_override(raw, override)
     _moe_fields_out_of_model(raw)
     # NOTE: one value per section, each of its own dataclass: ForgeConfig(**built) checks them.
-    built: dict[str, Any] = dict(zip(("model", "moe"), _model_sections(raw), strict=True))
+    hf = hf_section(raw.get("model", {}), raw.pop("hf", None))
+    built: dict[str, Any] = {"hf": hf}
+    if hf is not None and "hf" in raw.get("model", {}):  # named now: config.json decides
+        built["model"] = decoder_shape(read_hf_config(hf.dir), hf.dir)
+        built["moe"] = None if "moe" not in raw else _build_section("moe", raw["moe"])
+    else:  # forge's model, or a dumped config's hf table with the shape read when named
+        built.update(zip(("model", "moe"), _model_sections(raw), strict=True))
     built.update(_field_or_vlm_sections(raw))
     for name in _SECTIONS:
         if name not in built and name not in ("field", *_VLM_SECTIONS):

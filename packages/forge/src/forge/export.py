@@ -1,5 +1,6 @@
 """``forge export``: consolidate a ``forge train`` checkpoint into one safetensors file or a
-Hugging Face Llama folder. The file formats, name maps and what an output path may be are
+Hugging Face folder (forge's model as Llama; a Hugging Face model in its own layout, shard by
+shard). The file formats, name maps and what an output path may be are
 forge-checkpoint's (:mod:`forge_checkpoint.export`); this module rebuilds the model from the
 stored config. Importing it imports no torch, so :func:`check_export_out` answers at once.
 """
@@ -75,7 +76,13 @@ def export_checkpoint(
     cfg = load_config(state["config"])
     if layout == "hf":
         refuse(model_kind(cfg).hf_export_problems())
-    model = materialize(model_from_config(cfg), "cpu", cfg.training.seed)
+    if cfg.hf is not None and layout == "hf":
+        return _export_hf_directory(checkpoint, cfg.hf.dir, model_from_config(cfg), path)
+    model = model_from_config(cfg)
+    if cfg.hf is not None:  # NOTE: every tensor is loaded below: no init to draw
+        model = model.to_empty(device="cpu")
+    else:
+        model = materialize(model, "cpu", cfg.training.seed)
     load_model_weights(checkpoint, model)
     weights = model.state_dict()
     if layout == "hf":
@@ -86,3 +93,27 @@ def export_checkpoint(
         metadata={"forge_step": str(state["step"]), "forge_config": json.dumps(state["config"])},
     )
     return path
+
+
+def _export_hf_directory(
+    checkpoint: str | os.PathLike[str], source: str, meta_model: object, out: Path
+) -> Path:
+    """A Hugging Face model's checkpoint as a Hugging Face directory, one shard at a time
+    (:func:`forge_checkpoint.export_hf_model`): its own names, ``source``'s config.json and
+    tokenizer; a tied head is left out as ``save_pretrained`` leaves it."""
+    from forge_checkpoint import export_hf_model, load_checkpoint_tensors
+
+    if not (Path(source) / "config.json").is_file():
+        raise ForgeConfigError(
+            f"the checkpoint's model.hf={source!r} has no config.json any more: the export "
+            "copies it (and the tokenizer) from there; restore the directory"
+        )
+    state = meta_model.state_dict(keep_vars=True)  # type: ignore[attr-defined]
+    seen: set[int] = set()
+    shapes = {}
+    for name, tensor in state.items():
+        if id(tensor) in seen:  # a tied head: the embedding's tensor again
+            continue
+        seen.add(id(tensor))
+        shapes[name] = (tuple(tensor.shape), tensor.dtype)
+    return export_hf_model(shapes, load_checkpoint_tensors(checkpoint), source, out)

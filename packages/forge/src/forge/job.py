@@ -82,7 +82,8 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
     dtype = getattr(torch, t.param_dtype)
     plan = ParallelPlan.from_config(cfg, mesh, layout=layout)  # the one config -> plan mapping
     data = plan.data_mode
-    model = plan.parallelize(model_from_config(cfg), device=device, seed=t.seed)
+    weights = model_kind(cfg).weights()  # a Hugging Face directory's, read sharded
+    model = plan.parallelize(model_from_config(cfg), device=device, seed=t.seed, weights=weights)
     model = plan.maybe_compile(model)
     # NOTE: with Float8 the reference is the same Float8 model on one device (bf16 compute when
     # asked): parity then isolates the parallelism from fp8's own rounding.
@@ -98,7 +99,9 @@ def run_build(cfg_dict: dict[str, Any], device_type: str = "cpu") -> BuildReport
         param_dtype=dtype if layout.float8 else torch.float32,
         float8=replace(cfg.float8, fsdp_float8_all_gather=False),
     )
-    reference = one_device.parallelize(model_from_config(cfg), device=device, seed=t.seed)
+    reference = one_device.parallelize(
+        model_from_config(cfg), device=device, seed=t.seed, weights=weights
+    )
     local_bytes = param_bytes(model)
     all_bytes: list[int] = [0] * world_size
     dist.all_gather_object(all_bytes, local_bytes)

@@ -19,7 +19,7 @@ from forge_vlm import AdapterConfig, VisionEncoderConfig, VLMConfig, build_vlm, 
 
 from .config import ForgeConfig
 
-__all__ = ["build_meta_model", "model_from_config"]
+__all__ = ["build_meta_model", "hf_meta_model", "model_from_config"]
 
 
 def build_meta_model(
@@ -49,9 +49,34 @@ def build_meta_model(
         )
 
 
+def hf_meta_model(directory: str) -> nn.Module:
+    """transformers' causal LM of ``directory``'s config.json, on the meta device, in float32
+    (the master weights; FSDP2's ``param_dtype`` casts for compute), without a KV cache (a
+    training forward needs none). Code in the directory never runs (``trust_remote_code``
+    stays off): a model transformers does not know is one line."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
+        config.use_cache = False
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(
+                config, trust_remote_code=False, dtype=torch.float32
+            )
+    except (ValueError, KeyError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ForgeConfigError(
+            f"model.hf={directory!r}: transformers cannot build a causal LM from its "
+            f"config.json ({first})"
+        ) from None
+
+
 def model_from_config(cfg: ForgeConfig) -> nn.Module:
-    """The model a config describes, on the meta device: a field model (``[field]``,
-    ``forge_domain.FieldNet``), a VLM, or the reference Transformer (MoE blocks if asked)."""
+    """The model a config describes, on the meta device: a Hugging Face model
+    (``[model] hf``), a field model (``[field]``, ``forge_domain.FieldNet``), a VLM, or the
+    reference Transformer (MoE blocks if asked)."""
+    if cfg.hf is not None:
+        return hf_meta_model(cfg.hf.dir)
     if cfg.is_field:
         with torch.device("meta"):
             return FieldNet(cfg.field_section())

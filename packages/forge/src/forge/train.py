@@ -25,7 +25,6 @@ SIGTERM (SLURM preemption) or Ctrl-C: the rank notes it, the ranks agree after t
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -35,7 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -51,31 +50,25 @@ from forge_core.stages import unwrap
 from forge_mesh import mesh_layout
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+if TYPE_CHECKING:
+    pass
+
 from .build import ParallelPlan, model_from_config
 from .config import ForgeConfig, load_config
 from .job import setup_rank, tp_description
 from .kinds import model_kind
 from .optim import clip_grad_norm_, warmup_cosine
 from .resume import resume_point
+from .run_log import RunLog, StepLog
 from .train_console import (
-    Progress,
     StopFlag,
-    format_memory,
     peak_flops,
     peak_memory,
     train_flops_per_token,
 )
+from .validation import validation_loss
 
 __all__ = ["StepLog", "TrainSummary", "peak_flops", "run_train", "train_flops_per_token"]
-
-
-@dataclass(frozen=True)
-class StepLog:
-    step: int  # 1-based: the number of optimizer steps done
-    loss: float
-    grad_norm: float
-    lr: float
-    throughput: float  # tokens/s (grid points/s for a field model), the whole job
 
 
 @dataclass
@@ -83,6 +76,8 @@ class TrainSummary:
     """What rank 0 reports back: the steps it ran, where it saved, why it stopped."""
 
     steps: list[StepLog] = field(default_factory=list)
+    #: ``(step, validation loss)`` after every ``metrics.validation_every`` steps
+    validation: list[tuple[int, float]] = field(default_factory=list)
     start_step: int = 0
     resumed_from: str | None = None
     last_checkpoint: str | None = None
@@ -170,7 +165,8 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
     rank, device, layout, mesh = setup_rank(cfg, device_type)
     world_size, par = layout.world_size, layout.parallelism
     plan = ParallelPlan.from_config(cfg, mesh, layout=layout)  # as forge build
-    model = plan.parallelize(model_from_config(cfg), device=device, seed=t.seed)
+    weights = model_kind(cfg).weights()  # a Hugging Face directory's, read sharded
+    model = plan.parallelize(model_from_config(cfg), device=device, seed=t.seed, weights=weights)
     model = plan.maybe_compile(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay)
@@ -205,32 +201,33 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
     data = kind.data(
         dp_rank, dp_size, image_token_id=ignore, image_tokens=getattr(wrapper, "image_tokens", 0)
     )
+    held_out = kind.validation_data(dp_rank, dp_size) if cfg.metrics.validation_every else None
     flops_per_item, unit, items_per_step = kind.throughput()
     run_id = uuid.uuid4().hex[:8]
-    metrics = None
+    log = None
     if rank == 0:
-        Path(t.out_dir).mkdir(parents=True, exist_ok=True)
-        metrics = open(Path(t.out_dir) / "metrics.jsonl", "a")  # noqa: SIM115 - closed below
         names, sizes = mesh_layout(par, world_size)
-        metrics.write(
-            json.dumps(
-                {
-                    "event": "start",
-                    "run_id": run_id,
-                    "time": time.time(),
-                    "world_size": world_size,
-                    "mesh": dict(zip(names, sizes, strict=True)),
-                    "device": device_type,
-                    "start_step": summary.start_step,
-                    "resumed_from": summary.resumed_from,
-                    "throughput_unit": unit,
-                    "config": asdict(cfg),
-                }
-            )
-            + "\n"
+        start = {
+            "run_id": run_id,
+            "time": time.time(),
+            "world_size": world_size,
+            "mesh": dict(zip(names, sizes, strict=True)),
+            "device": device_type,
+            "start_step": summary.start_step,
+            "resumed_from": summary.resumed_from,
+            "config": asdict(cfg),
+        }
+        log = RunLog(
+            cfg,
+            start,
+            unit,
+            items_per_step,
+            flops_per_item,
+            peak_flops(device),
+            world_size,
+            steps=summary.steps,
+            validation=summary.validation,
         )
-    progress = Progress(t.steps, summary.start_step, t.log_every) if rank == 0 else None
-    peak = peak_flops(device)
     stop = StopFlag()
     last_saved = summary.start_step if resume is not None else None
     finished = summary.start_step
@@ -291,32 +288,14 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
             memory = [int(m[0]) for m in everyone]
             votes = [int(m[1]) for m in everyone]
             done = finished = step + 1
-            if rank == 0:
-                assert metrics is not None and progress is not None  # rank 0 made both above
-                tps = items_per_step / elapsed
-                record = StepLog(done, loss, grad_norm, lr, tps)
-                summary.steps.append(record)
-                mfu = (
-                    tps * flops_per_item / (peak * world_size) if peak and flops_per_item else None
+            if log is not None:
+                log.step(done, loss, grad_norm, lr, elapsed, memory)
+            if held_out is not None and done % cfg.metrics.validation_every == 0:
+                every = validation_loss(
+                    model, held_out, cfg.metrics.validation_batches, mesh, device
                 )
-                metrics.write(
-                    json.dumps(
-                        {
-                            **asdict(record),
-                            "peak_mem_bytes": memory,
-                            "mfu": mfu,
-                            "time": time.time(),
-                        }
-                    )
-                    + "\n"
-                )
-                metrics.flush()
-                text = (
-                    f"loss {loss:.4f} gnorm {grad_norm:.3f} {tps:,.0f} {unit} "
-                    + (f"MFU {mfu:.1%} " if mfu is not None else "")
-                    + f"{format_memory(memory)} lr {lr:.2e}"
-                )
-                progress.update(text, done, t.steps)
+                if log is not None:
+                    log.validation_loss(done, every)
             if ck.every and done % ck.every == 0:
                 save(done)
             if any(votes):
@@ -326,23 +305,9 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
             save(finished)
         checkpointer.wait()
     hooks.remove()
-    if rank == 0:
-        assert metrics is not None and progress is not None  # rank 0 made both above
-        progress.close()
-        metrics.write(
-            json.dumps(
-                {
-                    "event": "end",
-                    "run_id": run_id,
-                    "step": finished,
-                    "stopped_by": summary.stopped_by,
-                    "checkpoint": summary.last_checkpoint,
-                    "time": time.time(),
-                }
-            )
-            + "\n"
-        )
-        metrics.close()
+    if log is not None:
+        end = {"run_id": run_id, "step": finished, "stopped_by": summary.stopped_by}
+        log.close({**end, "checkpoint": summary.last_checkpoint})
         tp_text = tp_description(model, par) if par.tp > 1 else None
         summary.text = _report(cfg, par, world_size, device_type, summary, finished, tp_text)
     return summary

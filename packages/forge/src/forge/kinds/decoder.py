@@ -86,6 +86,10 @@ class DecoderKind:
         """Why this kind has no Hugging Face layout to export to (it has: Llama's)."""
         return []
 
+    def weights(self) -> str | None:
+        """A Hugging Face directory whose weights fill the model (None: drawn from the seed)."""
+        return None
+
     def data(
         self, dp_rank: int, dp_size: int, *, image_token_id: int | None, image_tokens: int
     ) -> StepData[Batch] | StepData[FieldBatch]:
@@ -107,14 +111,26 @@ class DecoderKind:
             dp_size=dp_size,
         )
 
+    def validation_data(self, dp_rank: int, dp_size: int) -> StepData[Batch] | None:
+        """The held-out documents of ``metrics.validation_every`` (None: this kind's data has
+        none; the pre-launch check refuses asking for it)."""
+        return None
+
     def data_problems(self) -> list[str]:
         """What the launcher says of the training data before any rank starts: the token file
         at ``data.path`` (:func:`forge.data.token_file_problems`); nothing of synthetic data."""
         from ..data import token_file_problems
+        from ..text_data import is_text_data
 
         cfg, t, path = self.cfg, self.cfg.training, self.cfg.data.path
         if path is None:
             return []
+        if is_text_data(path):
+            return [
+                f"data.path={path!r} is text to tokenize, which trains a Hugging Face model "
+                "(model.hf = DIR); forge's own model reads a token file of ids (data.dtype) "
+                "until it keeps attention inside packed documents"
+            ]
         try:
             return token_file_problems(
                 path, cfg.data.dtype, seq_len=t.seq_len, vocab_size=cfg.model.vocab_size

@@ -1,0 +1,200 @@
+"""``forge train`` on a Hugging Face model directory and a jsonl file, against transformers.
+
+A tiny Llama saved with ``save_pretrained`` and a tokenizer trained here (tests/hf_fixtures.py)
+make the directory; ``forge train`` runs it on 4 gloo ranks (dp_shard 2 x tp 2), reading the
+pretrained weights sharded and the documents packed (positions restarting at each document).
+The reference is a plain single-device transformers loop over the same batches: AdamW, warmup
++ cosine, gradient clipping, the loss over the same targets. Then the checkpoint is exported
+as a Hugging Face directory that ``from_pretrained`` loads, and a resume under another layout
+continues the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from forge import load_config
+from forge.optim import warmup_cosine
+from forge.train import run_train
+
+from tests.hf_fixtures import WORDS, make_tokenizer
+
+pytest.importorskip("datasets", reason="text data needs the datasets package (forge[data])")
+
+RANK_PRELOAD = ["transformers.models.llama.modeling_llama", "forge.text_data"]
+
+STEPS = 6
+
+
+def _model_dir(root: Path, *, tie: bool = False) -> str:
+    """A tiny Llama (random weights, seeded) and the test tokenizer, as save_pretrained
+    writes them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+    )
+    LlamaForCausalLM(config).save_pretrained(root)
+    return make_tokenizer(root)
+
+
+def _documents(path: Path, count: int = 60) -> str:
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for _ in range(count):
+            words = [rng.choice(WORDS[:12]) for _ in range(rng.randint(3, 25))]
+            f.write(json.dumps({"text": " ".join(words)}) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def hf_job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_train")
+    model = _model_dir(root / "llama")
+    data = _documents(root / "docs.jsonl")
+    return root, model, data
+
+
+def _cfg(root: Path, model: str, data: str, out: str, **parallelism: int) -> dict:
+    return {
+        "model": {"hf": model},
+        "parallelism": parallelism,
+        "data": {"path": data, "cache_dir": str(root / "cache")},
+        "training": {
+            "steps": STEPS,
+            "global_batch_size": 8,
+            "seq_len": 32,
+            "lr": 3e-3,
+            "warmup_steps": 2,
+            "max_grad_norm": 1.0,
+            "out_dir": str(root / out),
+        },
+        "checkpoint": {"every": 3, "resume": "none", "keep": 5},
+    }
+
+
+def _reference_steps(cfg_dict: dict) -> tuple[list[tuple[float, float]], torch.nn.Module]:
+    """The plain transformers loop on one device over forge's batches of each step."""
+    from forge.kinds import model_kind
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config(cfg_dict)
+    t = cfg.training
+    data = model_kind(cfg).data(0, 1, image_token_id=None, image_tokens=0)
+    model = AutoModelForCausalLM.from_pretrained(cfg.hf.dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: warmup_cosine(
+            s, warmup_steps=t.warmup_steps, total_steps=t.steps, min_ratio=t.min_lr_ratio
+        ),
+    )
+    steps = []
+    for step in range(t.steps):
+        batch = data.batch(step)
+        assert batch.positions is not None and batch.loss_mask is not None
+        # NOTE: use_cache=False: with a KV cache transformers skips its packed-sequence mask
+        # (attention then crosses documents); forge trains without one.
+        inputs = batch.tokens[:, :-1]
+        logits = model(input_ids=inputs, position_ids=batch.positions, use_cache=False).logits
+        targets = batch.tokens[:, 1:].masked_fill(~batch.loss_mask, -100)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        steps.append((loss.item(), norm.item()))
+    return steps, model
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.slow
+def test_forge_train_on_an_hf_directory_matches_a_transformers_loop(run_on_ranks, hf_job):
+    root, model, data = hf_job
+    cfg = _cfg(root, model, data, "x", dp_shard=2, tp=2)
+    reference, trained = _reference_steps(cfg)  # NOTE: first: it fills the token cache
+    summary = run_on_ranks(4, run_train, cfg, "cpu")[0]
+    forge_steps = [(s.loss, s.grad_norm) for s in summary.steps]
+    assert len(forge_steps) == STEPS
+    assert _rel(forge_steps[0][0], reference[0][0]) <= 1e-5
+    for (loss, norm), (ref_loss, ref_norm) in zip(forge_steps, reference, strict=True):
+        assert _rel(loss, ref_loss) <= 1e-4 and _rel(norm, ref_norm) <= 1e-4
+    assert reference[-1][0] < reference[0][0]  # it learns
+
+    # Weights out: the checkpoint as a Hugging Face directory; from_pretrained gives the
+    # trained model's logits.
+    from forge.export import export_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    ckpt = root / "x" / "checkpoints" / f"step-{STEPS:08d}"
+    out = export_checkpoint(ckpt, root / "exported", layout="hf")
+    assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
+    assert oct((out / "model.safetensors").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = loaded(tokens).logits, trained(tokens).logits
+    assert torch.allclose(got, want, rtol=1e-3, atol=1e-4), (got - want).abs().max()
+
+
+@pytest.mark.slow
+def test_hf_resume_under_another_layout_continues_the_run(run_on_ranks, hf_job):
+    root, model, data = hf_job
+    full_cfg = _cfg(root, model, data, "full", tp=2)
+    full = run_on_ranks(4, run_train, full_cfg, "cpu")[0].steps
+    resumed_cfg = _cfg(root, model, data, "resumed", dp_shard=4)
+    resumed_cfg["checkpoint"]["resume"] = str(root / "full" / "checkpoints" / "step-00000003")
+    resumed = run_on_ranks(4, run_train, resumed_cfg, "cpu")[0].steps
+    assert [s.step for s in resumed] == list(range(4, STEPS + 1))
+    for r, f in zip(resumed, full[3:], strict=True):
+        assert _rel(r.loss, f.loss) <= 1e-4 and _rel(r.grad_norm, f.grad_norm) <= 1e-4
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def test_packed_documents_attend_only_inside_themselves(hf_job):
+    """forge's Hugging Face model (no KV cache) on a packed row with positions restarting at
+    each document gives each document's own logits, as if it were alone."""
+    from forge.build import ParallelPlan
+    from forge.models import hf_meta_model
+
+    _, directory, _ = hf_job
+    cfg = load_config({"model": {"hf": directory}, "parallelism": {"data": "none"}})
+    model = ParallelPlan.from_config(cfg, None).parallelize(
+        hf_meta_model(directory), device="cpu", seed=0, weights=directory
+    )
+    tokens = torch.randint(4, 60, (2, 16), generator=torch.Generator().manual_seed(0))
+    documents = [(0, 4), (4, 10), (10, 16)]
+    positions = torch.cat([torch.arange(b - a) for a, b in documents]).expand(2, -1)
+    with torch.no_grad():
+        packed = model(tokens, position_ids=positions).logits
+        alone = torch.cat([model(tokens[:, a:b]).logits for a, b in documents], dim=1)
+        crossing = model(tokens).logits
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    assert (crossing[:, 4:] - alone[:, 4:]).abs().max() > 1e-2  # the check can fail
