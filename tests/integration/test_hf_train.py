@@ -75,7 +75,7 @@ def _cfg(root: Path, model: str, data: str, out: str, **parallelism: int) -> dic
     return {
         "model": {"hf": model},
         "parallelism": parallelism,
-        "data": {"path": data, "cache_dir": str(root / "cache")},
+        "data": {"path": data, "cache_dir": str(root / "cache"), "validation_fraction": 0.1},
         "training": {
             "steps": STEPS,
             "global_batch_size": 8,
@@ -86,10 +86,21 @@ def _cfg(root: Path, model: str, data: str, out: str, **parallelism: int) -> dic
             "out_dir": str(root / out),
         },
         "checkpoint": {"every": 3, "resume": "none", "keep": 5},
+        "metrics": {"validation_every": 3, "validation_batches": 2, "tensorboard": True},
     }
 
 
-def _reference_steps(cfg_dict: dict) -> tuple[list[tuple[float, float]], torch.nn.Module]:
+def _loss(model: torch.nn.Module, batch) -> torch.Tensor:
+    # NOTE: use_cache=False: with a KV cache transformers skips its packed-sequence mask
+    # (attention then crosses documents); forge trains without one.
+    logits = model(
+        input_ids=batch.tokens[:, :-1], position_ids=batch.positions, use_cache=False
+    ).logits
+    targets = batch.tokens[:, 1:].masked_fill(~batch.loss_mask, -100)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+def _reference_steps(cfg_dict: dict) -> tuple[list, list, torch.nn.Module]:
     """The plain transformers loop on one device over forge's batches of each step."""
     from forge.kinds import model_kind
     from transformers import AutoModelForCausalLM
@@ -97,6 +108,9 @@ def _reference_steps(cfg_dict: dict) -> tuple[list[tuple[float, float]], torch.n
     cfg = load_config(cfg_dict)
     t = cfg.training
     data = model_kind(cfg).data(0, 1, image_token_id=None, image_tokens=0)
+    held_out = model_kind(cfg).validation_data(0, 1)
+    assert held_out is not None
+    validation: list[tuple[int, float]] = []
     model = AutoModelForCausalLM.from_pretrained(cfg.hf.dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -109,19 +123,19 @@ def _reference_steps(cfg_dict: dict) -> tuple[list[tuple[float, float]], torch.n
     for step in range(t.steps):
         batch = data.batch(step)
         assert batch.positions is not None and batch.loss_mask is not None
-        # NOTE: use_cache=False: with a KV cache transformers skips its packed-sequence mask
-        # (attention then crosses documents); forge trains without one.
-        inputs = batch.tokens[:, :-1]
-        logits = model(input_ids=inputs, position_ids=batch.positions, use_cache=False).logits
-        targets = batch.tokens[:, 1:].masked_fill(~batch.loss_mask, -100)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        loss = _loss(model, batch)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad()
         steps.append((loss.item(), norm.item()))
-    return steps, model
+        if (step + 1) % cfg.metrics.validation_every == 0:  # the held-out loss, batches 0, 1
+            with torch.no_grad():
+                pair = [held_out.batch(i) for i in range(cfg.metrics.validation_batches)]
+                sums = [(_loss(model, b) * b.loss_mask.sum(), b.loss_mask.sum()) for b in pair]
+            validation.append((step + 1, float(sum(a for a, _ in sums) / sum(c for _, c in sums))))
+    return steps, validation, model
 
 
 def _rel(a: float, b: float) -> float:
@@ -132,7 +146,8 @@ def _rel(a: float, b: float) -> float:
 def test_forge_train_on_an_hf_directory_matches_a_transformers_loop(run_on_ranks, hf_job):
     root, model, data = hf_job
     cfg = _cfg(root, model, data, "x", dp_shard=2, tp=2)
-    reference, trained = _reference_steps(cfg)  # NOTE: first: it fills the token cache
+    cfg["checkpoint"]["export_hf"] = True  # a Hugging Face directory at every checkpoint
+    reference, validation, trained = _reference_steps(cfg)  # NOTE: first: fills the cache
     summary = run_on_ranks(4, run_train, cfg, "cpu")[0]
     forge_steps = [(s.loss, s.grad_norm) for s in summary.steps]
     assert len(forge_steps) == STEPS
@@ -140,6 +155,10 @@ def test_forge_train_on_an_hf_directory_matches_a_transformers_loop(run_on_ranks
     for (loss, norm), (ref_loss, ref_norm) in zip(forge_steps, reference, strict=True):
         assert _rel(loss, ref_loss) <= 1e-4 and _rel(norm, ref_norm) <= 1e-4
     assert reference[-1][0] < reference[0][0]  # it learns
+    assert [step for step, _ in summary.validation] == [step for step, _ in validation] == [3, 6]
+    for (_, loss), (_, ref_loss) in zip(summary.validation, validation, strict=True):
+        assert _rel(loss, ref_loss) <= 1e-4
+    assert list((root / "x" / "tensorboard").iterdir())  # [metrics] tensorboard
 
     # Weights out: the checkpoint as a Hugging Face directory; from_pretrained gives the
     # trained model's logits.
@@ -149,6 +168,11 @@ def test_forge_train_on_an_hf_directory_matches_a_transformers_loop(run_on_ranks
     ckpt = root / "x" / "checkpoints" / f"step-{STEPS:08d}"
     out = export_checkpoint(ckpt, root / "exported", layout="hf")
     assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
+    at_checkpoints = sorted(p.name for p in (root / "x" / "hf").iterdir())
+    assert at_checkpoints == ["step-00000003", f"step-{STEPS:08d}"]
+    assert summary.hf_exports[-1] == str(root / "x" / "hf" / f"step-{STEPS:08d}")
+    same = root / "x" / "hf" / f"step-{STEPS:08d}" / "model.safetensors"
+    assert same.read_bytes() == (out / "model.safetensors").read_bytes()
     assert oct((out / "model.safetensors").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
     loaded = AutoModelForCausalLM.from_pretrained(out)
     tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -198,3 +222,128 @@ def test_packed_documents_attend_only_inside_themselves(hf_job):
         crossing = model(tokens).logits
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
     assert (crossing[:, 4:] - alone[:, 4:]).abs().max() > 1e-2  # the check can fail
+
+
+def test_sft_loss_is_the_hand_masked_loss_of_a_two_turn_conversation(hf_job, tmp_path):
+    """``data.mode = "sft"``: forge's step loss on a padded row equals the cross entropy over
+    the two assistant answers alone, found here by rendering the template by hand."""
+    from forge.build import ParallelPlan
+    from forge.kinds import model_kind
+    from forge.models import hf_meta_model
+    from forge_core.training import forward_backward
+    from transformers import AutoTokenizer
+
+    _, directory, _ = hf_job
+    turns = [
+        {"role": "user", "content": "hello what is the sky"},
+        {"role": "assistant", "content": "the sky is blue"},
+        {"role": "user", "content": "and the sun"},
+        {"role": "assistant", "content": "the sun is big and red"},
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": turns}) + "\n")
+    data = {"path": str(path), "mode": "sft", "packing": False, "cache_dir": str(tmp_path)}
+    cfg = load_config(
+        {
+            "model": {"hf": directory},
+            "parallelism": {"data": "none"},
+            "data": data,
+            "training": {"global_batch_size": 1, "seq_len": 40, "out_dir": str(tmp_path)},
+        }
+    )
+    batch = model_kind(cfg).data(0, 1, image_token_id=None, image_tokens=0).batch(0)
+    model = ParallelPlan.from_config(cfg, None).parallelize(
+        hf_meta_model(directory), device="cpu", seed=0, weights=directory
+    )
+    loss_sum, count = forward_backward(
+        model, batch.tokens, mesh=None, positions_BS=batch.positions, loss_mask_BS=batch.loss_mask
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    render = lambda m, prompt=False: tokenizer.apply_chat_template(  # noqa: E731
+        m, tokenize=True, add_generation_prompt=prompt, return_dict=False
+    )
+    full = list(render(turns))
+    answers = set()
+    for k in (1, 3):
+        start, end = len(render(turns[:k], True)), len(render(turns[: k + 1]))
+        answers |= set(range(start, end))
+    assert full == batch.tokens[0, : len(full)].tolist()
+    with torch.no_grad():
+        logits = model(torch.tensor([full[:-1]])).logits[0]
+    targets = torch.tensor([t if i + 1 in answers else -100 for i, t in enumerate(full[1:])])
+    by_hand = F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+    assert int(count) == len(answers) == int((targets != -100).sum())
+    torch.testing.assert_close(loss_sum, by_hand, rtol=1e-6, atol=1e-6)
+
+
+def _bad_dirs(root: Path, model: str, docs: str) -> dict[str, tuple[list[str], str]]:
+    """Bad inputs -> (the --set overrides, a phrase the one-line refusal must hold)."""
+    import shutil
+
+    no_config = root / "no_config"
+    shutil.copytree(model, no_config, dirs_exist_ok=True)
+    (no_config / "config.json").unlink()
+    no_weights = root / "no_weights"
+    shutil.copytree(model, no_weights, dirs_exist_ok=True)
+    (no_weights / "model.safetensors").unlink()
+    other = root / "other_shape"
+    shutil.copytree(model, other, dirs_exist_ok=True)
+    config = json.loads((other / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (other / "config.json").write_text(json.dumps(config))
+    small = root / "small_vocab"
+    shutil.copytree(model, small, dirs_exist_ok=True)
+    config = json.loads((small / "config.json").read_text())
+    config["vocab_size"] = 32
+    (small / "config.json").write_text(json.dumps(config))
+    (root / "no_text.jsonl").write_text(json.dumps({"body": "the cat"}) + "\n")
+    (root / "empty.jsonl").write_text("")
+    (root / "chat.jsonl").write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+    )
+    no_template = root / "no_template"
+    make_tokenizer(no_template, chat_template=False)
+    return {
+        "no config.json": ([f"model.hf={no_config}"], "has no config.json"),
+        "no weights": ([f"model.hf={no_weights}"], "holds no safetensors weights"),
+        "weights of another shape": ([f"model.hf={other}"], "have another shape"),
+        "tokenizer larger than the vocabulary": (
+            [f"model.hf={small}", "model.pretrained=false", f"data.path={docs}"],
+            "more than",
+        ),
+        "no text field": ([f"model.hf={model}", f"data.path={root / 'no_text.jsonl'}"], "text"),
+        "empty dataset": ([f"model.hf={model}", f"data.path={root / 'empty.jsonl'}"], "empty"),
+        "chat without a template": (
+            [
+                f"model.hf={model}",
+                f"data.path={root / 'chat.jsonl'}",
+                "data.mode=sft",
+                f"data.tokenizer={no_template}",
+            ],
+            "chat template",
+        ),
+    }
+
+
+@pytest.mark.zoo  # NOTE: seven CLI launches (~50 s): the Hugging Face lane
+def test_bad_hf_inputs_are_one_line_before_any_rank_starts(hf_job, tmp_path):
+    import subprocess
+    import sys
+
+    _, model, docs = hf_job
+    for name, (overrides, phrase) in _bad_dirs(tmp_path, model, docs).items():
+        sets = [
+            a for o in [*overrides, f"training.out_dir={tmp_path / 'run'}"] for a in ("--set", o)
+        ]
+        done = subprocess.run(
+            [sys.executable, "-m", "forge.cli", "train", "--nproc", "1", *sets],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        lines = [line for line in done.stderr.splitlines() if line.startswith("forge train:")]
+        assert done.returncode == 2, (name, done.stderr[-2000:])
+        assert "Traceback" not in done.stderr, (name, done.stderr[-2000:])
+        assert lines and phrase in lines[0], (name, lines, done.stderr[-1500:])
+        assert not (tmp_path / "run" / "checkpoints").exists(), name

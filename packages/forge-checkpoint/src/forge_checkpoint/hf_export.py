@@ -77,12 +77,22 @@ def _sha256(path: Path) -> str:
 
 
 def _owned(out: Path) -> dict[str, str]:
-    """The files forge wrote into ``out`` before and their hashes (none: no manifest)."""
-    try:
-        owned = json.loads((out / _MANIFEST).read_text())
-    except (OSError, ValueError):
+    """The files forge wrote into ``out`` before and their hashes (none: no manifest). A file
+    of the manifest's name that is not one (not a JSON table of names to hashes) is not
+    forge's: it is refused, not replaced."""
+    path = out / _MANIFEST
+    if not os.path.lexists(path):
         return {}
-    return owned if isinstance(owned, dict) else {}
+    try:
+        owned = json.loads(path.read_text()) if path.is_file() and not path.is_symlink() else None
+    except (OSError, ValueError):
+        owned = None
+    if not isinstance(owned, dict) or not all(isinstance(v, str) for v in owned.values()):
+        raise ForgeConfigError(
+            f"out {str(out)!r} holds {_MANIFEST!r}, which is not forge's record of an export: "
+            "choose another folder, or move it away"
+        )
+    return owned
 
 
 def _check_replaceable(out: Path, names: Iterable[str], owned: Mapping[str, str]) -> None:
@@ -131,7 +141,7 @@ def export_hf_model(
     )
     copied = [n for n in COPIED_FILES if (source / n).is_file()]
     owned = _owned(out)
-    _check_replaceable(out, [*files, _INDEX, "config.json", *copied, _MANIFEST], owned)
+    _check_replaceable(out, [*files, _INDEX, "config.json", *copied], owned)
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, str] = {}
     weight_map: dict[str, str] = {}
@@ -152,9 +162,28 @@ def export_hf_model(
     for name in copied:
         _copy(source / name, out / name)
         written[name] = _sha256(out / name)
-    manifest = (json.dumps({**owned, **written}, indent=2, sort_keys=True) + "\n").encode()
+    kept = _drop_stale_weights(out, owned, written)
+    manifest = (json.dumps({**kept, **written}, indent=2, sort_keys=True) + "\n").encode()
     _write_then_rename(out / _MANIFEST, lambda tmp: tmp.write_bytes(manifest))
     return out
+
+
+def _drop_stale_weights(
+    out: Path, owned: dict[str, str], written: dict[str, str]
+) -> dict[str, str]:
+    """Remove the weight files an earlier export wrote that this one did not (another shard
+    count): left beside the new ones, a stale ``model.safetensors`` or index could be what
+    ``from_pretrained`` reads. Only forge's own, unchanged files go; the rest of ``owned`` is
+    returned."""
+    kept = {}
+    for name, sha in owned.items():
+        stale = name not in written and (name.endswith(".safetensors") or name == _INDEX)
+        path = out / name
+        if stale and path.is_file() and not path.is_symlink() and _sha256(path) == sha:
+            path.unlink()
+            continue
+        kept[name] = sha
+    return kept
 
 
 def _copy(source: Path, target: Path) -> None:

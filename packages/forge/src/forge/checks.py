@@ -131,6 +131,8 @@ def config_problems(cfg: ForgeConfig, world_size: int | Layout) -> list[str]:
     if par.pp > 1:
         problems += kind.pipeline_problems(layout)
     problems += validation_problems(cfg)
+    if cfg.checkpoint.export_hf:
+        problems += [f"checkpoint.export_hf = true: {p}" for p in kind.hf_export_problems()]
     return list(dict.fromkeys(problems))  # the same words twice are one problem
 
 

@@ -373,7 +373,9 @@ def load_config(
         if presets and presets[-1] in FIELD_PRESETS:  # a conv net: split the height, not tp
             raw["parallelism"] = {"domain": 2}
         if any(o.partition("=")[0].strip() == "model.hf" for o in overrides):
-            raw["model"] = {}  # NOTE: the directory's config.json replaces the debug preset
+            # NOTE: the directory's config.json replaces the debug preset, and FSDP2 over every
+            # rank the demo's tp=2 (which the model's heads may not divide)
+            raw["model"], raw["parallelism"] = {}, {}
     elif isinstance(path_or_dict, Mapping):
         raw = {k: dict(v) if isinstance(v, Mapping) else v for k, v in path_or_dict.items()}
     else:

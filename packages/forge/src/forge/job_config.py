@@ -214,6 +214,9 @@ class CheckpointConfig:
     one, ``"none"`` starts fresh, anything else is the path of a ``step-N`` directory.
     ``verify``: check the checkpoint's files against its manifest before loading it (one read
     of every file; forge's launcher verifies before starting ranks and turns it off for them).
+    ``export_hf``: after every checkpoint, also write its model as a Hugging Face directory
+    ``<training.out_dir>/hf/step-N`` (``forge export --format hf``; kept, not pruned by
+    ``keep``).
     """
 
     dir: str | None = None
@@ -223,6 +226,7 @@ class CheckpointConfig:
     resume: str = "latest"
     save_at_end: bool = True
     verify: bool = True
+    export_hf: bool = False
 
     def __post_init__(self) -> None:
         check_field_types(self, "checkpoint")

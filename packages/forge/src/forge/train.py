@@ -50,9 +50,6 @@ from forge_core.stages import unwrap
 from forge_mesh import mesh_layout
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-if TYPE_CHECKING:
-    pass
-
 from .build import ParallelPlan, model_from_config
 from .config import ForgeConfig, load_config
 from .job import setup_rank, tp_description
@@ -68,6 +65,11 @@ from .train_console import (
 )
 from .validation import validation_loss
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from .data import Batch, StepData
+
 __all__ = ["StepLog", "TrainSummary", "peak_flops", "run_train", "train_flops_per_token"]
 
 
@@ -76,6 +78,8 @@ class TrainSummary:
     """What rank 0 reports back: the steps it ran, where it saved, why it stopped."""
 
     steps: list[StepLog] = field(default_factory=list)
+    #: the Hugging Face directories written after checkpoints (``checkpoint.export_hf``)
+    hf_exports: list[str] = field(default_factory=list)
     #: ``(step, validation loss)`` after every ``metrics.validation_every`` steps
     validation: list[tuple[int, float]] = field(default_factory=list)
     start_step: int = 0
@@ -252,6 +256,8 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
                 "set training.max_grad_norm)"
             ) from None
         last_saved = step
+        if ck.export_hf:
+            _export_hf(checkpointer, summary, t.out_dir, step, rank)
 
     with (
         stop.installed(),
@@ -290,12 +296,7 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
             done = finished = step + 1
             if log is not None:
                 log.step(done, loss, grad_norm, lr, elapsed, memory)
-            if held_out is not None and done % cfg.metrics.validation_every == 0:
-                every = validation_loss(
-                    model, held_out, cfg.metrics.validation_batches, mesh, device
-                )
-                if log is not None:
-                    log.validation_loss(done, every)
+            _validate(cfg, model, held_out, mesh, device, done, log)
             if ck.every and done % ck.every == 0:
                 save(done)
             if any(votes):
@@ -311,6 +312,40 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
         tp_text = tp_description(model, par) if par.tp > 1 else None
         summary.text = _report(cfg, par, world_size, device_type, summary, finished, tp_text)
     return summary
+
+
+def _validate(
+    cfg: ForgeConfig,
+    model: nn.Module,
+    held_out: StepData[Batch] | None,
+    mesh: DeviceMesh,
+    device: torch.device,
+    step: int,
+    log: RunLog | None,
+) -> None:
+    """The validation loss after ``step`` when ``metrics.validation_every`` asks (every rank
+    computes it; rank 0, which holds ``log``, records it)."""
+    every = cfg.metrics.validation_every
+    if held_out is None or not every or step % every:
+        return
+    loss = validation_loss(model, held_out, cfg.metrics.validation_batches, mesh, device)
+    if log is not None:
+        log.validation_loss(step, loss)
+
+
+def _export_hf(
+    checkpointer: Checkpointer, summary: TrainSummary, out_dir: str, step: int, rank: int
+) -> None:
+    """The checkpoint just saved as a Hugging Face directory ``<out_dir>/hf/step-N``, written by
+    rank 0 one shard at a time (``checkpoint.export_hf``), once the save is on disk."""
+    from .export import export_checkpoint
+
+    checkpointer.wait()  # NOTE: an asynchronous save must be complete to be read
+    if rank != 0 or summary.last_checkpoint is None:
+        return
+    out = Path(out_dir) / "hf" / f"step-{step:08d}"
+    written = export_checkpoint(summary.last_checkpoint, out, layout="hf", verify=False)
+    summary.hf_exports.append(str(written))
 
 
 def _report(
@@ -348,5 +383,7 @@ def _report(
         lines.append(f"stopped by {s.stopped_by} after step {finished}")
     if s.last_checkpoint:
         lines.append(f"checkpoint: {s.last_checkpoint}")
+    if s.hf_exports:
+        lines.append(f"hugging face: {s.hf_exports[-1]}")
     lines.append(f"metrics: {Path(t.out_dir) / 'metrics.jsonl'}")
     return "\n".join(lines)

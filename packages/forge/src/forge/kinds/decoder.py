@@ -83,8 +83,14 @@ class DecoderKind:
         return []
 
     def hf_export_problems(self) -> list[str]:
-        """Why this kind has no Hugging Face layout to export to (it has: Llama's)."""
-        return []
+        """Why this kind has no Hugging Face layout to export to (a dense decoder has Llama's;
+        MoE blocks have none)."""
+        if not self.cfg.decoder.custom_ffn_layers:
+            return []
+        return [
+            "forge's MoE decoder has no Hugging Face layout (Llama has no MoE layer); export it "
+            "with layout='safetensors'"
+        ]
 
     def weights(self) -> str | None:
         """A Hugging Face directory whose weights fill the model (None: drawn from the seed)."""

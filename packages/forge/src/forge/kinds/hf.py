@@ -85,6 +85,9 @@ class HFKind(DecoderKind):
             "model yet"
         ]
 
+    def hf_export_problems(self) -> list[str]:
+        return []  # NOTE: its own layout (forge_checkpoint.hf_export)
+
     def weights(self) -> str | None:
         """The directory whose weights fill the model (None: random, from the seed)."""
         return self.hf.dir if self.hf.pretrained else None
