@@ -61,6 +61,7 @@ from .checks import check_float8, check_plan
 from .config import COMPILE_SCOPES, ForgeConfig, as_config
 from .config_fields import config_fields
 from .hf_prepare import no_kv_cache_under_ac
+from .hf_source import hf_compile_problems
 from .layout import Layout, resolve_layout
 from .model_spec import (
     ac_components,
@@ -357,6 +358,7 @@ class ParallelPlan:
             refuse_materialized(model, device)
         mesh = self.device_mesh
         spec = model_spec(model, mesh, vlm=self.vlm, packed_sequences=self.packed_sequences)
+        refuse(hf_compile_problems(spec.kind == "hf", axis_size(mesh, "tp"), self.compile_model))
         if axis_size(mesh, "tp") > 1:
             assert mesh is not None  # a tp axis of size > 1 implies a mesh
             spec.tensor_parallel(

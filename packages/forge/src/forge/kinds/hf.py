@@ -7,7 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from ..hf_source import HFModelConfig, exact_heads, has_tokenizer, hf_dir_problems, read_hf_config
+from ..hf_source import (
+    HFModelConfig,
+    exact_heads,
+    has_tokenizer,
+    hf_compile_problems,
+    hf_dir_problems,
+    read_hf_config,
+)
 from .decoder import DecoderKind
 
 if TYPE_CHECKING:
@@ -43,6 +50,7 @@ class HFKind(DecoderKind):
                 f"parallelism.pp={par.pp} with model.hf: forge-pp splits forge's own model into "
                 "stages, not a Hugging Face model yet; set parallelism.pp=1"
             )
+        problems += hf_compile_problems(True, par.tp, self.cfg.training.compile)
         if par.cp > 1:
             problems.append(
                 f"parallelism.cp={par.cp} with model.hf: context parallelism runs forge's own "
