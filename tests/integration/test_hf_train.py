@@ -382,3 +382,21 @@ def _compiled_tp_plan(directory: str) -> str:
         assert "tp=2" in str(err)
         return "refused"
     return "ran"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pretrained", [True, False])
+def test_forge_build_checks_an_hf_directory_against_one_device(run_on_ranks, hf_job, pretrained):
+    """``forge build`` with ``[model] hf``: FSDP2 x TP with AC matches one device, from the
+    directory's weights or from random weights of its config (``pretrained = false``)."""
+    from forge.job import run_build
+
+    root, directory, _ = hf_job
+    cfg = {
+        "model": {"hf": directory, "pretrained": pretrained},
+        "parallelism": {"dp_shard": 2, "tp": 2},
+        "training": {"steps": 3, "ac_mode": "full", "out_dir": str(root / "build")},
+    }
+    reports = run_on_ranks(4, run_build, cfg, "cpu")
+    assert all(r.passed for r in reports), reports[0].text
+    assert "PASS" in reports[0].text and "Hugging Face model" in reports[0].text
