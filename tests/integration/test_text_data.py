@@ -29,6 +29,13 @@ from forge_core import ForgeConfigError
 
 from tests.hf_fixtures import SPECIALS, TEMPLATE_WORDS, WORDS, make_tokenizer
 
+#: Loading text needs the optional ``datasets`` package (forge[data]); the lent GPU machines'
+#: software has none, so there these tests skip (the missing-package message is tested here).
+needs_datasets = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("datasets") is None,
+    reason="datasets is not installed (the forge[data] extra)",
+)
+
 VOCAB = {t: i for i, t in enumerate(SPECIALS + TEMPLATE_WORDS + WORDS)}
 BOS, EOS, PAD = VOCAB["<bos>"], VOCAB["<eos>"], VOCAB["<pad>"]
 DOCS = ["the cat sits", "a dog runs fast", "hello"]
@@ -75,6 +82,7 @@ def source(data: DataConfig, tok: str, tmp_path: Path, **kw) -> TextData:
 
 
 # --------------------------------------------------------------------------- pretraining
+@needs_datasets
 def test_pretrain_packs_documents_each_with_bos_and_one_eos(tok, tmp_path):
     path = texts(tmp_path / "d.jsonl", [*DOCS, "", "  ", "the sun <eos>"])
     text = load(DataConfig(path=str(path)), tok, tmp_path)
@@ -90,6 +98,7 @@ def test_pretrain_packs_documents_each_with_bos_and_one_eos(tok, tmp_path):
     assert [i for i, t in enumerate(text.target_mask.tolist()) if not t] == [0, 5, 11, 14]
 
 
+@needs_datasets
 def test_windows_restart_positions_at_document_and_window_starts(tok, tmp_path):
     data = DataConfig(path=str(texts(tmp_path / "d.jsonl")))
     # 14 tokens: [<bos> the cat sits <eos>] [<bos> a dog runs fast <eos>] [<bos> hello <eos>]
@@ -111,6 +120,7 @@ def test_windows_restart_positions_at_document_and_window_starts(tok, tmp_path):
         assert batch.loss_mask[row].tolist() == loss_mask, window
 
 
+@needs_datasets
 def test_dp_ranks_together_read_the_single_rank_batch_at_every_step(tok, tmp_path):
     data = DataConfig(path=str(texts(tmp_path / "d.jsonl", DOCS * 3)))
     whole = source(data, tok, tmp_path, global_batch=4)
@@ -124,6 +134,7 @@ def test_dp_ranks_together_read_the_single_rank_batch_at_every_step(tok, tmp_pat
             assert joined.equal(getattr(full, name)), (step, name)
 
 
+@needs_datasets
 def test_every_window_is_read_once_per_pass(tok, tmp_path):
     docs = [
         *DOCS,
@@ -151,6 +162,7 @@ def render(tok: str, messages: list[dict], prompt: bool) -> list[int]:
     return list(t.apply_chat_template(messages, add_generation_prompt=prompt, return_dict=False))
 
 
+@needs_datasets
 def test_sft_targets_are_exactly_the_assistant_tokens(tok, tmp_path):
     path = jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
     full = render(tok, CHAT, False)
@@ -166,6 +178,7 @@ def test_sft_targets_are_exactly_the_assistant_tokens(tok, tmp_path):
     assert batch.tokens[0, 1:][batch.loss_mask[0]].tolist() == first + second
 
 
+@needs_datasets
 def test_sft_packing_masks_the_start_of_each_conversation(tok, tmp_path):
     other = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]
     path = jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}, {"messages": other}])
@@ -177,6 +190,7 @@ def test_sft_packing_masks_the_start_of_each_conversation(tok, tmp_path):
     assert targets == [*ids("hi the cat"), EOS, VOCAB["no"], EOS, VOCAB["yes"], EOS]
 
 
+@needs_datasets
 def test_padded_sft_puts_one_conversation_per_row(tok, tmp_path):
     short = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]
     late = [  # its assistant turn starts past seq_len + 1 tokens: nothing to learn, left out
@@ -205,6 +219,7 @@ def test_padded_sft_puts_one_conversation_per_row(tok, tmp_path):
 
 
 # --------------------------------------------------------------------------- cache
+@needs_datasets
 def test_the_corpus_is_tokenized_once_and_a_changed_file_is_a_new_key(tok, tmp_path, monkeypatch):
     calls = []
     real = text_data._tokenize_corpus
@@ -231,6 +246,7 @@ def cache_dir_files(tmp_path: Path) -> list[str]:
     return sorted(os.listdir(tmp_path / "c"))
 
 
+@needs_datasets
 def test_a_damaged_cache_file_is_rewritten_and_other_files_are_left(tok, tmp_path, monkeypatch):
     data = DataConfig(path=str(texts(tmp_path / "d.jsonl")))
     first = load(data, tok, tmp_path)
@@ -248,6 +264,7 @@ def test_a_damaged_cache_file_is_rewritten_and_other_files_are_left(tok, tmp_pat
 
 
 # --------------------------------------------------------------------------- validation split
+@needs_datasets
 def test_the_validation_split_is_disjoint_stable_and_leaves_the_rest_to_train(tok, tmp_path):
     docs = [f"{a} {b}" for a in ("the", "a") for b in ("cat", "dog", "bird", "fish")]
     data = DataConfig(path=str(texts(tmp_path / "d.jsonl", docs)), validation_fraction=0.25)
@@ -284,6 +301,7 @@ def write(kind: str, tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "parquet", "txt", "saved"])
+@needs_datasets
 def test_every_format_loads_the_same_documents(tok, tmp_path, kind):
     path = write(kind, tmp_path)
     assert is_text_data(str(path))
@@ -304,12 +322,14 @@ def problems(data: DataConfig, tok: str | None, tmp_path: Path, **kw) -> list[st
     return found
 
 
+@needs_datasets
 def test_clean_text_has_no_problems_and_fills_the_cache(tok, tmp_path):
     data = DataConfig(path=str(texts(tmp_path / "d.jsonl")), validation_fraction=0.34)
     assert problems(data, tok, tmp_path, seq_len=2) == []
     assert len(cache_dir_files(tmp_path)) == 1
 
 
+@needs_datasets
 def test_each_refusal_names_the_file_or_field_and_the_fix(tok, tok_plain, tmp_path):
     good = str(texts(tmp_path / "d.jsonl"))
     chat = str(jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}]))
@@ -335,6 +355,7 @@ def test_each_refusal_names_the_file_or_field_and_the_fix(tok, tok_plain, tmp_pa
     assert "its columns: ['text']; set data.text_field" in found
 
 
+@needs_datasets
 def test_rows_that_are_not_conversations_and_empty_files_are_refused(tok, tmp_path):
     bad = jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "text": "hi"}]}])
     (found,) = problems(DataConfig(path=str(bad), mode="sft"), tok, tmp_path)
@@ -344,6 +365,7 @@ def test_rows_that_are_not_conversations_and_empty_files_are_refused(tok, tmp_pa
     assert "zero.jsonl' is an empty file" in found
 
 
+@needs_datasets
 def test_a_template_that_rewrites_earlier_turns_is_refused(tok, tmp_path):
     from transformers import AutoTokenizer
 
@@ -365,6 +387,7 @@ def test_missing_datasets_package_is_one_line(tok, tmp_path, monkeypatch):
     assert "needs the datasets package: pip install 'forge-parallel[data]'" in found
 
 
+@needs_datasets
 def test_loading_writes_nothing_to_the_hugging_face_cache(tok, tmp_path):
     """datasets' arrow files go to a scratch folder under the token cache, then away."""
     code = (
