@@ -7,6 +7,10 @@ into a model whose parameters are already sharded (FSDP2, HSDP, TP, any mix: DTe
 through torch.distributed.checkpoint's Hugging Face storage reader, which reads each rank's
 slices with ``safetensors``' lazy slicing: no rank ever holds a whole tensor it does not own, let
 alone the whole model. Values are converted to each parameter's dtype as they are copied.
+A model whose names or layouts differ from the files' (a Hugging Face MoE model with its blocks
+converted to stacked experts) is loaded with ``sources``: for each such name, a
+:class:`forge_core.tensor_source.TensorSource` made by the layer that knows the layout; each
+rank then assembles its own shard from the stored tensors (:mod:`forge_checkpoint.hf_sourced`).
 
 :func:`hf_weight_problems` is the check before any rank starts: every name and shape the model
 expects against the files' headers (read as JSON, no tensor data and no torch), one line per
@@ -27,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from forge_core import ForgeConfigError
 from forge_core.errors import refuse
+from forge_core.tensor_source import TensorSource
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -133,46 +138,78 @@ def _names(names: Iterable[str]) -> str:
     return ", ".join(listed[:3]) + more
 
 
+def _source_problems(
+    expected: Mapping[str, tuple[int, ...]],
+    stored: Mapping[str, tuple[int, ...]],
+    sources: Mapping[str, TensorSource],
+) -> tuple[set[str], list[str]]:
+    """The stored tensors ``sources`` need that ``stored`` lacks, and those it holds in another
+    shape than the source needs (``name [stored] (model: [needed])``)."""
+    missing: set[str] = set()
+    wrong = []
+    for target, source in sorted(sources.items()):
+        need = source.stored_shape(tuple(expected[target]))
+        for name in source.stored:
+            if name not in stored:
+                missing.add(name)
+            elif tuple(stored[name]) != need:
+                wrong.append(f"{name} {list(stored[name])} (model: {list(need)}, for {target})")
+    return missing, wrong
+
+
 def hf_weight_problems(
     expected: Mapping[str, tuple[int, ...]],
     directory: str | os.PathLike[str],
     *,
     tied: Iterable[str] = (),
+    sources: Mapping[str, TensorSource] | None = None,
 ) -> list[str]:
     """What stops ``directory``'s weights from filling a model that expects ``expected`` (name ->
     full shape): missing tensors (``tied`` ones excepted), tensors the model does not have, and
     shapes that differ, each one line naming the directory. An unreadable directory gives its
-    own one line."""
+    own one line.
+
+    ``sources`` (model name -> :class:`TensorSource`) names the tensors the files hold under
+    other names or layouts (a converted MoE block's experts: ``forge_moe_ep``'s
+    ``hf_checkpoint_sources``): for those, the stored tensors they are read from are checked,
+    names and shapes, and counted as used.
+    """
     try:
         stored = hf_weight_shapes(directory)
     except ForgeConfigError as err:
         return [str(err)]
-    problems = []
-    missing = set(expected) - set(stored) - set(tied)
-    per_expert = sorted(n for n in set(stored) - set(expected) if _PER_EXPERT.search(n))
+    sources = {n: s for n, s in (sources or {}).items() if n in expected}
+    direct = {n: shape for n, shape in expected.items() if n not in sources}
+    used = {name for source in sources.values() for name in source.stored}
+    missing = set(direct) - set(stored) - set(tied)
+    per_expert = sorted(n for n in set(stored) - set(expected) - used if _PER_EXPERT.search(n))
     if per_expert and any(".experts." in n for n in missing):
         return [
             f"{directory}: the weights hold experts one by one ({per_expert[0]}, ...) where the "
-            "model holds them stacked (fused or converted MoE experts); loading a Hugging Face "
-            "MoE checkpoint into stacked experts is not supported yet: load it with "
-            "from_pretrained instead"
+            "model holds them stacked; they are read into converted MoE blocks only (sources= "
+            "from forge_moe_ep.hf_checkpoint_sources; forge converts the blocks when tp or ep "
+            "> 1): loading them into Hugging Face's own fused experts is not supported yet: use "
+            "tp or ep > 1, or load the model with from_pretrained"
         ]
-    if missing:
+    source_missing, wrong = _source_problems(expected, stored, sources)
+    problems = []
+    if missing or source_missing:
+        lacking = missing | source_missing
         problems.append(
-            f"{directory}: the weights lack {len(missing)} tensor(s) the model has "
-            f"({_names(missing)}); is the directory this model's (config.json)?"
+            f"{directory}: the weights lack {len(lacking)} tensor(s) the model has "
+            f"({_names(lacking)}); is the directory this model's (config.json)?"
         )
-    unexpected = set(stored) - set(expected)
+    unexpected = set(stored) - set(expected) - used
     if unexpected:
         problems.append(
             f"{directory}: the weights hold {len(unexpected)} tensor(s) the model does not have "
             f"({_names(unexpected)}); is config.json the one these weights were saved with?"
         )
     wrong = [
-        f"{n} {list(stored[n])} (model: {list(expected[n])})"
-        for n in sorted(set(stored) & set(expected))
-        if tuple(stored[n]) != tuple(expected[n])
-    ]
+        f"{n} {list(stored[n])} (model: {list(direct[n])})"
+        for n in sorted(set(stored) & set(direct))
+        if tuple(stored[n]) != tuple(direct[n])
+    ] + wrong
     if wrong:
         more = f" and {len(wrong) - 2} more" if len(wrong) > 2 else ""
         problems.append(
@@ -193,14 +230,24 @@ def _tied_names(model: nn.Module, stored: Iterable[str]) -> set[str]:
     return {name for name, t in objects.items() if name not in present and id(t) in held}
 
 
-def load_hf_weights(model: nn.Module, directory: str | os.PathLike[str]) -> None:
+def load_hf_weights(
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    *,
+    sources: Mapping[str, TensorSource] | None = None,
+) -> None:
     """Fill ``model`` (parallelized or not, materialized on its device) from a Hugging Face model
     directory's safetensors, each rank reading only its own slices.
 
     Collective when a process group is initialized: every rank of the model's group calls it.
     The model's parameter names must be the directory's tensor names (a model built from the
-    directory's config.json); anything else is refused with one line, before any read.
+    directory's config.json), except those ``sources`` maps (model name ->
+    :class:`TensorSource`: a converted MoE block's tensors, ``forge_moe_ep``'s
+    ``hf_checkpoint_sources``); anything else is refused with one line, before any read. A
+    renamed tensor is read as a direct one; the others are assembled on each rank for its own
+    shard only (:func:`forge_checkpoint.hf_sourced.read_sourced`: the experts it holds, sliced).
     """
+    import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint import load as dcp_load
@@ -210,15 +257,27 @@ def load_hf_weights(model: nn.Module, directory: str | os.PathLike[str]) -> None
         set_model_state_dict,
     )
 
+    from .hf_sourced import read_sourced
+
+    sources = dict(sources or {})
     state_dict = get_model_state_dict(model)
     stored = hf_weight_shapes(directory)
     tied = _tied_names(model, stored)
     shapes = {n: tuple(getattr(t, "shape", ())) for n, t in state_dict.items()}
-    refuse(hf_weight_problems(shapes, directory, tied=tied))
+    refuse(hf_weight_problems(shapes, directory, tied=tied, sources=sources))
     wanted = {name: t for name, t in state_dict.items() if name not in tied}
+    renamed = {n: s.rename for n, s in sources.items() if s.rename is not None}
+    direct = {
+        renamed.get(name, name): t
+        for name, t in wanted.items()
+        if name not in sources or name in renamed
+    }
     one_process = not (dist.is_available() and dist.is_initialized())
     reader = HuggingFaceStorageReader(str(directory))
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.filterwarnings("ignore", message=".*single process")
-        dcp_load(wanted, storage_reader=reader, no_dist=one_process)
+        dcp_load(direct, storage_reader=reader, no_dist=one_process)
+    sourced = {n: s for n, s in sources.items() if n in wanted and n not in renamed}
+    targets = {n: t for n, t in wanted.items() if n in sourced and isinstance(t, torch.Tensor)}
+    read_sourced(targets, sourced, hf_weight_files(directory))
     set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))

@@ -38,6 +38,7 @@ produce router logits for transformers to collect, and forge's router has no jit
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +50,14 @@ from torch.distributed.tensor import DTensor
 from .config import MoEModelConfig
 from .moe import MoE
 
-__all__ = ["HF_MOE_BLOCKS", "HFMoE", "convert_hf_moe", "hf_moe_blocks", "restore_hf_moe"]
+__all__ = [
+    "HF_MOE_BLOCKS",
+    "HFMoE",
+    "convert_hf_moe",
+    "hf_block_values",
+    "hf_moe_blocks",
+    "restore_hf_moe",
+]
 
 #: Hugging Face ``hidden_act`` names -> ``MoEModelConfig.expert_act``.
 _ACTIVATIONS = {
@@ -412,3 +420,20 @@ def restore_hf_moe(model: nn.Module) -> list[str]:
         parent = model.get_submodule(parent_name)
         setattr(parent, attr, _restore(getattr(parent, attr)))
     return names
+
+
+def hf_block_values(moe: HFMoE, init: Callable[[nn.Module], None]) -> dict[str, torch.Tensor]:
+    """The values ``moe`` takes for the Hugging Face block ``init`` fills: a new block of the
+    class and config ``moe`` replaced, built on the CPU, filled by ``init(block)``, converted as
+    :func:`convert_hf_moe` converts it; its state dict (names as in ``moe``, buffers included).
+
+    For initializing a converted model from a seed exactly as the unconverted one would be (the
+    block's own init rules, the same random draws), however ``moe`` is sharded afterwards.
+    """
+    dtype = next(moe.parameters()).dtype
+    with torch.device("cpu"):
+        block = moe.hf_class(moe.hf_config)
+    block.to(dtype)
+    init(block)
+    converted = _convert(block, moe.family, moe.hf_config, moe.layer_id)
+    return converted.state_dict()

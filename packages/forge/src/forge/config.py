@@ -44,7 +44,7 @@ from forge_vlm.config import (
     VLMConfig,
 )
 
-from .hf_source import HFModelConfig, decoder_shape, hf_section, read_hf_config
+from .hf_source import HFModelConfig, decoder_shape, hf_section, moe_shape, read_hf_config
 from .job_config import (
     COMPILE_SCOPES,
     TOKEN_DTYPES,
@@ -116,10 +116,10 @@ class ForgeConfig:
             dense, moe = self.model.parts()
             object.__setattr__(self, "model", dense)
             object.__setattr__(self, "moe", moe)
-        if self.hf is not None and (self.moe, self.field, self.vlm) != (None, None, None):
+        if self.hf is not None and (self.field, self.vlm) != (None, None):
             raise ForgeConfigError(
-                "model.hf is set with [moe], [field] or [vlm]: a Hugging Face model's blocks "
-                "come from its config.json; remove those sections"
+                "model.hf is set with [field] or [vlm]: a Hugging Face model's blocks come from "
+                "its config.json; remove those sections"
             )
         if self.moe is not None and self.field is not None:
             raise ForgeConfigError(
@@ -396,8 +396,13 @@ def load_config(
     hf = hf_section(raw.get("model", {}), raw.pop("hf", None))
     built: dict[str, Any] = {"hf": hf}
     if hf is not None and "hf" in raw.get("model", {}):  # named now: config.json decides
-        built["model"] = decoder_shape(read_hf_config(hf.dir), hf.dir)
-        built["moe"] = None if "moe" not in raw else _build_section("moe", raw["moe"])
+        if "moe" in raw:
+            raise ForgeConfigError(
+                "[moe] is set with model.hf: a Hugging Face model's MoE blocks come from its "
+                "config.json; remove [moe]"
+            )
+        hf_config = read_hf_config(hf.dir)
+        built["model"], built["moe"] = decoder_shape(hf_config, hf.dir), moe_shape(hf_config)
     else:  # forge's model, or a dumped config's hf table with the shape read when named
         built.update(zip(("model", "moe"), _model_sections(raw), strict=True))
     built.update(_field_or_vlm_sections(raw))

@@ -25,7 +25,7 @@ from forge_core.contracts import declare_components, declared_components
 from forge_core.init import copy_full_, param_seed
 from forge_core.mesh_dims import axis_size
 from forge_fsdp_wrap.blocks import find_block_container
-from forge_moe_ep.hf import convert_hf_moe
+from forge_moe_ep.hf import HFMoE, convert_hf_moe, hf_block_values
 from torch.distributed.device_mesh import DeviceMesh
 
 from .hf_patches import (
@@ -151,12 +151,37 @@ def _owned_modules(
 ) -> Iterator[tuple[str, nn.Module, nn.Module | None]]:
     """Every module after its children (``fqn``, module, the Hugging Face model whose
     ``_init_weights`` initializes it: the nearest one enclosing it), as transformers visits
-    them."""
+    them. A converted MoE block (forge's ``HFMoE``) is one module: its insides are forge's."""
     if callable(getattr(module, "_init_weights", None)) and hasattr(module, "config"):
         owner = module
-    for name, child in module.named_children():
-        yield from _owned_modules(child, f"{prefix}{name}.", owner)
+    if not isinstance(module, HFMoE):
+        for name, child in module.named_children():
+            yield from _owned_modules(child, f"{prefix}{name}.", owner)
     yield prefix.rstrip("."), module, owner
+
+
+def _init_converted_moe(
+    moe: HFMoE, fqn: str, owner: nn.Module, seed: int, *, parameters: bool
+) -> None:
+    """Fill a converted MoE block as the Hugging Face block it replaced would be filled: a
+    stand-in block initialized module by module with the seeds the unconverted model's modules
+    get (by their names under ``fqn``), converted, each rank keeping its slices. Without
+    ``parameters`` (weights about to be loaded), only its buffers: a new block's are zeros
+    (the balancing bias and the routing counters)."""
+    if not parameters:
+        for buffer in moe.buffers():
+            buffer.zero_()
+        return
+
+    def init(block: nn.Module) -> None:
+        for name, module, _ in _owned_modules(block, f"{fqn}.", owner):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(param_seed(seed, name))
+                owner._init_weights(module)  # type: ignore[operator]
+
+    values = hf_block_values(moe, init)
+    for name, tensor in moe.state_dict(keep_vars=True).items():
+        copy_full_(tensor, values[name].to(tensor.dtype))
 
 
 @torch.no_grad()
@@ -181,6 +206,9 @@ def init_hf_weights(model: nn.Module, seed: int, *, parameters: bool = True) -> 
     done: set[int] = set()
     for fqn, module, owner in _owned_modules(model):
         if owner is None:
+            continue
+        if isinstance(module, HFMoE):
+            _init_converted_moe(module, fqn, owner, seed, parameters=parameters)
             continue
         # NOTE: every parameter gets a stand-in, those filled already (a tied head) too: the
         # init must never write into a real one (a DTensor would take the same values on every

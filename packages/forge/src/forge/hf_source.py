@@ -23,6 +23,7 @@ from typing import Any
 
 from forge_core.errors import ForgeConfigError, check_field_types
 from forge_core.model_config import ModelConfig
+from forge_moe_ep.config import MoEConfig
 
 __all__ = [
     "HF_KEYS",
@@ -33,6 +34,7 @@ __all__ = [
     "has_tokenizer",
     "hf_dir_problems",
     "hf_section",
+    "moe_shape",
     "read_hf_config",
 ]
 
@@ -151,6 +153,36 @@ def decoder_shape(config: Mapping[str, Any], directory: str) -> ModelConfig:
         norm_eps=float(source.get("rms_norm_eps") or source.get("layer_norm_eps") or 1e-5),
         rope_theta=_rope_theta(source),
         tie_embeddings=bool(config.get("tie_word_embeddings", source.get("tie_word_embeddings"))),
+    )
+
+
+#: The config.json keys of the routed expert count, by family (Qwen, Mixtral and GPT-OSS,
+#: DeepSeek).
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def moe_shape(config: Mapping[str, Any]) -> MoEConfig | None:
+    """The MoE blocks of a Hugging Face config.json as ``[moe]`` would give them (None: a
+    dense model): routed experts, top-k, expert width, shared experts. Like
+    :func:`decoder_shape`, what forge's sizes read (expert parallelism's divisibility, the
+    plan's costs, the FLOPs); the blocks themselves are transformers' (converted by
+    ``forge_moe_ep.hf`` under tp or ep)."""
+    text = config.get("text_config")
+    source = text if isinstance(text, Mapping) and "hidden_size" not in config else config
+    experts = next(
+        (source[k] for k in _EXPERT_KEYS if isinstance(source.get(k), int) and source[k] > 0), 0
+    )
+    if not experts:
+        return None
+    top_k = source.get("num_experts_per_tok")
+    width = source.get("moe_intermediate_size") or source.get("intermediate_size")
+    shared = source.get("n_shared_experts")
+    return MoEConfig(
+        moe_every=1,
+        num_experts=experts,
+        top_k=top_k if isinstance(top_k, int) and 0 < top_k <= experts else min(2, experts),
+        moe_ffn_dim=width if isinstance(width, int) and width > 0 else None,
+        num_shared_experts=shared if isinstance(shared, int) and shared > 0 else 0,
     )
 
 

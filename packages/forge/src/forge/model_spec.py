@@ -30,12 +30,14 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-from forge_checkpoint import load_hf_weights
+from forge_checkpoint import hf_weight_shapes, load_hf_weights
 from forge_core import ForgeConfigError
 from forge_core.contracts import declared_components, model_components
 from forge_core.mesh_dims import axis_size
+from forge_core.tensor_source import TensorSource
 from forge_core.torch_compat import non_persistent_buffer_names
-from forge_moe_ep import MoE, apply_expert_parallel
+from forge_moe_ep import HFMoE, MoE, apply_expert_parallel
+from forge_moe_ep.hf_sources import hf_checkpoint_sources
 from forge_tp_plans import apply_tensor_parallel
 from forge_vlm import VisionEncoderConfig, VLMConfig, check_encoder_tp
 from forge_vlm import ac_components as vlm_ac_components
@@ -48,6 +50,7 @@ from .hf_prepare import apply_packed_sequences, init_hf_weights, prepare_hf
 __all__ = [
     "ModelSpec",
     "ac_components",
+    "hf_weight_sources",
     "materialize",
     "model_spec",
     "refuse_materialized",
@@ -135,10 +138,21 @@ class ModelSpec:
             init = partial(init_hf_weights, self.model, parameters=weights is None)
         materialize(self.model, device, seed, param_device=param_device, init=init)
         if weights is not None:
-            load_hf_weights(self.model, weights)
+            load_hf_weights(self.model, weights, sources=hf_weight_sources(self.model, weights))
         for part in self.parts:
             if param_device != device and not isinstance(part, FSDPModule):
                 part.to(device)
+
+
+def hf_weight_sources(model: nn.Module, weights: str | os.PathLike[str]) -> dict[str, TensorSource]:
+    """Where the tensors of ``model``'s converted MoE blocks (forge_moe_ep's ``HFMoE``, put in
+    by :func:`forge.hf_prepare.prepare_hf` when tp or ep > 1) lie in the Hugging Face directory
+    ``weights`` (forge_moe_ep knows the layouts; forge_checkpoint reads them): the ``sources``
+    of ``load_hf_weights`` and ``hf_weight_problems``. Empty, and no file read, for a model
+    without converted blocks."""
+    if not any(isinstance(m, HFMoE) for m in model.modules()):
+        return {}
+    return hf_checkpoint_sources(model, hf_weight_shapes(weights))
 
 
 def model_spec(

@@ -60,10 +60,13 @@ class HFKind(DecoderKind):
 
     def import_problems(self, layout: Layout) -> list[str]:
         """transformers builds the model from config.json (on the meta device), and with
-        ``pretrained`` the weights' names and shapes are the model's (tensor headers only)."""
+        ``pretrained`` the weights' names and shapes are the model's (tensor headers only),
+        its MoE blocks converted as the layout will convert them (tp or ep > 1)."""
         from forge_checkpoint import hf_weight_problems
         from forge_core.errors import ForgeConfigError
+        from forge_moe_ep.hf import convert_hf_moe
 
+        from ..model_spec import hf_weight_sources
         from ..models import hf_meta_model
 
         if hf_dir_problems(self.hf):
@@ -74,11 +77,21 @@ class HFKind(DecoderKind):
             return [str(err)]
         if not self.hf.pretrained:
             return []
+        try:
+            par = layout.parallelism  # NOTE: the resolved degrees (ep=-1 decided)
+            if max(par.tp, par.ep) > 1:
+                convert_hf_moe(model)  # NOTE: as forge.hf_prepare.prepare_hf will
+        except ForgeConfigError as err:
+            return [str(err)]
+        try:
+            sources = hf_weight_sources(model, self.hf.dir)
+        except ForgeConfigError:
+            sources = {}  # NOTE: unreadable weights: hf_weight_problems says so, in one line
         expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
         tied = set()
         if getattr(model.config, "tie_word_embeddings", False):
             tied = {name for name in expected if name.startswith("lm_head.")}
-        problems = hf_weight_problems(expected, self.hf.dir, tied=tied)
+        problems = hf_weight_problems(expected, self.hf.dir, tied=tied, sources=sources)
         return [f"model.hf: {p}" for p in problems]
 
     def pipeline_problems(self, layout: Layout) -> list[str]:
