@@ -453,3 +453,53 @@ def test_an_hf_moe_from_random_init_converts_and_matches_one_device(
     assert load_config(cfg).routed_experts == 4
     reports = run_on_ranks(4, run_build, cfg, "cpu")
     assert all(r.passed for r in reports), reports[0].text
+
+
+@pytest.mark.zoo  # NOTE: a 4-rank MoE run, an export and two from_pretrained: the HF lane
+def test_an_hf_moe_trained_under_ep_goes_back_to_its_own_layout(run_on_ranks, tmp_path):
+    """Qwen3-MoE from its directory, ep 2 (MoE blocks converted to forge's, experts stacked as
+    read), 3 steps equal a plain transformers loop; the export writes the experts back one by
+    one under the source's names, and from_pretrained gives the trained model's logits."""
+    from forge.data import SyntheticData
+    from forge_checkpoint import hf_weight_shapes
+    from transformers import AutoModelForCausalLM
+
+    directory = _moe_dir(tmp_path, "qwen3_moe")
+    cfg = {
+        "model": {"hf": directory},
+        "parallelism": {"ep": 2},
+        "training": {"steps": 3, "lr": 3e-3, "out_dir": str(tmp_path / "run")},
+        "checkpoint": {"resume": "none", "export_hf": True},
+    }
+    summary = run_on_ranks(4, run_train, cfg, "cpu")[0]
+    config = load_config(cfg)
+    t = config.training
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: warmup_cosine(
+            s, warmup_steps=t.warmup_steps, total_steps=t.steps, min_ratio=t.min_lr_ratio
+        ),
+    )
+    data = SyntheticData(config, 0, 1)
+    for step, record in enumerate(summary.steps):
+        tokens = data.batch(step).tokens
+        logits = model(tokens[:, :-1], use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        assert (
+            _rel(record.loss, loss.item()) <= 1e-4 and _rel(record.grad_norm, norm.item()) <= 1e-4
+        )
+    exported = Path(summary.hf_exports[-1])
+    assert hf_weight_shapes(exported) == hf_weight_shapes(directory)  # experts one by one
+    loaded = AutoModelForCausalLM.from_pretrained(exported)
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded(tokens).logits, model(tokens).logits, rtol=1e-3, atol=1e-4
+        )

@@ -98,3 +98,44 @@ def test_a_new_shard_count_leaves_no_stale_weights_behind(tmp_path):
     assert not (out / "model.safetensors").exists() and (out / "notes.txt").read_text() == "mine"
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     torch.testing.assert_close(loaded.state_dict(), model.state_dict(), rtol=0, atol=0)
+
+
+def test_stored_layout_is_the_inverse_of_reading_with_sources(tmp_path):
+    """Per-expert transposed tensors and an interleaved fused one, read into stacked targets
+    with their sources, then written back with stored_layout: the same tensors, bit for bit."""
+    from forge_checkpoint.hf_export import stored_layout
+    from forge_checkpoint.hf_sourced import read_sourced
+    from forge_core.tensor_source import TensorSource
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    stored = {f"e.{i}.gate": torch.randn(6, 4, generator=g) for i in range(3)}
+    stored["fused"] = torch.randn(3, 4, 10, generator=g)  # [E, in, 2 x out] interleaved
+    stored["plain"] = torch.randn(5, generator=g)
+    save_file(stored, tmp_path / "w.safetensors")
+    sources = {
+        "w1": TensorSource(tuple(f"e.{i}.gate" for i in range(3)), stacked=True, transpose=True),
+        "a": TensorSource(("fused",), part=0, parts=2, interleaved=True),
+        "b": TensorSource(("fused",), part=1, parts=2, interleaved=True),
+        "renamed": TensorSource(("plain",)),
+    }
+    targets = {
+        "w1": torch.empty(3, 4, 6),
+        "a": torch.empty(3, 4, 5),
+        "b": torch.empty(3, 4, 5),
+        "renamed": torch.empty(5),
+    }
+    read_sourced(targets, sources, dict.fromkeys(stored, tmp_path / "w.safetensors"))
+    torch.testing.assert_close(targets["w1"][1], stored["e.1.gate"].T, rtol=0, atol=0)
+    shapes = {n: (tuple(t.shape), t.dtype) for n, t in targets.items()}
+
+    def fill(tensors):
+        for name, tensor in tensors.items():
+            tensor.copy_(targets[name])
+
+    layout, fill_stored = stored_layout(shapes, sources, fill)
+    assert layout == {n: (tuple(t.shape), t.dtype) for n, t in stored.items()}
+    back = {n: torch.empty(s, dtype=d) for n, (s, d) in layout.items()}
+    fill_stored(back)
+    for name, tensor in stored.items():
+        torch.testing.assert_close(back[name], tensor, rtol=0, atol=0)

@@ -23,11 +23,18 @@ from pathlib import Path
 
 import torch
 from forge_core import ForgeConfigError
+from forge_core.tensor_source import TensorSource
 from torch import Tensor
 
 from .export import EXPORT_MANIFEST, _write_then_rename, check_output, save_safetensors
 
-__all__ = ["COPIED_FILES", "export_hf_model", "load_checkpoint_tensors", "shard_plan"]
+__all__ = [
+    "COPIED_FILES",
+    "export_hf_model",
+    "load_checkpoint_tensors",
+    "shard_plan",
+    "stored_layout",
+]
 
 #: The source directory's files an export carries along (those present).
 COPIED_FILES = (
@@ -47,6 +54,75 @@ _INDEX = "model.safetensors.index.json"
 
 #: ``fill(tensors)``: put the values of each named tensor into the given empty tensor.
 Filler = Callable[[dict[str, Tensor]], None]
+#: A tensor's full shape and dtype.
+Shape = tuple[tuple[int, ...], torch.dtype]
+#: What one stored tensor is made of: ``(model tensor, its source, its row or None)`` per part.
+_Parts = list[tuple[str, TensorSource, int | None]]
+
+
+def _stored_parts(
+    shapes: Mapping[str, Shape], sources: Mapping[str, TensorSource]
+) -> dict[str, _Parts]:
+    """Each stored tensor's parts, in the model's order; a constant (nothing stored) is left
+    out."""
+    parts: dict[str, _Parts] = {}
+    for name in shapes:
+        source = sources.get(name)
+        if source is None:
+            parts[name] = [(name, TensorSource((name,)), None)]
+        elif source.stacked:
+            for row, stored in enumerate(source.stored):
+                parts.setdefault(stored, []).append((name, source, row))
+        elif source.stored:
+            parts.setdefault(source.stored[0], []).append((name, source, None))
+    return parts
+
+
+def _combine(pieces: list[tuple[TensorSource, Tensor]]) -> Tensor:
+    """The stored tensor from its parts' values (each laid out as its model tensor's row)."""
+    pieces = sorted(pieces, key=lambda p: p[0].part)
+    source = pieces[0][0]
+    values = [v for _, v in pieces]
+    if source.parts == 1:
+        out = values[0]
+    elif source.interleaved:
+        out = torch.stack(values, dim=-1).flatten(-2)
+    else:
+        out = torch.cat(values, dim=-1)
+    return out.transpose(-1, -2) if source.transpose else out
+
+
+def stored_layout(
+    shapes: Mapping[str, Shape], sources: Mapping[str, TensorSource], fill: Filler
+) -> tuple[dict[str, Shape], Filler]:
+    """The model's tensors (``shapes``, filled by ``fill``) as a checkpoint that ``sources``
+    describes stores them: the stored names with their shapes, and a filler that computes
+    them (the inverse of reading with the sources: converted MoE experts written back one by
+    one, or fused, as the original checkpoint held them). A filler call loads only the model
+    tensors its stored names are made of."""
+    parts = _stored_parts(shapes, sources)
+    stored: dict[str, Shape] = {}
+    for name, made_of in parts.items():
+        target, source, row = made_of[0]
+        shape, dtype = shapes[target]
+        full = list(shape[1:] if row is not None else shape)
+        full[-1] *= source.parts
+        if source.transpose:
+            full[-1], full[-2] = full[-2], full[-1]
+        stored[name] = (tuple(full), dtype)
+
+    def fill_stored(tensors: dict[str, Tensor]) -> None:
+        needed = {t for name in tensors for t, _, _ in parts[name]}
+        values = {t: torch.empty(shapes[t][0], dtype=shapes[t][1]) for t in needed}
+        fill(values)
+        for name, tensor in tensors.items():
+            pieces = [
+                (source, values[t] if row is None else values[t][row])
+                for t, source, row in parts[name]
+            ]
+            tensor.copy_(_combine(pieces))
+
+    return stored, fill_stored
 
 
 def shard_plan(

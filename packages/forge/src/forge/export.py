@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from forge_checkpoint.export import check_output, export_hf_llama, save_safetensors
 from forge_core import ForgeConfigError
@@ -102,13 +103,17 @@ def _export_hf_directory(
     (:func:`forge_checkpoint.export_hf_model`): its own names, ``source``'s config.json and
     tokenizer; a tied head is left out as ``save_pretrained`` leaves it."""
     from forge_checkpoint import export_hf_model, load_checkpoint_tensors
+    from forge_checkpoint.hf_export import stored_layout
+
+    from .model_spec import hf_weight_sources
 
     if not (Path(source) / "config.json").is_file():
         raise ForgeConfigError(
             f"the checkpoint's model.hf={source!r} has no config.json any more: the export "
             "copies it (and the tokenizer) from there; restore the directory"
         )
-    state = meta_model.state_dict(keep_vars=True)  # type: ignore[attr-defined]
+    model = _as_saved(meta_model, checkpoint)
+    state = model.state_dict(keep_vars=True)
     seen: set[int] = set()
     shapes = {}
     for name, tensor in state.items():
@@ -116,4 +121,19 @@ def _export_hf_directory(
             continue
         seen.add(id(tensor))
         shapes[name] = (tuple(tensor.shape), tensor.dtype)
-    return export_hf_model(shapes, load_checkpoint_tensors(checkpoint), source, out)
+    sources = hf_weight_sources(model, source)  # NOTE: {} unless MoE blocks were converted
+    stored, fill = stored_layout(shapes, sources, load_checkpoint_tensors(checkpoint))
+    return export_hf_model(stored, fill, source, out)
+
+
+def _as_saved(meta_model: Any, checkpoint: str | os.PathLike[str]) -> Any:
+    """The meta model with the names its checkpoint holds: a Hugging Face MoE trained under tp
+    or ep > 1 was saved with its MoE blocks converted to forge's (forge_moe_ep.hf), so the
+    same conversion is applied; the export writes them back in the source's own layout."""
+    from forge_checkpoint import model_shapes
+    from forge_moe_ep.hf import convert_hf_moe
+
+    saved = set(model_shapes(Path(checkpoint)))
+    if saved != set(meta_model.state_dict()):
+        convert_hf_moe(meta_model)
+    return meta_model
