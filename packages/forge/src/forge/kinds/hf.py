@@ -125,36 +125,25 @@ class HFKind(DecoderKind):
     ) -> StepData[Batch] | StepData[FieldBatch]:
         """Text tokenized by the model's tokenizer (:mod:`forge.text_data`), a token file, or
         synthetic tokens."""
-        cfg, t = self.cfg, self.cfg.training
-        if cfg.data.path is None:
-            return super().data(
-                dp_rank, dp_size, image_token_id=image_token_id, image_tokens=image_tokens
-            )
-        from ..text_data import TextData, is_text_data
-
-        if not is_text_data(cfg.data.path):
-            return super().data(
-                dp_rank, dp_size, image_token_id=image_token_id, image_tokens=image_tokens
-            )
-        tokenizer = self.tokenizer_dir()
-        assert tokenizer is not None  # NOTE: data_problems refused it before launch
-        return TextData(
-            cfg.data,
-            tokenizer_dir=tokenizer,
-            seq_len=t.seq_len,
-            global_batch=t.global_batch_size,
-            seed=t.seed,
-            cache_dir=self.cache_dir(),
-            dp_rank=dp_rank,
-            dp_size=dp_size,
+        text = self._text_data(dp_rank, dp_size, "train")
+        if text is not None:
+            return text
+        return super().data(
+            dp_rank, dp_size, image_token_id=image_token_id, image_tokens=image_tokens
         )
 
     def validation_data(self, dp_rank: int, dp_size: int) -> StepData[Batch] | None:
         """The held-out documents (``data.validation_fraction``) of text data."""
+        return self._text_data(dp_rank, dp_size, "validation")
+
+    def _text_data(self, dp_rank: int, dp_size: int, split: str) -> StepData[Batch] | None:
+        """Split ``split`` of text ``data.path``, this rank's slices (None: not text)."""
+        cfg, t = self.cfg, self.cfg.training
+        if cfg.data.path is None:
+            return None
         from ..text_data import TextData, is_text_data
 
-        cfg, t = self.cfg, self.cfg.training
-        if cfg.data.path is None or not is_text_data(cfg.data.path):
+        if not is_text_data(cfg.data.path):
             return None
         tokenizer = self.tokenizer_dir()
         assert tokenizer is not None  # NOTE: data_problems refused it before launch
@@ -167,7 +156,7 @@ class HFKind(DecoderKind):
             cache_dir=self.cache_dir(),
             dp_rank=dp_rank,
             dp_size=dp_size,
-            split="validation",
+            split=split,
         )
 
     def cache_dir(self) -> str:
