@@ -326,7 +326,7 @@ def _plan(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     from .plan import run_plan
 
-    return run_plan(cfg, args.world_size)
+    return run_plan(cfg, args.world_size, gpu=args.gpu, output=args.format)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -458,6 +458,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     _common(plan, "embedded debug config")
     plan.add_argument("--world-size", type=int, required=True, help="ranks to plan for")
+    plan.add_argument(
+        "--gpu",
+        help="a GPU profile (h100-sxm, h200, b200, a100-80gb): memory verdict and step time",
+    )
+    plan.add_argument("--format", choices=("text", "json"), default="text")
     export = sub.add_parser(
         "export",
         help="write a checkpoint's model as one safetensors file or a Hugging Face folder",

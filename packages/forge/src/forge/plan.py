@@ -47,6 +47,7 @@ the fake one it creates.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -81,6 +82,16 @@ from .plan_memory import (
     estimate_activations,
     estimate_pipeline_activations,
     pipeline_plan,
+)
+from .plan_predict import (
+    GPUProfile,
+    MemoryPeak,
+    StepTime,
+    defaulted,
+    load_gpu,
+    predict_memory,
+    predict_time,
+    prediction_json,
 )
 
 __all__ = [
@@ -361,17 +372,60 @@ def plan_layout(cfg: ForgeConfig, world_size: int) -> LayoutPlan:
 
 
 def run_plan(
-    config: ForgeConfig | str | None, world_size: int, overrides: Sequence[str] = ()
+    config: ForgeConfig | str | None,
+    world_size: int,
+    overrides: Sequence[str] = (),
+    *,
+    gpu: str | None = None,
+    output: str = "text",
 ) -> int:
     """``forge plan``: print the plan; 0 when every rule holds, 2 for a bad config or layout.
 
     ``config``: a loaded config, or a TOML path (None: the default) read with ``overrides``.
+    ``gpu``: a profile name (``forge.plan_predict.gpu_names``) for the memory verdict and the
+    step time; ``output``: ``"text"`` or ``"json"`` (one JSON object on stdout,
+    :func:`forge.plan_predict.prediction_json`).
     """
     try:
+        profile = load_gpu(gpu) if gpu is not None else None
         cfg = config if isinstance(config, ForgeConfig) else load_config(config, overrides)
         plan = plan_layout(cfg, world_size)
     except ForgeConfigError as err:
         print(f"forge plan: config error: {err}", file=sys.stderr)
         return 2
-    print(plan.text())
+    memory = predict_memory(plan) if plan.param_bytes else None
+    time_ = predict_time(plan, profile) if profile and memory else None
+    if output == "json":
+        if memory is None:
+            print(json.dumps({"broken_rules": plan.broken_rules, "peak_bytes": None}))
+        else:
+            print(json.dumps(prediction_json(memory, time_, profile, plan)))
+    else:
+        print("\n".join([plan.text(), *prediction_lines(plan, memory, time_, profile)]))
     return 0 if plan.ok else 2
+
+
+def prediction_lines(
+    plan: LayoutPlan, memory: MemoryPeak | None, time_: StepTime | None, gpu: GPUProfile | None
+) -> list[str]:
+    """The report's prediction section (none when no layout resolved)."""
+    if memory is None:
+        return []
+    parts = ", ".join(f"{k} {_fmt(v)}" for k, v in memory.breakdown.items() if v)
+    lines = [f"peak:   {_fmt(memory.peak_bytes)} on rank {memory.peak_rank} ({parts})"]
+    if gpu is not None:
+        fits = memory.peak_bytes <= gpu.memory_bytes
+        verdict = "fits" if fits else "does NOT fit"
+        lines.append(f"gpu:    {gpu.description}: {verdict} in {_fmt(gpu.memory_bytes)}")
+    if time_ is not None:
+        lines.append(
+            f"time:   {time_.step_seconds * 1e3:.1f} ms per step (compute "
+            f"{time_.compute_seconds * 1e3:.1f} ms, exposed communication "
+            f"{time_.exposed_comm_seconds * 1e3:.1f} ms, bubble {time_.bubble:.0%}); "
+            f"{time_.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, MFU {time_.mfu:.1%}; "
+            f"dominated by {time_.dominant}"
+        )
+    shown = defaulted(plan)
+    if shown:
+        lines.append("defaults: " + ", ".join(shown) + " (set them to your run's)")
+    return lines
