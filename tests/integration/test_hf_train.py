@@ -487,3 +487,24 @@ def test_an_hf_moe_fine_tuned_under_ep_matches_transformers_and_goes_back(
         torch.testing.assert_close(
             loaded(tokens).logits, model(tokens).logits, rtol=1e-3, atol=1e-4
         )
+
+
+@needs_datasets
+def test_data_path_may_be_a_saved_dataset_directory(tmp_path):
+    """A ``save_to_disk`` folder passes the launcher's path check (it is a directory, not a
+    file); another folder, or a DatasetDict's, is one line saying what to give."""
+    import datasets
+    from forge.checks import path_problems
+
+    rows = datasets.Dataset.from_dict({"text": ["the cat", "a dog"]})
+    rows.save_to_disk(tmp_path / "saved")
+    datasets.DatasetDict({"train": rows}).save_to_disk(tmp_path / "splits")
+    (tmp_path / "plain").mkdir()
+
+    def problems(path: Path) -> list[str]:
+        cfg = load_config({"data": {"path": str(path)}, "training": {"out_dir": str(tmp_path)}})
+        return [p for p in path_problems(cfg, "train") if p.startswith("data.path")]
+
+    assert problems(tmp_path / "saved") == []
+    assert "give one split's folder" in problems(tmp_path / "splits")[0]
+    assert "not a dataset saved by" in problems(tmp_path / "plain")[0]

@@ -20,6 +20,7 @@ own pure checks (``<layer>.checks``); this module only composes them for forge's
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -260,6 +261,26 @@ def path_problems(cfg: ForgeConfig, command: str, *, rank_logs: bool = True) -> 
     if "\0" in c.resume:
         problems.append(f"checkpoint.resume={c.resume!r} holds a NUL character, which no path can")
     if cfg.data.path is not None:
-        problem = regular_file_problem(f"data.path={cfg.data.path!r}", cfg.data.path)
-        problems += [problem] if problem else []
+        problems += _data_path_problems(cfg.data.path)
     return problems
+
+
+def _data_path_problems(path: str) -> list[str]:
+    """``data.path``: a readable regular file (a token file, jsonl, parquet, text), or a
+    directory ``datasets``' ``save_to_disk`` wrote (its ``state.json`` and
+    ``dataset_info.json``); decided from the file system alone."""
+    what = f"data.path={path!r}"
+    if os.path.isdir(path):
+        if all(os.path.isfile(os.path.join(path, f)) for f in ("state.json", "dataset_info.json")):
+            return []
+        if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+            return [
+                f"{what} is a DatasetDict (several splits): give one split's folder, e.g. "
+                f"{os.path.join(path, 'train')!r}"
+            ]
+        return [
+            f"{what} is a directory but not a dataset saved by datasets' save_to_disk (no "
+            "state.json and dataset_info.json); give a file, or such a directory"
+        ]
+    problem = regular_file_problem(what, path)
+    return [problem] if problem else []
