@@ -87,7 +87,7 @@ def test_a_group_across_nodes_pays_the_network():
     from forge_core.costs import Collective
 
     plan = plan_layout(load_config(None, ["parallelism.tp=2"]), 16)
-    groups = _strides(plan)
+    groups = _strides(plan.mesh, 1)
     assert groups["tp"] == (1, 2) and groups["dp_shard"] == (2, 16)
     gpu = load_gpu("h100-sxm")
     call = Collective("forward", "all_gather", "dp_shard", 8, 2**30, 1, "test")
@@ -101,3 +101,55 @@ def test_a_model_too_big_for_the_gpu_is_said_not_to_fit(capsys):
     assert out["fits"] is False and out["peak_bytes"] > load_gpu("a100-80gb").memory_bytes
     assert run_plan(None, 1, [*LLAMA_8B, "parallelism.data=none"], gpu="a100-80gb") == 0
     assert "does NOT fit" in capsys.readouterr().out
+
+
+SMALL_RUN = ["model.preset=small", "training.seq_len=256", "training.global_batch_size=64"]
+
+
+def test_search_ranks_fitting_layouts_and_matches_the_exact_plan(capsys):
+    """``--search`` plans each candidate at a data-parallel degree of 8 and scales back: for
+    FSDP2 over 32 ranks its prediction equals the exact plan's within 2 %; the rows come
+    fitting first, fastest first, and every candidate keeps the rules."""
+    import dataclasses
+
+    from forge.checks import config_problems
+    from forge.plan_search import candidate_layouts, run_search, search_layouts
+
+    cfg = load_config(None, SMALL_RUN)
+    gpu = load_gpu("h100-sxm")
+    tables = candidate_layouts(cfg, 32, gpu)
+    assert {
+        "tp": 1,
+        "pp": 1,
+        "cp": 1,
+        "ep": -1,
+        "data": "fsdp2",
+        "dp_shard": 32,
+        "dp_replicate": 1,
+    } in tables
+    for table in tables:
+        trial = dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, **table))
+        assert config_problems(trial, 32) == []
+        assert (
+            table["tp"] * table["pp"] * table["cp"] * table["dp_shard"] * table["dp_replicate"]
+            == 32
+        )
+    rows, tried = search_layouts(cfg, 32, gpu)
+    assert tried == len(tables) and rows
+    speeds = [r.tokens_per_second_per_gpu for r in rows if r.fits]
+    assert speeds == sorted(speeds, reverse=True)
+    fsdp = next(r for r in rows if r.layout["dp_shard"] == 32)
+    exact = plan_layout(load_config(None, [*SMALL_RUN, "parallelism.tp=1"]), 32)
+    peak, step = predict_memory(exact), predict_time(exact, gpu)
+    assert fsdp.peak_bytes == pytest.approx(peak.peak_bytes, rel=0.02)
+    assert fsdp.tokens_per_second_per_gpu == pytest.approx(step.tokens_per_second_per_gpu, rel=0.02)
+    assert run_search(None, 32, SMALL_RUN, gpu="h100-sxm", output="json") == 0
+    best = json.loads(capsys.readouterr().out)["best"]
+    assert best[0]["tokens_per_second_per_gpu"] == rows[0].tokens_per_second_per_gpu
+
+
+def test_search_needs_a_gpu(capsys):
+    from forge.plan_search import run_search
+
+    assert run_search(None, 8, []) == 2
+    assert "--search ranks layouts by predicted speed on a GPU" in capsys.readouterr().err

@@ -324,6 +324,10 @@ def _plan(args: argparse.Namespace) -> int:
     except ForgeConfigError as err:
         print(f"forge plan: config error: {err}", file=sys.stderr)
         return EXIT_CONFIG
+    if args.search:
+        from .plan_search import run_search
+
+        return run_search(cfg, args.world_size, gpu=args.gpu, output=args.format)
     from .plan import run_plan
 
     return run_plan(cfg, args.world_size, gpu=args.gpu, output=args.format)
@@ -463,6 +467,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a GPU profile (h100-sxm, h200, b200, a100-80gb): memory verdict and step time",
     )
     plan.add_argument("--format", choices=("text", "json"), default="text")
+    plan.add_argument(
+        "--search", action="store_true", help="rank the layouts that fit by predicted tokens/s"
+    )
     export = sub.add_parser(
         "export",
         help="write a checkpoint's model as one safetensors file or a Hugging Face folder",

@@ -176,7 +176,7 @@ class LayoutPlan:
                 f"(global {t.global_batch_size} / dp {p.dp_degree} / {split}"
                 + (f"; seq {t.seq_len} / cp {p.cp}, two chunks each)" if p.cp > 1 else ")"),
                 *(self._pipeline_lines() if pipe is not None else []),
-                f"memory per rank (unsharded params {_fmt(self.unsharded_param_bytes)}; padded: "
+                f"memory per rank (unsharded params {fmt_bytes(self.unsharded_param_bytes)}; padded: "
                 f"FSDP2's allocation; static: params + grads + AdamW; act: {act}, CUDA)"
                 + ("; cpu_offload: static bytes live on the CPU" if t.cpu_offload else ""),
             ]
@@ -184,7 +184,7 @@ class LayoutPlan:
             width = max(len(name) for _, name, _ in named) + 2
             out.append(f"  {'ranks':<{width}}" + "".join(f"{h:>12}" for h in heads))
             for _, name, (w, pad, g, o, a0, a1) in named:
-                cells = "".join(f"{_fmt(v):>12}" for v in (w, pad, g, o, w + g + o, a0, a1))
+                cells = "".join(f"{fmt_bytes(v):>12}" for v in (w, pad, g, o, w + g + o, a0, a1))
                 out.append(f"  {name:<{width}}{cells}")
             views: list[tuple[str, Sequence[Collective]]] = []
             if pipe is None:
@@ -202,7 +202,7 @@ class LayoutPlan:
                     f"  {'phase':<9}{'op':<15}{'group (ranks)':<24}{'bytes/call':>11}  calls"
                 )
                 for c in shown:
-                    group, size = f"{c.group} ({c.group_size})", _fmt(c.bytes)
+                    group, size = f"{c.group} ({c.group_size})", fmt_bytes(c.bytes)
                     out.append(
                         f"  {c.phase:<9}{c.kind:<15}{group:<24}{size:>11}{c.count:>7}  {c.what}"
                     )
@@ -240,7 +240,7 @@ class LayoutPlan:
         return lines
 
 
-def _fmt(n: int) -> str:
+def fmt_bytes(n: int) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             return f"{n / size:.2f} {unit}"
@@ -411,12 +411,12 @@ def prediction_lines(
     """The report's prediction section (none when no layout resolved)."""
     if memory is None:
         return []
-    parts = ", ".join(f"{k} {_fmt(v)}" for k, v in memory.breakdown.items() if v)
-    lines = [f"peak:   {_fmt(memory.peak_bytes)} on rank {memory.peak_rank} ({parts})"]
+    parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in memory.breakdown.items() if v)
+    lines = [f"peak:   {fmt_bytes(memory.peak_bytes)} on rank {memory.peak_rank} ({parts})"]
     if gpu is not None:
         fits = memory.peak_bytes <= gpu.memory_bytes
         verdict = "fits" if fits else "does NOT fit"
-        lines.append(f"gpu:    {gpu.description}: {verdict} in {_fmt(gpu.memory_bytes)}")
+        lines.append(f"gpu:    {gpu.description}: {verdict} in {fmt_bytes(gpu.memory_bytes)}")
     if time_ is not None:
         lines.append(
             f"time:   {time_.step_seconds * 1e3:.1f} ms per step (compute "

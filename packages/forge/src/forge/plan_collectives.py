@@ -71,7 +71,7 @@ def step_collectives(
     ranks differ (rank 0's without pp, each pipeline rank's with it)."""
     m, tr, par = cfg.decoder, cfg.training, layout.parallelism
     e, b, s, acc = itemsize_of(cfg), share.micro_batch, tr.seq_len // par.cp, share.passes
-    tally = CollectiveTally(_group_sizes(par))
+    tally = CollectiveTally(group_sizes(par))
     fsdp_collectives(tally, modules, passes=acc, pipelined=share.pipelined, itemsize=e)
     params = unique_params(modules)
     if layout.data == "ddp":
@@ -120,8 +120,8 @@ def step_collectives(
     return tally.table()
 
 
-def _group_sizes(par: ParallelismConfig) -> dict[str, int]:
-    """The size of each group name the cost terms count on."""
+def group_sizes(par: ParallelismConfig) -> dict[str, int]:
+    """The size of each group name the cost terms count on (also forge.plan_predict's)."""
     return {
         "tp": par.tp,
         "ep": par.ep,

@@ -24,17 +24,20 @@ Pure arithmetic on a :class:`~forge.plan.LayoutPlan`: milliseconds for any world
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 from dataclasses import asdict, dataclass, fields
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
+from forge_core import ParallelismConfig
 from forge_core.costs import Collective
 from forge_core.errors import ForgeConfigError, did_you_mean
 from forge_core.mesh_dims import AXES
 from forge_moe_ep.costs import active_params
 
 from .job_config import TrainingConfig
+from .plan_collectives import group_sizes
 
 if TYPE_CHECKING:
     from .plan import LayoutPlan
@@ -104,7 +107,9 @@ def _unit_bytes(table: list[Collective], op: str, phase: str) -> int:
     return max(sizes, default=0)
 
 
-def _rank_breakdown(plan: LayoutPlan, r: int, table: list[Collective]) -> dict[str, int]:
+def _rank_breakdown(
+    plan: LayoutPlan, r: int, table: list[Collective], static_scale: float = 1.0
+) -> dict[str, int]:
     cfg = plan.config
     t, par = cfg.training, plan.parallelism
     assert par is not None  # NOTE: predict_memory is called on a resolved plan
@@ -114,9 +119,9 @@ def _rank_breakdown(plan: LayoutPlan, r: int, table: list[Collective]) -> dict[s
     vocab = cfg.model.vocab_size // (par.tp if cfg.tp.loss_parallel and par.tp > 1 else 1)
     logits = plan.micro_batch * (t.seq_len // par.cp) * vocab * (itemsize + 4)
     parts = {
-        "params": plan.padded_param_bytes[r],
-        "grads": plan.grad_bytes[r],
-        "optimizer": plan.optim_bytes[r],
+        "params": int(plan.padded_param_bytes[r] * static_scale),
+        "grads": int(plan.grad_bytes[r] * static_scale),
+        "optimizer": int(plan.optim_bytes[r] * static_scale),
         "activations": acts,
         "unsharded_params": 2 * _unit_bytes(table, "all_gather", "forward"),
         "grad_reduce_buffer": _unit_bytes(table, "reduce_scatter", "backward"),
@@ -127,15 +132,17 @@ def _rank_breakdown(plan: LayoutPlan, r: int, table: list[Collective]) -> dict[s
     return parts
 
 
-def predict_memory(plan: LayoutPlan) -> MemoryPeak:
-    """Every rank's peak (the module docstring's model); the largest, the first rank with it."""
+def predict_memory(plan: LayoutPlan, *, static_scale: float = 1.0) -> MemoryPeak:
+    """Every rank's peak (the module docstring's model); the largest, the first rank with it.
+    ``static_scale`` multiplies the static bytes (``forge.plan_search`` plans a smaller
+    data-parallel degree and scales FSDP2's shards back)."""
     best: tuple[int, int, dict[str, int]] | None = None
     for r in range(plan.world_size):
         pp_rank = plan.pipeline_rank[r] if plan.pipeline_rank else 0
         table = (
             plan.pipeline_collectives[pp_rank] if plan.pipeline_collectives else plan.collectives
         )
-        parts = _rank_breakdown(plan, r, table)
+        parts = _rank_breakdown(plan, r, table, static_scale)
         total = sum(parts.values())
         if best is None or total > best[0]:
             best = (total, r, parts)
@@ -157,11 +164,11 @@ class StepTime:
     dominant: str
 
 
-def _strides(plan: LayoutPlan) -> dict[str, tuple[int, int]]:
-    """Each group name's ``(stride, extent)`` in global ranks: its ranks are ``stride`` apart
-    and span ``extent`` consecutive ranks (tp innermost; ep the innermost part of dp_shard x
-    cp)."""
-    sizes = dict(plan.mesh)
+def _strides(mesh: tuple[tuple[str, int], ...], ep: int) -> dict[str, tuple[int, int]]:
+    """Each group name's ``(stride, extent)`` in global ranks of ``mesh`` (axis, size): its
+    ranks are ``stride`` apart and span ``extent`` consecutive ranks (tp innermost; ep the
+    innermost part of dp_shard x cp)."""
+    sizes = dict(mesh)
     stride, inner = {}, 1
     for name in reversed(AXES):
         stride[name] = inner
@@ -174,9 +181,8 @@ def _strides(plan: LayoutPlan) -> dict[str, tuple[int, int]]:
     groups = {n: span((n,)) for n in AXES}
     groups["dp"] = span(("dp_replicate", "dp_shard"))
     groups["dp_cp"] = span(("dp_replicate", "dp_shard", "cp"))
-    par = plan.parallelism
     low = stride["domain"]
-    groups["ep"] = (low, low * (par.ep if par is not None else 1))
+    groups["ep"] = (low, low * ep)
     return groups
 
 
@@ -190,10 +196,20 @@ def _call_seconds(c: Collective, gpu: GPUProfile, extent: int) -> float:
     return gpu.latency_s + volume / (link * gpu.comm_efficiency)
 
 
-def _comm_seconds(plan: LayoutPlan, gpu: GPUProfile) -> tuple[float, float, dict[str, float]]:
-    """``(overlappable, exposed, exposed per group)`` of the slowest pipeline rank's table."""
-    groups = _strides(plan)
-    tables = plan.pipeline_collectives or [plan.collectives]
+def _comm_seconds(
+    plan: LayoutPlan,
+    gpu: GPUProfile,
+    mesh: tuple[tuple[str, int], ...],
+    par: ParallelismConfig,
+) -> tuple[float, float, dict[str, float]]:
+    """``(overlappable, exposed, exposed per group)`` of the slowest pipeline rank's table,
+    each group of its size and place in ``mesh`` (``par``'s)."""
+    groups = _strides(mesh, par.ep)
+    real = group_sizes(par)
+    tables = [
+        [dataclasses.replace(c, group_size=real.get(c.group, c.group_size)) for c in table]
+        for table in plan.pipeline_collectives or [plan.collectives]
+    ]
     worst: tuple[float, float, dict[str, float]] = (0.0, 0.0, {})
     for table in tables:
         hidden, shown = 0.0, 0.0
@@ -240,8 +256,18 @@ def _memory_bound_seconds(plan: LayoutPlan, gpu: GPUProfile) -> float:
     return passes * per_micro * count / (gpu.hbm_bytes_per_s * HBM_EFFICIENCY)
 
 
-def predict_time(plan: LayoutPlan, gpu: GPUProfile) -> StepTime:
-    """The module docstring's time model on ``gpu``."""
+def predict_time(
+    plan: LayoutPlan,
+    gpu: GPUProfile,
+    *,
+    mesh: tuple[tuple[str, int], ...] | None = None,
+    parallelism: ParallelismConfig | None = None,
+) -> StepTime:
+    """The module docstring's time model on ``gpu``. ``mesh`` and ``parallelism``: the real
+    layout when ``plan`` was made at a smaller data-parallel degree (``forge.plan_search``):
+    its groups' sizes and places."""
+    par = parallelism or plan.parallelism
+    assert par is not None  # NOTE: called on a resolved plan
     t, cfg = plan.config.training, plan.config
     matmul, attention = _flops(plan)
     peak = gpu.fp8_flops if cfg.float8.enabled else gpu.bf16_flops
@@ -255,7 +281,7 @@ def predict_time(plan: LayoutPlan, gpu: GPUProfile) -> StepTime:
     compute = compute / plan.world_size + _memory_bound_seconds(plan, gpu)
     bubble = plan.pipeline.bubble if plan.pipeline is not None else 0.0
     stretched = compute / (1 - bubble) if bubble < 1 else float("inf")
-    hidden, shown, by_group = _comm_seconds(plan, gpu)
+    hidden, shown, by_group = _comm_seconds(plan, gpu, mesh or plan.mesh, par)
     exposed = max(0.0, hidden - compute) + shown
     step = stretched + exposed
     tokens = t.global_batch_size * t.seq_len
