@@ -195,10 +195,10 @@ PATHS = {
         lambda tmp: ['data.path="tok\\u0000ens.bin"'],
         "data.path='tok\\x00ens.bin' holds a NUL character",
     ),
-    "data.path a directory": (
+    "data.path a directory": (  # NOTE: only a save_to_disk folder may be one
         "data.path",
         lambda tmp: [f"data.path='{tmp}'"],
-        "is a directory, not a regular file",
+        "is a directory but not a dataset saved by datasets' save_to_disk",
     ),
     "data.path a FIFO": (
         "data.path",

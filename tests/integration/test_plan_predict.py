@@ -122,7 +122,6 @@ def test_search_ranks_fitting_layouts_and_matches_the_exact_plan(capsys):
         "tp": 1,
         "pp": 1,
         "cp": 1,
-        "ep": -1,
         "data": "fsdp2",
         "dp_shard": 32,
         "dp_replicate": 1,

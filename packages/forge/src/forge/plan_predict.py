@@ -37,6 +37,7 @@ from forge_core.mesh_dims import AXES
 from forge_moe_ep.costs import active_params
 
 from .job_config import TrainingConfig
+from .layout import resolve_layout
 from .plan_collectives import group_sizes
 
 if TYPE_CHECKING:
@@ -116,7 +117,8 @@ def _rank_breakdown(
     full = t.ac_mode == "full"
     acts = (plan.activation_full if full else plan.activation_none)[r]
     itemsize = 4 if t.param_dtype == "float32" else 2
-    vocab = cfg.model.vocab_size // (par.tp if cfg.tp.loss_parallel and par.tp > 1 else 1)
+    layout = resolve_layout(cfg, plan.world_size)  # NOTE: the decisions, made once there
+    vocab = cfg.model.vocab_size // (par.tp if layout.loss_parallel else 1)
     logits = plan.micro_batch * (t.seq_len // par.cp) * vocab * (itemsize + 4)
     parts = {
         "params": int(plan.padded_param_bytes[r] * static_scale),
@@ -270,7 +272,7 @@ def predict_time(
     assert par is not None  # NOTE: called on a resolved plan
     t, cfg = plan.config.training, plan.config
     matmul, attention = _flops(plan)
-    peak = gpu.fp8_flops if cfg.float8.enabled else gpu.bf16_flops
+    peak = gpu.fp8_flops if resolve_layout(cfg, plan.world_size).float8 else gpu.bf16_flops
     if t.param_dtype == "float32":
         peak = gpu.bf16_flops / 2  # NOTE: TF32 tensor cores: half the bf16 rate
     recompute = 4 / 3 if t.ac_mode == "full" else 1.0

@@ -64,8 +64,7 @@ def candidate_layouts(cfg: ForgeConfig, world_size: int, gpu: GPUProfile) -> lis
         if world_size % fixed or tp > gpu.gpus_per_node:
             continue
         dp = world_size // fixed
-        base: dict[str, Any] = {"tp": tp, "pp": pp, "cp": cp, "ep": cfg.parallelism.ep}
-        base["data"] = "fsdp2"
+        base: dict[str, Any] = {"tp": tp, "pp": pp, "cp": cp, "data": "fsdp2"}
         tables = [{**base, "dp_shard": dp, "dp_replicate": 1}]
         inside = max(1, gpu.gpus_per_node // (tp * cp))
         if dp > inside and dp % inside == 0:
