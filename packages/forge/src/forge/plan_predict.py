@@ -108,43 +108,43 @@ def _unit_bytes(table: list[Collective], op: str, phase: str) -> int:
     return max(sizes, default=0)
 
 
-def _rank_breakdown(
-    plan: LayoutPlan, r: int, table: list[Collective], static_scale: float = 1.0
-) -> dict[str, int]:
+def _logits_bytes(plan: LayoutPlan) -> int:
+    """A micro-batch's logits in ``param_dtype`` and their float32 gradient, on one rank."""
     cfg = plan.config
     t, par = cfg.training, plan.parallelism
     assert par is not None  # NOTE: predict_memory is called on a resolved plan
-    full = t.ac_mode == "full"
-    acts = (plan.activation_full if full else plan.activation_none)[r]
     itemsize = 4 if t.param_dtype == "float32" else 2
     layout = resolve_layout(cfg, plan.world_size)  # NOTE: the decisions, made once there
     vocab = cfg.model.vocab_size // (par.tp if layout.loss_parallel else 1)
-    logits = plan.micro_batch * (t.seq_len // par.cp) * vocab * (itemsize + 4)
-    parts = {
-        "params": int(plan.padded_param_bytes[r] * static_scale),
-        "grads": int(plan.grad_bytes[r] * static_scale),
-        "optimizer": int(plan.optim_bytes[r] * static_scale),
-        "activations": acts,
-        "unsharded_params": 2 * _unit_bytes(table, "all_gather", "forward"),
-        "grad_reduce_buffer": _unit_bytes(table, "reduce_scatter", "backward"),
-        "logits": logits,
-    }
-    dynamic = sum(parts[k] for k in ("activations", "unsharded_params", "grad_reduce_buffer"))
-    parts["allocator"] = int(ALLOCATOR_OVERHEAD * (dynamic + logits))
-    return parts
+    return plan.micro_batch * (t.seq_len // par.cp) * vocab * (itemsize + 4)
 
 
 def predict_memory(plan: LayoutPlan, *, static_scale: float = 1.0) -> MemoryPeak:
     """Every rank's peak (the module docstring's model); the largest, the first rank with it.
     ``static_scale`` multiplies the static bytes (``forge.plan_search`` plans a smaller
-    data-parallel degree and scales FSDP2's shards back)."""
+    data-parallel degree and scales FSDP2's shards back). What does not vary per rank (the
+    logits, each pipeline rank's FSDP2 units) is computed once."""
+    logits = _logits_bytes(plan)
+    acts = plan.activation_full if plan.config.training.ac_mode == "full" else plan.activation_none
+    tables = plan.pipeline_collectives or [plan.collectives]
+    units = [
+        (2 * _unit_bytes(t, "all_gather", "forward"), _unit_bytes(t, "reduce_scatter", "backward"))
+        for t in tables
+    ]
     best: tuple[int, int, dict[str, int]] | None = None
     for r in range(plan.world_size):
-        pp_rank = plan.pipeline_rank[r] if plan.pipeline_rank else 0
-        table = (
-            plan.pipeline_collectives[pp_rank] if plan.pipeline_collectives else plan.collectives
-        )
-        parts = _rank_breakdown(plan, r, table, static_scale)
+        unsharded, reduce_buffer = units[plan.pipeline_rank[r] if plan.pipeline_rank else 0]
+        parts = {
+            "params": int(plan.padded_param_bytes[r] * static_scale),
+            "grads": int(plan.grad_bytes[r] * static_scale),
+            "optimizer": int(plan.optim_bytes[r] * static_scale),
+            "activations": acts[r],
+            "unsharded_params": unsharded,
+            "grad_reduce_buffer": reduce_buffer,
+            "logits": logits,
+        }
+        dynamic = acts[r] + unsharded + reduce_buffer + logits
+        parts["allocator"] = int(ALLOCATOR_OVERHEAD * dynamic)
         total = sum(parts.values())
         if best is None or total > best[0]:
             best = (total, r, parts)
