@@ -97,7 +97,7 @@ class SyntheticData(StepData[Batch]):
         t, rows = self.cfg.training, slice(self.first, self.first + self.local_batch)
         vocab = self.cfg.model.vocab_size
         tokens = synthetic_tokens(t.seed, 1, t.global_batch_size, t.seq_len, vocab, first_step=step)
-        return Batch(tokens[0, rows])
+        return Batch(tokens[0, rows].clone())  # NOTE: a view would keep the global batch
 
 
 class SyntheticVLMData(SyntheticData):
@@ -136,7 +136,8 @@ class SyntheticVLMData(SyntheticData):
     def batch(self, step: int) -> Batch:
         rows = slice(self.first, self.first + self.local_batch)
         tokens, images = self.steps(step, 1)
-        return Batch(tokens[0, rows], images[0, rows])
+        # NOTE: copies: views would keep every rank's images alive through backward
+        return Batch(tokens[0, rows].clone(), images[0, rows].clone())
 
 
 class TokenFile(StepData[Batch]):
@@ -216,7 +217,9 @@ class SyntheticFields(StepData[FieldBatch]):
         x = torch.nn.functional.interpolate(
             coarse, size=(f.height, f.width), mode="bilinear", align_corners=False
         )
-        x = x[self.first : self.first + self.local_batch]
+        x = x[
+            self.first : self.first + self.local_batch
+        ].clone()  # NOTE: a view would keep the global batch
         stencil = torch.tensor([[0.0, 1.0, 0.0], [1.0, 4.0, 1.0], [0.0, 1.0, 0.0]]) / 8.0
         wrapped = torch.nn.functional.pad(x, (1, 1, 0, 0), mode="circular")
         diffused = torch.nn.functional.conv2d(
