@@ -36,8 +36,10 @@ def test_the_kinds_answer_where_they_differ():
     assert field.describe()[0].startswith("field model FieldNet")
     # a VLM's inputs cost activations before its decoder; a plain decoder's do not
     sizes = {"b": 2, "s": 16, "dim": 64, "tp": 1, "itemsize": 4}
-    assert decoder.input_activation_bytes(**sizes) == (0, 0, 0)
-    assert min(vlm.input_activation_bytes(**sizes)[:2]) > 0
+    assert set(decoder.input_activation_bytes(**sizes).values()) == {0}
+    vision = vlm.input_activation_bytes(**sizes)
+    assert vision.keys() == decoder.input_activation_bytes(**sizes).keys()
+    assert vision["none"] > vision["selective"] > vision["full"] > 0
 
 
 def test_a_token_model_refuses_domain_and_a_field_model_tp():

@@ -18,7 +18,9 @@ __all__ = [
     "ep_collectives",
     "expert_load_collectives",
     "ffn_slot_activation_bytes",
+    "ffn_slot_op_bytes",
     "moe_slot_activation_bytes",
+    "moe_slot_op_bytes",
     "routed_rows",
 ]
 
@@ -47,12 +49,35 @@ def moe_slot_activation_bytes(m: MoEModelConfig, b: int, s: int, itemsize: int) 
     return kept + 4 * tok * m.num_shared_experts * hidden * e
 
 
+def moe_slot_op_bytes(m: MoEModelConfig, b: int, s: int, itemsize: int) -> int:
+    """What op-level AC (``ac_mode="op"``: the outputs of matmuls are saved, the rest
+    recomputed) keeps of one MoE slot for ``b`` sequences of ``s`` tokens: the router's float32
+    scores ``4 T E``, the shared expert's three projections ``T (2 shared_hidden + d) e``, the
+    routed rows' grouped projections ``R (2 moe_ffn + d) e`` and the combine's weighted sum in
+    float32 ``4 T d``. Expert parallelism's all-to-alls are forge's own autograd functions, so
+    op mode runs them again in backward rather than keeping their outputs."""
+    hidden, d, e = m.moe_ffn_dim, m.dim, itemsize
+    assert hidden  # filled in by MoEModelConfig.__post_init__
+    tok, rows = b * s, routed_rows(m, b, s)
+    kept = 4 * tok * m.num_experts + rows * (2 * hidden + d) * e + 4 * tok * d
+    return kept + (tok * (2 * m.num_shared_experts * hidden + d) * e if m.num_shared_experts else 0)
+
+
 def ffn_slot_activation_bytes(
     m: MoEModelConfig, dense: int, b: int, s: int, itemsize: int
 ) -> tuple[int, ...]:
     """What autograd keeps for each block's FFN slot: ``dense`` for a dense block, an MoE
     block's own (:func:`moe_slot_activation_bytes`)."""
     moe = moe_slot_activation_bytes(m, b, s, itemsize) if m.moe_layers else dense
+    return tuple(moe if m.is_moe_layer(i) else dense for i in range(m.n_layers))
+
+
+def ffn_slot_op_bytes(
+    m: MoEModelConfig, dense: int, b: int, s: int, itemsize: int
+) -> tuple[int, ...]:
+    """:func:`ffn_slot_activation_bytes` under op-level AC: ``dense`` (the dense FFN's matmul
+    outputs) or :func:`moe_slot_op_bytes`."""
+    moe = moe_slot_op_bytes(m, b, s, itemsize) if m.moe_layers else dense
     return tuple(moe if m.is_moe_layer(i) else dense for i in range(m.n_layers))
 
 

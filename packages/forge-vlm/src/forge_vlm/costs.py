@@ -16,11 +16,17 @@ __all__ = ["VLMActivations", "vlm_activation_bytes"]
 class VLMActivations:
     """Bytes a VLM's vision side keeps per micro-batch: ``none`` without AC, ``full`` under
     AC full (a checkpointed ViT block keeps its input), ``recompute``: one ViT block recomputed
-    in backward (0 when the encoder is not checkpointed)."""
+    in backward (0 when the encoder is not checkpointed); ``selective`` (each ViT attention
+    checkpointed) and ``op`` (a ViT block keeps its input and its matmul and SDPA outputs) with
+    what their backward recomputes at once."""
 
     none: int
     full: int
     recompute: int
+    selective: int = 0
+    selective_recompute: int = 0
+    op: int = 0
+    op_recompute: int = 0
 
 
 def vlm_activation_bytes(
@@ -44,12 +50,23 @@ def vlm_activation_bytes(
     extra = b * n * v.dim * e + 2 * b * n_img * (a.hidden_dim or dim) * e + b * n_img * dim * e
     extra += 9 * b * s + (b * n_img * v.dim * e if a.pool > 1 else 0)
     if vlm.freeze_encoder:
-        return VLMActivations(extra, extra, 0)
-    mlp = v.mlp_dim
+        return VLMActivations(extra, extra, 0, extra, 0, extra, 0)
+    mlp, d = v.mlp_dim, v.dim
     assert mlp  # filled in by VisionEncoderConfig.__post_init__
-    vit = 4 * b * n * v.dim * e + 16 * b * n + 4 * b * n * (v.dim // tv) * e
-    vit += 4 * b * n * (v.n_heads // tv) + 2 * b * n * (mlp // tv) * e
-    stem = b * v.in_channels * v.image_size**2 * e + b * n * v.dim * e + 8 * b * n
-    checkpointed = "encoder" in ac_components(vlm.ac_scope, vlm.freeze_encoder)
-    full = v.n_layers * (b * n * v.dim * e if checkpointed else vit) + stem
-    return VLMActivations(extra + v.n_layers * vit + stem, extra + full, vit if checkpointed else 0)
+    attn = 4 * b * n * (d // tv) * e + 4 * b * n * (v.n_heads // tv)  # q, k, v, out; logsumexp
+    vit = 4 * b * n * d * e + 16 * b * n + attn + 2 * b * n * (mlp // tv) * e
+    stem = b * v.in_channels * v.image_size**2 * e + b * n * d * e + 8 * b * n
+    # op: the block's input; q, k, v, SDPA's output and logsumexp; wo's, fc1's and fc2's outputs
+    op = b * n * d * e + attn + 2 * b * n * d * e + b * n * (mlp // tv) * e
+    if "encoder" not in ac_components(vlm.ac_scope, vlm.freeze_encoder):
+        none = extra + v.n_layers * vit + stem
+        return VLMActivations(none, none, 0, none, 0, none, 0)
+    return VLMActivations(
+        none=extra + v.n_layers * vit + stem,
+        full=extra + v.n_layers * b * n * d * e + stem,
+        recompute=vit,
+        selective=extra + v.n_layers * (vit - attn) + stem,
+        selective_recompute=attn,
+        op=extra + v.n_layers * op + stem,
+        op_recompute=max(0, vit - (op - b * n * d * e)),
+    )

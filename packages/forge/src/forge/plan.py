@@ -131,6 +131,8 @@ class LayoutPlan:
     optim_bytes: list[int] = field(default_factory=list)
     activation_none: list[int] = field(default_factory=list)
     activation_full: list[int] = field(default_factory=list)
+    activation_kept: list[int] = field(default_factory=list)
+    activation_peak: list[int] = field(default_factory=list)
     activation: ActivationEstimate | None = None
     collectives: list[Collective] = field(default_factory=list)
     pipeline: PipelinePlan | None = None
@@ -159,10 +161,15 @@ class LayoutPlan:
         if self.param_bytes and p is not None:  # per-rank numbers: a layout was resolved
             rows: dict[tuple[int, ...], list[int]] = {}
             cols = (self.param_bytes, self.padded_param_bytes, self.grad_bytes, self.optim_bytes)
-            acts = (self.activation_none, self.activation_full)
+            # NOTE: the second activation column: AC full, or the config's AC mode when another
+            ac = t.ac_mode if t.ac_mode in ("selective", "op") else "full"
+            acts = (
+                self.activation_none,
+                self.activation_peak if ac != "full" else self.activation_full,
+            )
             for r, row in enumerate(zip(*cols, *acts, strict=True)):
                 rows.setdefault(row, []).append(r)
-            heads = ("params", "padded", "grads", "AdamW", "static", "act", "act AC full")
+            heads = ("params", "padded", "grads", "AdamW", "static", "act", f"act AC {ac}")
             pipe = self.pipeline
             split = (
                 f"grad_accum {t.grad_accum}"
@@ -292,8 +299,10 @@ def build_stages_on_meta(
     return plan.parallelize_stages(model_from_config(cfg), pp_rank=pp_rank)
 
 
-def plan_layout(cfg: ForgeConfig, world_size: int) -> LayoutPlan:
-    """Plan ``cfg`` on ``world_size`` ranks in this process (fake process group, meta tensors)."""
+def plan_layout(cfg: ForgeConfig, world_size: int, *, device: str = "cuda") -> LayoutPlan:
+    """Plan ``cfg`` on ``world_size`` ranks in this process (fake process group, meta tensors).
+    ``device``: whose kernels the activation estimate follows (``"cpu"``: the CPU's composite
+    norm, which keeps float32 copies; what ``tools/bench_plan_accuracy.py`` measures against)."""
     if dist.is_initialized():
         raise ForgeConfigError(
             f"plan_layout creates a fake process group of {world_size} ranks, but this process "
@@ -319,7 +328,7 @@ def plan_layout(cfg: ForgeConfig, world_size: int) -> LayoutPlan:
         plan.timings["mesh"], tick = time.perf_counter() - tick, time.perf_counter()
         try:
             if par.pp > 1:
-                pipe, estimates, problems = pipeline_plan(cfg, layout, "cuda")
+                pipe, estimates, problems = pipeline_plan(cfg, layout, device)
                 plan.broken_rules += [p for p in problems if p not in plan.broken_rules]
                 splits = [build_stages_on_meta(cfg, mesh, plan.data, r) for r in range(par.pp)]
                 shares = [pipeline_share(pipe, r) for r in range(par.pp)]
@@ -327,7 +336,7 @@ def plan_layout(cfg: ForgeConfig, world_size: int) -> LayoutPlan:
             else:
                 holdings = [[build_on_meta(cfg, mesh, plan.data)]]
                 shares = [whole_model_share(cfg, layout)]
-                estimates = [estimate_activations(cfg, world_size)]
+                estimates = [estimate_activations(cfg, world_size, device=device)]
         except ForgeConfigError as err:
             plan.broken_rules += [str(err)] if str(err) not in plan.broken_rules else []
             return plan
@@ -360,6 +369,9 @@ def plan_layout(cfg: ForgeConfig, world_size: int) -> LayoutPlan:
         ranks = pp_rank.tolist()
         plan.activation_none = [estimates[r].none for r in ranks]
         plan.activation_full = [estimates[r].full for r in ranks]
+        mode = cfg.training.ac_mode  # NOTE: the peak counts one recomputed block under AC
+        plan.activation_kept = [estimates[r].saved(mode) for r in ranks]
+        plan.activation_peak = [estimates[r].peak(mode) for r in ranks]
         tables = [
             step_collectives(cfg, layout, h, s) for h, s in zip(holdings, shares, strict=True)
         ]

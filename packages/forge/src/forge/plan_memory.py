@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from forge_core import ForgeConfigError
 from forge_cp.costs import cp_attention_extra_bytes, cp_kept_once_bytes
-from forge_moe_ep.costs import ffn_slot_activation_bytes
+from forge_moe_ep.costs import ffn_slot_activation_bytes, ffn_slot_op_bytes
 from forge_pp import bubble_fraction, pipeline_actions, replay_peak
 from forge_pp.split import balanced_blocks, stage_indices
 
@@ -22,20 +22,38 @@ from .layout import Layout, resolve_layout
 
 @dataclass(frozen=True)
 class ActivationEstimate:
-    """Bytes autograd keeps per micro-batch on a rank: ``none`` without AC; with AC full,
-    ``full_saved`` after the forward plus ``full_block`` (one block recomputed in backward)."""
+    """Bytes autograd keeps per micro-batch on a rank: ``none`` without AC; under AC mode ``m``
+    (full, selective, op) ``m_saved`` after the forward plus ``m_block`` at the backward's peak
+    (one block's, or with selective one attention's, recomputed intermediates)."""
 
     none: int
     full_saved: int
     full_block: int
+    selective_saved: int
+    selective_block: int
+    op_saved: int
+    op_block: int
 
     @property
     def full(self) -> int:
         return self.full_saved + self.full_block
 
+    def saved(self, ac_mode: str) -> int:
+        """What the forward leaves for backward under ``ac_mode``."""
+        return self.none if ac_mode == "none" else int(getattr(self, f"{ac_mode}_saved"))
+
+    def peak(self, ac_mode: str) -> int:
+        """The most held at once under ``ac_mode`` (saved + one recomputed block)."""
+        extra = 0 if ac_mode == "none" else int(getattr(self, f"{ac_mode}_block"))
+        return self.saved(ac_mode) + extra
+
 
 def itemsize_of(cfg: ForgeConfig) -> int:
     return getattr(torch, cfg.training.param_dtype).itemsize
+
+
+#: The AC modes whose activations are modelled besides ``none``.
+AC_KINDS = ("full", "selective", "op")
 
 
 @dataclass(frozen=True)
@@ -43,17 +61,24 @@ class _ActivationParts:
     """:func:`estimate_activations`' bytes per micro-batch, by where they are made: ``first``
     before the decoder blocks (token ids; a VLM's encoder, adapter and image embeddings; what a
     first pipeline stage adds), one entry per decoder block, ``last`` after the blocks (final
-    norm, targets, the loss: what a last stage adds). ``*_full``: under AC full (a block keeps its
-    checkpointed input); ``recompute``: what AC full recomputes in backward, per block (0 when
-    the decoder is not checkpointed) and for the first part (a checkpointed ViT block)."""
+    norm, targets, the loss: what a last stage adds). Each is a dict by AC mode (``none`` and
+    :data:`AC_KINDS`); ``recompute``: what backward recomputes at once, per block (0 without
+    AC) and, under ``first_recompute``, for the first part (a checkpointed ViT block)."""
 
-    first: int
-    first_full: int
-    blocks: tuple[int, ...]
-    blocks_full: tuple[int, ...]
-    block_recompute: tuple[int, ...]
-    first_recompute: int
+    first: dict[str, int]
+    blocks: dict[str, tuple[int, ...]]
+    recompute: dict[str, tuple[int, ...]]
+    first_recompute: dict[str, int]
     last: int
+
+    def estimate(self) -> ActivationEstimate:
+        """The sums: one micro-batch of the whole model."""
+        out: dict[str, int] = {"none": self.first["none"] + sum(self.blocks["none"]) + self.last}
+        for mode in AC_KINDS:
+            out[f"{mode}_saved"] = self.first[mode] + sum(self.blocks[mode]) + self.last
+            top = (*self.recompute[mode], self.first_recompute[mode])
+            out[f"{mode}_block"] = max(top)
+        return ActivationEstimate(**out)
 
 
 def estimate_activations(
@@ -85,8 +110,16 @@ def estimate_activations(
     the image embeddings and, when trainable, the ViT encoder (per block LayerNorm inputs/outputs
     and mean/rstd, q/k/v/out, logsumexp, GELU MLP; the patch stem). AC full keeps each block's
     input (``b r d e``; the first block's unsplit, ``b s d e``: its checkpoint wraps the SP split)
-    and recomputes one block in backward. The tests measure it exact on CPU (float32 and
-    bfloat16, with TP and SP); the CUDA norm term follows the fused kernel's backward signature.
+    and recomputes one block in backward. AC selective checkpoints each attention: a block
+    keeps all but the attention terms and the projections' copy of the norm output, and instead
+    the attention's input (``b r d e``); backward recomputes one attention. AC op keeps per
+    block its input and the outputs of the ops torch's policy saves (forge_fsdp_wrap.ac): q, k,
+    v, the SDPA output and logsumexp, ``wo``'s and ``w2``'s local products ``2 b s d e``
+    (partial sums under TP), w1 and w3 ``2 b s ffn/t e``, under SP the two reduce-scatters
+    ``2 b r d e``; an MoE slot its router scores, shared-expert and grouped projections and
+    float32 combine (:func:`forge_moe_ep.costs.moe_slot_op_bytes`). The tests and
+    tools/bench_plan_accuracy.py measure it exact on CPU (float32 and bfloat16, every AC
+    mode, with TP and SP); the CUDA norm term follows the fused kernel's backward signature.
 
     Context parallelism (``cp > 1``): a rank holds ``s = seq_len / cp`` tokens of each sequence
     and every term above uses that ``s``, except k and v: attention keeps the all-gathered
@@ -96,11 +129,7 @@ def estimate_activations(
     every layer, ``e ((2 cp + 3) c - 2)`` with ``c = seq_len / 2 cp`` (CUDA's kernels need none).
     """
     layout = resolve_layout(cfg, world_size)
-    parts = _activation_parts(cfg, layout, layout.micro_batch, device)
-    none = parts.first + sum(parts.blocks) + parts.last
-    full = parts.first_full + sum(parts.blocks_full) + parts.last
-    top = max((*parts.block_recompute, parts.first_recompute))
-    return ActivationEstimate(none=none, full_saved=full, full_block=top)
+    return _activation_parts(cfg, layout, layout.micro_batch, device).estimate()
 
 
 def _activation_parts(cfg: ForgeConfig, layout: Layout, b: int, device: str) -> _ActivationParts:
@@ -114,34 +143,54 @@ def _activation_parts(cfg: ForgeConfig, layout: Layout, b: int, device: str) -> 
     r = s // t if sp else s
     low = e != 4  # below fp32: casts that fp32 does not make
     norm_in = 8 * b * r * d if device == "cpu" else b * r * d * e
-    norm = norm_in + 4 * b * r + b * s * d * e
+    norm_out, shard = b * s * d * e, b * r * d * e  # SP: the gathered copy; a sequence shard
+    norm = norm_in + 4 * b * r + norm_out
     kv_dim = kv_heads * m.head_dim
-    attn = 2 * b * s * (d // t) * e + 2 * b * s * (kv_dim // t) * e
+    q_out, kv = b * s * (d // t) * e, 2 * b * s * (kv_dim // t) * e
+    lse = 4 * b * s * (m.n_heads // t)
+    attn = 2 * q_out + kv + lse + (4 * s * m.head_dim * e if low else 0)
     attn += cp_attention_extra_bytes(
         b=b, seq_len=whole, cp=cp, dim=d, kv_dim=kv_dim, tp=t, itemsize=e
     )
-    attn += 4 * b * s * (m.n_heads // t) + (4 * s * m.head_dim * e if low else 0)
-    slots = ffn_slot_activation_bytes(m, 4 * b * s * (ffn // t) * e, b, s, e)
-    blocks = tuple(2 * norm + attn + slot for slot in slots)
+    swiglu = 2 * b * s * (ffn // t) * e  # w1's and w3's outputs
+    slots = ffn_slot_activation_bytes(m, 2 * swiglu, b, s, e)
+    none = tuple(2 * norm + attn + slot for slot in slots)
+    n = len(none)
+    # AC full: each block keeps its input (the first block's unsplit: its checkpoint wraps the
+    # SP split) and backward recomputes one block at a time.
+    inputs = tuple(shard + (norm_out - shard if i == 0 else 0) for i in range(n))
+    # selective: the attention is checkpointed: it keeps its input (under SP the shard: the
+    # all-gather runs inside), and is recomputed with its gathered input in backward.
+    selective = tuple(x - attn - norm_out + shard for x in none)
+    # op: each block keeps its input and the outputs of its matmuls, SDPA and reduce-scatters:
+    # q, k, v, SDPA's output and logsumexp, wo's and w2's local (partial under TP) products and
+    # under SP their reduce-scatters (an MoE slot, replicated on tp, has none).
+    scatter = shard if sp and t > 1 else 0
+    op_attn = 2 * q_out + kv + lse + norm_out + scatter
+    op_slots = ffn_slot_op_bytes(m, swiglu + norm_out + scatter, b, s, e)
+    op = tuple(inputs[i] + op_attn + op_slots[i] for i in range(n))
+    blocks = {"none": none, "full": inputs, "selective": selective, "op": op}
+    recompute = {
+        "full": none,
+        "selective": tuple(attn + norm_out - shard for _ in range(n)),
+        "op": tuple(max(0, none[i] - (op[i] - inputs[i])) for i in range(n)),  # NOTE: estimate
+    }
+    if "decoder" not in model_kind(cfg).checkpointed_components():
+        blocks = dict.fromkeys(blocks, none)
+        recompute = dict.fromkeys(recompute, tuple(0 for _ in none))
     vocab = m.vocab_size // t if lp else m.vocab_size
-    first = 8 * b * (s + (cp == 1))  # token ids (a cp rank's are a copy, without the last)
+    ids = 8 * b * (s + (cp == 1))  # token ids (a cp rank's are a copy, without the last)
     cp_once = cp_kept_once_bytes(
         seq_len=whole, cp=cp, head_dim=m.head_dim, itemsize=e, device=device
     )
     last = 8 * b * s + 4 + norm + 4 * b * s * vocab  # targets, loss scalar, final norm, log-probs
-    in_ac = "decoder" in model_kind(cfg).checkpointed_components()
-    kept = blocks
-    if in_ac:  # AC full: each block keeps its input (the first block's unsplit under SP)
-        kept = tuple(
-            b * r * d * e + (b * (s - r) * d * e if i == 0 else 0) for i in range(len(blocks))
-        )
-    recompute = blocks if in_ac else tuple(0 for _ in blocks)
-    inputs, inputs_full, first_top = model_kind(cfg).input_activation_bytes(
-        b=b, s=s, dim=d, tp=t, itemsize=e
-    )
-    first, first_full = first + inputs, first + inputs_full
-    first += cp_once  # NOTE: under AC full they are saved only while a block is recomputed
-    return _ActivationParts(first, first_full, blocks, kept, recompute, first_top, last)
+    vis = model_kind(cfg).input_activation_bytes(b=b, s=s, dim=d, tp=t, itemsize=e)
+    # NOTE: cp_once is saved by the attention kernels: under AC full only while a block is
+    # recomputed, under selective and op never (the attention inputs are recomputed).
+    first = {mode: ids + vis[mode] for mode in ("none", *AC_KINDS)}
+    first["none"] += cp_once
+    first_top = {mode: vis[f"{mode}_recompute"] for mode in AC_KINDS}
+    return _ActivationParts(first, blocks, recompute, first_top, last)
 
 
 # ------------------------------------------------------------------------ pipeline parallelism
@@ -201,29 +250,31 @@ def pipeline_plan(
     last = n_stages - 1
     out_mb = {st: logits if st == last else hidden for st in range(n_stages)}
 
-    def stage_bytes(stage: int, full: bool) -> int:
-        blocks = parts.blocks_full if full else parts.blocks
-        out = sum(blocks[i] for i in ranges[stage])
-        if stage == 0:
-            out += parts.first_full if full else parts.first
+    def stage_bytes(stage: int, mode: str) -> int:
+        out = sum(parts.blocks[mode][i] for i in ranges[stage])
+        out += parts.first[mode] if stage == 0 else 0
         return out + (parts.last if stage == last else 0)
 
-    none_mb = {st: stage_bytes(st, False) for st in range(n_stages)}
-    full_mb = {st: stage_bytes(st, True) for st in range(n_stages)}
-    recompute = {  # AC full: a stage's backward recomputes one of its blocks at a time
-        st: max(
-            [parts.block_recompute[i] for i in ranges[st]] + [parts.first_recompute] * (st == 0)
-        )
-        for st in range(n_stages)
+    def stage_recompute(stage: int, mode: str) -> int:
+        """AC: a stage's backward recomputes one of its blocks at a time."""
+        tops = [parts.recompute[mode][i] for i in ranges[stage]]
+        return max(tops + [parts.first_recompute[mode]] * (stage == 0))
+
+    per_mode = {
+        mode: {st: stage_bytes(st, mode) for st in range(n_stages)} for mode in parts.blocks
     }
     placement = pp_cfg.info.placement
     rank_stages = tuple(tuple(stage_indices(r, pp, v, placement)) for r in range(pp))
     estimates, in_flight = [], []
     for actions in ranks:
-        none, held = replay_peak(actions, none_mb, out_mb)
-        saved = replay_peak(actions, full_mb, out_mb)[0]
-        full = replay_peak(actions, full_mb, out_mb, recompute)[0]
-        estimates.append(ActivationEstimate(none=none, full_saved=saved, full_block=full - saved))
+        none, held = replay_peak(actions, per_mode["none"], out_mb)
+        values = {"none": none}
+        for mode in AC_KINDS:
+            saved = replay_peak(actions, per_mode[mode], out_mb)[0]
+            again = {st: stage_recompute(st, mode) for st in range(n_stages)}
+            values[f"{mode}_saved"] = saved
+            values[f"{mode}_block"] = replay_peak(actions, per_mode[mode], out_mb, again)[0] - saved
+        estimates.append(ActivationEstimate(**values))
         in_flight.append(held)
     pipe = PipelinePlan(
         schedule=pp_cfg.schedule,

@@ -3,8 +3,8 @@ profile (``--gpu NAME``) the step time, tokens/s per GPU and MFU, from the layou
 byte counts and collectives (:mod:`forge.plan`). The model and its limits: docs/planning.md.
 
 **Memory** of a rank: its parameters as FSDP2 allocates them (padded shards), gradients,
-AdamW's two float32 states, the activations autograd keeps (:mod:`forge.plan_memory`; AC
-selective and op are counted as none, an upper bound), and the step's temporaries: two FSDP2
+AdamW's two float32 states, the activations autograd keeps under the config's AC mode with one
+recomputed block (:mod:`forge.plan_memory`), and the step's temporaries: two FSDP2
 units' unsharded parameters (the one computing and the one prefetched), one unit's unsharded
 gradients being reduce-scattered, the logits in ``param_dtype`` and their float32 gradient; plus
 5 % of the temporaries and activations for the caching allocator's rounding and fragmentation
@@ -125,7 +125,7 @@ def predict_memory(plan: LayoutPlan, *, static_scale: float = 1.0) -> MemoryPeak
     data-parallel degree and scales FSDP2's shards back). What does not vary per rank (the
     logits, each pipeline rank's FSDP2 units) is computed once."""
     logits = _logits_bytes(plan)
-    acts = plan.activation_full if plan.config.training.ac_mode == "full" else plan.activation_none
+    acts = plan.activation_peak
     tables = plan.pipeline_collectives or [plan.collectives]
     units = [
         (2 * _unit_bytes(t, "all_gather", "forward"), _unit_bytes(t, "reduce_scatter", "backward"))

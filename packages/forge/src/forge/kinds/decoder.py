@@ -9,6 +9,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from forge_pp.checks import pp_problems
 
+#: :meth:`DecoderKind.input_activation_bytes`' keys: bytes kept per AC mode, and recomputed.
+INPUT_ACTIVATION_KEYS: tuple[str, ...] = ("none", "full", "selective", "op")
+INPUT_ACTIVATION_KEYS += tuple(f"{m}_recompute" for m in INPUT_ACTIVATION_KEYS[1:])
+
 if TYPE_CHECKING:
     import torch
     import torch.nn as nn
@@ -190,10 +194,11 @@ class DecoderKind:
 
     def input_activation_bytes(
         self, *, b: int, s: int, dim: int, tp: int, itemsize: int
-    ) -> tuple[int, int, int]:
+    ) -> dict[str, int]:
         """What the model keeps before its decoder blocks for ``b`` sequences of ``s`` tokens,
-        besides the token ids: ``(AC none, AC full, recomputed under AC full)`` (none here)."""
-        return 0, 0, 0
+        besides the token ids, by AC mode (``none``, ``full``, ``selective``, ``op``) and what
+        each mode's backward recomputes there at once (``<mode>_recompute``): none here."""
+        return dict.fromkeys(INPUT_ACTIVATION_KEYS, 0)
 
     # ------------------------------------------------------------------------ forge build
     def build_steps(self, reference: nn.Module) -> tuple[torch.Tensor, dict[str, Any]]:

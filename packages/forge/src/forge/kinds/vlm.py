@@ -119,13 +119,17 @@ class VLMKind(DecoderKind):
 
     def input_activation_bytes(
         self, *, b: int, s: int, dim: int, tp: int, itemsize: int
-    ) -> tuple[int, int, int]:
+    ) -> dict[str, int]:
         """The vision encoder's, the adapter's and the image embeddings' (forge_vlm.costs)."""
+        from dataclasses import asdict
+
         from forge_vlm.costs import vlm_activation_bytes
 
         v, a, vlm = self.cfg.vlm_sections()
         vis = vlm_activation_bytes(v, a, vlm, b=b, s=s, dim=dim, tp=tp, itemsize=itemsize)
-        return vis.none, vis.full, vis.recompute
+        out = asdict(vis)
+        out["full_recompute"] = out.pop("recompute")
+        return out
 
     def part_lines(self, model: nn.Module, par: ParallelismConfig) -> list[str]:
         """Encoder, adapter and image tokens, what is frozen, and TP per component."""
