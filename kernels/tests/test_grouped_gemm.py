@@ -563,3 +563,42 @@ def test_small_problems_get_one_autotune_candidate(kern):
     configs = list(kern.candidates("rows", fp32=False, tma=True))
     assert tuning._prune_small(configs, {"M_BUCKET": small}) == configs[:1]
     assert tuning._prune_small(configs, {"M_BUCKET": large}) == configs
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+def test_the_first_call_inside_selective_checkpointing_recomputes_the_same_ops():
+    """The backend probe (one tiny ``torch._grouped_mm``, memoized) must not run inside the
+    caller's dispatch modes: when the process's first grouped GEMM ran inside an op-level
+    selective checkpoint (forge's ``ac_mode="op"``), the probe's matmul took the first
+    ``_grouped_mm`` slot of the checkpoint's cache, the recompute (which skips the memoized
+    probe) read it as the experts' output, and backward failed ("aten.alias.default
+    encountered during backward"): ``forge train`` of an MoE with ep=2 and AC op did."""
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    def policy(ctx, func, *args, **kwargs):  # noqa: ANN001, ANN202 - torch's policy protocol
+        saved = func is torch.ops.aten._grouped_mm.default
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    x, w, offs, _ = _inputs(12, 16, 16, [5, 12], torch.float32)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+
+    def experts(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # as GroupedExperts calls it
+        return torch.nn.functional.silu(grouped_gemm(a, b, offs, dense=True))
+
+    expected = torch.autograd.grad(experts(x, w).square().sum(), (x, w))
+    gg._probe_grouped_mm.cache_clear()  # the process's first call: inside the checkpoint
+    out = checkpoint(
+        experts,
+        x,
+        w,
+        use_reentrant=False,
+        context_fn=lambda: create_selective_checkpoint_contexts(policy),
+    )
+    got = torch.autograd.grad(out.square().sum(), (x, w))
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e)

@@ -50,6 +50,7 @@ Notable choices:
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
 from typing import Literal
@@ -79,23 +80,37 @@ def _triton_importable() -> bool:
     return True
 
 
-@functools.cache
 def _torch_grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
     """Whether this torch build runs ``torch._grouped_mm`` for (device type, dtype).
 
     NOTE: a memo of a property of the torch build (probed once on tiny aligned tensors), the
-    one piece of module-level state here.
+    one piece of module-level state here. The probe runs in a thread of its own: dispatch
+    modes are per thread, and one active here (selective checkpointing's cache, a tracer)
+    would record the probe's matmul as the caller's: op-level AC then handed the probe's
+    output to the experts when it recomputed them (kernels/tests/test_grouped_gemm.py).
     """
+    index = torch.cuda.current_device() if device_type == "cuda" else None
+    return _probe_grouped_mm(device_type, index, dtype)
+
+
+@functools.cache
+def _probe_grouped_mm(device_type: str, index: int | None, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
-    try:
-        x = torch.zeros(8, 8, device=device_type, dtype=dtype)
-        w = torch.zeros(2, 8, 8, device=device_type, dtype=dtype)
-        offs = torch.tensor([4, 8], device=device_type, dtype=torch.int32)
-        torch._grouped_mm(x, w, offs=offs)
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
+    device = torch.device(device_type, index) if index is not None else torch.device(device_type)
+
+    def probe() -> bool:
+        try:
+            x = torch.zeros(8, 8, device=device, dtype=dtype)
+            w = torch.zeros(2, 8, 8, device=device, dtype=dtype)
+            offs = torch.tensor([4, 8], device=device, dtype=torch.int32)
+            torch._grouped_mm(x, w, offs=offs)
+        except (RuntimeError, NotImplementedError):
+            return False
+        return True
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(probe).result()
 
 
 def _interpreter_requested() -> bool:
