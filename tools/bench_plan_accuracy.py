@@ -60,6 +60,7 @@ ROWS: list[tuple[str, int, list[str]]] = [
         4,
         [*_MOE, "parallelism.tp=1", "parallelism.ep=1", "training.ac_mode=op"],
     ),
+    ("MoE EP 2, AC op", 4, [*_MOE, "parallelism.tp=1", "parallelism.ep=2", "training.ac_mode=op"]),
     ("PP 2 1F1B x FSDP2 2", 4, _PP),
     ("PP 2 Interleaved1F1B", 2, [*_PP, "pp.schedule=Interleaved1F1B"]),
     ("PP 2 ZBVZeroBubble", 2, [*_PP, "pp.schedule=ZBVZeroBubble"]),
