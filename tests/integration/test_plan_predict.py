@@ -152,3 +152,123 @@ def test_search_needs_a_gpu(capsys):
 
     assert run_search(None, 8, []) == 2
     assert "--search ranks layouts by predicted speed on a GPU" in capsys.readouterr().err
+
+
+MOE_EP4 = [
+    "model.preset=debug_moe",
+    "parallelism.tp=1",
+    "parallelism.ep=4",
+    "training.global_batch_size=64",
+]
+
+
+def test_a_routing_skew_grows_the_busiest_ranks_expert_rows_and_step(capsys):
+    """--moe-skew F: the busiest EP rank's experts get F x the balanced routed rows: its
+    permuted input and expert SwiGLU (d e + 4 moe_ffn e per row, per MoE block) grow by exactly
+    that, its routed FLOPs and row all-to-alls by F; the report says the assumption."""
+    cfg = load_config(None, MOE_EP4)
+    balanced, skewed = (plan_layout(cfg, 8, moe_skew=skew) for skew in (1.0, 2.0))
+    m, b, s = cfg.decoder, balanced.micro_batch, cfg.training.seq_len
+    rows = b * s * m.top_k  # dropless: every token's top_k rows
+    per_row = m.dim * 4 + 4 * m.moe_ffn_dim * 4  # float32
+    extra = len(m.moe_layers) * rows * per_row
+    assert skewed.activation_none[0] - balanced.activation_none[0] == extra
+    gpu = load_gpu("h100-sxm")
+    slow, fast = predict_time(skewed, gpu), predict_time(balanced, gpu)
+    assert slow.compute_seconds > fast.compute_seconds
+    assert slow.step_seconds > fast.step_seconds
+    assert run_plan(None, 8, MOE_EP4, gpu="h100-sxm", moe_skew=2.0) == 0
+    text = capsys.readouterr().out
+    assert "routing: the busiest EP rank's experts get 2x the balanced routed rows" in text
+    out = _json(capsys, 8, MOE_EP4)
+    assert out["moe_skew"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["parallelism.tp=1"],  # dense: no experts
+        [*MOE_EP4[:-2], "parallelism.ep=1"],  # a rank's experts get all its rows
+        [*MOE_EP4, "moe.moe_dispatch=capacity"],  # the buffer is capped
+    ],
+    ids=["dense", "moe-ep1", "capacity"],
+)
+def test_a_skew_changes_nothing_where_no_rank_gets_more_rows(capsys, overrides):
+    assert run_plan(None, 8, overrides, gpu="h100-sxm", output="json", moe_skew=3.0) == 0
+    skewed = json.loads(capsys.readouterr().out)
+    balanced = _json(capsys, 8, overrides)
+    assert skewed["peak_bytes"] == balanced["peak_bytes"]
+    assert skewed["step_seconds"] == pytest.approx(balanced["step_seconds"])
+    assert run_plan(None, 8, overrides, moe_skew=3.0) == 0
+    assert "routing:" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("skew", [0.5, float("nan"), float("inf")])
+def test_a_bad_skew_is_one_line_and_exit_2(capsys, skew):
+    assert run_plan(None, 8, MOE_EP4, moe_skew=skew) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--moe-skew must be a number >= 1" in err
+
+
+def test_the_peak_counts_the_configs_ac_mode():
+    """Selective and op keep less than none and more than full; the peak adds one recomputed
+    block (or attention) to what the forward keeps."""
+    acts = {}
+    for mode in ("none", "full", "selective", "op"):
+        plan = plan_layout(load_config(None, ["parallelism.tp=1", f"training.ac_mode={mode}"]), 4)
+        estimate = plan.activation
+        assert estimate is not None
+        assert plan.activation_kept[0] == estimate.saved(mode)
+        assert plan.activation_peak[0] == estimate.peak(mode) >= estimate.saved(mode)
+        assert predict_memory(plan).breakdown["activations"] == plan.activation_peak[0]
+        acts[mode] = estimate.saved(mode)
+    assert acts["full"] < acts["op"] < acts["selective"] < acts["none"]
+
+
+def _profile_text(**changes: object) -> str:
+    """h100-sxm's profile with ``changes`` (None: the field left out), as TOML."""
+    from dataclasses import asdict
+
+    fields = {**asdict(load_gpu("h100-sxm")), "name": "my-gpu", **changes}
+    return "\n".join(f"{k} = {json.dumps(v)}" for k, v in fields.items() if v is not None)
+
+
+def test_a_profile_file_plans_a_gpu_forge_does_not_ship(tmp_path, capsys):
+    path = tmp_path / "my-gpu.toml"
+    path.write_text(_profile_text(memory_bytes=96 * 10**9, latency_s=1e-3))
+    gpu = load_gpu(str(path))
+    assert gpu.name == "my-gpu" and gpu.memory_bytes == 96 * 10**9
+    out = _json(capsys, 8, ["parallelism.tp=2"], gpu=str(path))
+    assert out["gpu"] == "my-gpu" and out["gpu_memory_bytes"] == 96 * 10**9
+    h100 = _json(capsys, 8, ["parallelism.tp=2"])  # a collective's latency: 15 us there
+    assert out["step_seconds"] > h100["step_seconds"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"memory_bytes": None}, "missing fields ['memory_bytes']"),
+        ({"turbo": 1}, "unknown fields ['turbo']"),
+        ({"matmul_efficiency": 1.5}, "matmul_efficiency = 1.5 must be in (0, 1]"),
+        ({"gpus_per_node": 0}, "gpus_per_node = 0 must be a positive integer"),
+        ({"bf16_flops": "fast"}, "bf16_flops = 'fast' must be a positive number"),
+        ({"gpus_per_node": True}, "gpus_per_node = True must be a positive integer"),
+    ],
+)
+def test_a_bad_profile_file_is_one_line_naming_the_field(tmp_path, capsys, changes, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(_profile_text(**changes))
+    assert run_plan(None, 4, [], gpu=str(path)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_an_unreadable_or_broken_profile_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "broken.toml").write_text("name = [")
+    for path, message in (
+        (tmp_path / "absent.toml", "cannot read the profile file"),
+        (tmp_path / "broken.toml", "not valid TOML"),
+    ):
+        assert run_plan(None, 4, [], gpu=str(path)) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, err

@@ -324,13 +324,9 @@ def _plan(args: argparse.Namespace) -> int:
     except ForgeConfigError as err:
         print(f"forge plan: config error: {err}", file=sys.stderr)
         return EXIT_CONFIG
-    if args.search:
-        from .plan_search import run_search
+    from .plan_cli import run_plan_command
 
-        return run_search(cfg, args.world_size, gpu=args.gpu, output=args.format)
-    from .plan import run_plan
-
-    return run_plan(cfg, args.world_size, gpu=args.gpu, output=args.format)
+    return run_plan_command(cfg, args)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -461,15 +457,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="lay a config out over N ranks in one process (fake backend, meta tensors): memory and collectives per rank",
     )
     _common(plan, "embedded debug config")
-    plan.add_argument("--world-size", type=int, required=True, help="ranks to plan for")
-    plan.add_argument(
-        "--gpu",
-        help="a GPU profile (h100-sxm, h200, b200, a100-80gb): memory verdict and step time",
-    )
-    plan.add_argument("--format", choices=("text", "json"), default="text")
-    plan.add_argument(
-        "--search", action="store_true", help="rank the layouts that fit by predicted tokens/s"
-    )
+    from .plan_cli import add_plan_arguments
+
+    add_plan_arguments(plan)
     export = sub.add_parser(
         "export",
         help="write a checkpoint's model as one safetensors file or a Hugging Face folder",

@@ -64,6 +64,11 @@ class Layout:
         return self.parallelism.tp
 
     @property
+    def ep(self) -> int:
+        """The expert-parallel degree, resolved (an ``ep = -1`` in the config decided here)."""
+        return self.parallelism.ep
+
+    @property
     def dp_degree(self) -> int:
         return self.parallelism.dp_degree
 

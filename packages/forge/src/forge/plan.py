@@ -48,6 +48,7 @@ the fake one it creates.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -67,6 +68,7 @@ from forge_mesh.per_rank import (
     rank_coordinates,
     unique_params,
 )
+from forge_moe_ep.costs import expert_skew
 from forge_pp import PipelineSplit
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -142,6 +144,7 @@ class LayoutPlan:
     all_meta: bool | None = None
     timings: dict[str, float] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    moe_skew: float = 1.0
 
     @property
     def ok(self) -> bool:
@@ -299,10 +302,15 @@ def build_stages_on_meta(
     return plan.parallelize_stages(model_from_config(cfg), pp_rank=pp_rank)
 
 
-def plan_layout(cfg: ForgeConfig, world_size: int, *, device: str = "cuda") -> LayoutPlan:
+def plan_layout(
+    cfg: ForgeConfig, world_size: int, *, device: str = "cuda", moe_skew: float = 1.0
+) -> LayoutPlan:
     """Plan ``cfg`` on ``world_size`` ranks in this process (fake process group, meta tensors).
     ``device``: whose kernels the activation estimate follows (``"cpu"``: the CPU's composite
-    norm, which keeps float32 copies; what ``tools/bench_plan_accuracy.py`` measures against)."""
+    norm, which keeps float32 copies; what ``tools/bench_plan_accuracy.py`` measures against).
+    ``moe_skew``: the busiest expert-parallel rank's routed rows over the balanced count (>= 1;
+    see :func:`forge.plan_memory.estimate_activations`)."""
+    check_moe_skew(moe_skew)
     if dist.is_initialized():
         raise ForgeConfigError(
             f"plan_layout creates a fake process group of {world_size} ranks, but this process "
@@ -311,6 +319,7 @@ def plan_layout(cfg: ForgeConfig, world_size: int, *, device: str = "cuda") -> L
     refuse(model_kind(cfg).plan_problems())
     start = time.perf_counter()
     plan = LayoutPlan(cfg, world_size, broken_rules=_broken_rules(cfg, world_size))
+    plan.moe_skew = moe_skew
     try:
         layout = resolve_layout(cfg, world_size)
     except ForgeConfigError:  # no layout at all: the rules say why
@@ -328,7 +337,7 @@ def plan_layout(cfg: ForgeConfig, world_size: int, *, device: str = "cuda") -> L
         plan.timings["mesh"], tick = time.perf_counter() - tick, time.perf_counter()
         try:
             if par.pp > 1:
-                pipe, estimates, problems = pipeline_plan(cfg, layout, device)
+                pipe, estimates, problems = pipeline_plan(cfg, layout, device, moe_skew)
                 plan.broken_rules += [p for p in problems if p not in plan.broken_rules]
                 splits = [build_stages_on_meta(cfg, mesh, plan.data, r) for r in range(par.pp)]
                 shares = [pipeline_share(pipe, r) for r in range(par.pp)]
@@ -336,7 +345,9 @@ def plan_layout(cfg: ForgeConfig, world_size: int, *, device: str = "cuda") -> L
             else:
                 holdings = [[build_on_meta(cfg, mesh, plan.data)]]
                 shares = [whole_model_share(cfg, layout)]
-                estimates = [estimate_activations(cfg, world_size, device=device)]
+                estimates = [
+                    estimate_activations(cfg, world_size, device=device, moe_skew=moe_skew)
+                ]
         except ForgeConfigError as err:
             plan.broken_rules += [str(err)] if str(err) not in plan.broken_rules else []
             return plan
@@ -383,6 +394,15 @@ def plan_layout(cfg: ForgeConfig, world_size: int, *, device: str = "cuda") -> L
     return plan
 
 
+def check_moe_skew(moe_skew: float) -> None:
+    """One line for a skew that is not a finite number >= 1."""
+    if not (isinstance(moe_skew, int | float) and math.isfinite(moe_skew) and moe_skew >= 1):
+        raise ForgeConfigError(
+            f"--moe-skew must be a number >= 1 (the busiest expert-parallel rank's routed rows "
+            f"over the balanced count; 1: balanced routing), got {moe_skew!r}"
+        )
+
+
 def run_plan(
     config: ForgeConfig | str | None,
     world_size: int,
@@ -390,18 +410,19 @@ def run_plan(
     *,
     gpu: str | None = None,
     output: str = "text",
+    moe_skew: float = 1.0,
 ) -> int:
     """``forge plan``: print the plan; 0 when every rule holds, 2 for a bad config or layout.
 
     ``config``: a loaded config, or a TOML path (None: the default) read with ``overrides``.
     ``gpu``: a profile name (``forge.plan_predict.gpu_names``) for the memory verdict and the
     step time; ``output``: ``"text"`` or ``"json"`` (one JSON object on stdout,
-    :func:`forge.plan_predict.prediction_json`).
+    :func:`forge.plan_predict.prediction_json`); ``moe_skew``: see :func:`plan_layout`.
     """
     try:
         profile = load_gpu(gpu) if gpu is not None else None
         cfg = config if isinstance(config, ForgeConfig) else load_config(config, overrides)
-        plan = plan_layout(cfg, world_size)
+        plan = plan_layout(cfg, world_size, moe_skew=moe_skew)
     except ForgeConfigError as err:
         print(f"forge plan: config error: {err}", file=sys.stderr)
         return 2
@@ -425,6 +446,14 @@ def prediction_lines(
         return []
     parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in memory.breakdown.items() if v)
     lines = [f"peak:   {fmt_bytes(memory.peak_bytes)} on rank {memory.peak_rank} ({parts})"]
+    par = plan.parallelism
+    if (
+        par is not None and expert_skew(plan.config.decoder, par.ep, 2.0) > 1
+    ):  # NOTE: a skew applies to this layout
+        lines.append(
+            f"routing: the busiest EP rank's experts get {plan.moe_skew:g}x the balanced "
+            "routed rows (--moe-skew; 1 = balanced)"
+        )
     if gpu is not None:
         fits = memory.peak_bytes <= gpu.memory_bytes
         verdict = "fits" if fits else "does NOT fit"

@@ -79,8 +79,8 @@ def step_collectives(
     top = unwrap(modules[0])
     applied = applied_tp_plan(getattr(top, "decoder", top))
     # AC full recomputes each block's forward up to its last saved tensor (w2's input / the MoE
-    # combine): the attention's collectives again, the FFN's output reduction not. (Selective
-    # and op AC are counted as none.)
+    # combine): the attention's collectives again, the FFN's output reduction not. (What
+    # selective and op AC run again is not counted yet: docs/planning.md's limits.)
     ac = int(tr.ac_mode == "full" and "decoder" in model_kind(cfg).checkpointed_components())
     moe_blocks = sum(m.is_moe_layer(i) for i in share.blocks)
     block_passes = len(share.blocks) * acc

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from forge_core import ForgeConfigError
 from forge_cp.costs import cp_attention_extra_bytes, cp_kept_once_bytes
-from forge_moe_ep.costs import ffn_slot_activation_bytes, ffn_slot_op_bytes
+from forge_moe_ep.costs import expert_skew, ffn_slot_activation_bytes, ffn_slot_op_bytes
 from forge_pp import bubble_fraction, pipeline_actions, replay_peak
 from forge_pp.split import balanced_blocks, stage_indices
 
@@ -82,7 +82,7 @@ class _ActivationParts:
 
 
 def estimate_activations(
-    cfg: ForgeConfig, world_size: int, *, device: str = "cuda"
+    cfg: ForgeConfig, world_size: int, *, device: str = "cuda", moe_skew: float = 1.0
 ) -> ActivationEstimate:
     """What autograd saves for backward per micro-batch on one rank, in bytes.
 
@@ -121,6 +121,10 @@ def estimate_activations(
     tools/bench_plan_accuracy.py measure it exact on CPU (float32 and bfloat16, every AC
     mode, with TP and SP); the CUDA norm term follows the fused kernel's backward signature.
 
+    ``moe_skew`` (>= 1): under expert parallelism with dropless dispatch, the busiest rank's
+    experts get ``moe_skew`` times the balanced routed rows (the permuted input and the expert
+    SwiGLU scale; :func:`forge_moe_ep.costs.moe_slot_activation_bytes`); 1: balanced.
+
     Context parallelism (``cp > 1``): a rank holds ``s = seq_len / cp`` tokens of each sequence
     and every term above uses that ``s``, except k and v: attention keeps the all-gathered
     ``2 b seq_len kv_dim/t e`` instead, and the output of its two SDPA calls (one per chunk) is
@@ -129,10 +133,12 @@ def estimate_activations(
     every layer, ``e ((2 cp + 3) c - 2)`` with ``c = seq_len / 2 cp`` (CUDA's kernels need none).
     """
     layout = resolve_layout(cfg, world_size)
-    return _activation_parts(cfg, layout, layout.micro_batch, device).estimate()
+    return _activation_parts(cfg, layout, layout.micro_batch, device, moe_skew).estimate()
 
 
-def _activation_parts(cfg: ForgeConfig, layout: Layout, b: int, device: str) -> _ActivationParts:
+def _activation_parts(
+    cfg: ForgeConfig, layout: Layout, b: int, device: str, moe_skew: float = 1.0
+) -> _ActivationParts:
     """The terms of :func:`estimate_activations` for micro-batches of ``b`` sequences."""
     m, t = cfg.decoder, layout.tp
     kv_heads, ffn = m.n_kv_heads, m.ffn_dim
@@ -153,7 +159,8 @@ def _activation_parts(cfg: ForgeConfig, layout: Layout, b: int, device: str) -> 
         b=b, seq_len=whole, cp=cp, dim=d, kv_dim=kv_dim, tp=t, itemsize=e
     )
     swiglu = 2 * b * s * (ffn // t) * e  # w1's and w3's outputs
-    slots = ffn_slot_activation_bytes(m, 2 * swiglu, b, s, e)
+    skew = expert_skew(m, layout.ep, moe_skew)
+    slots = ffn_slot_activation_bytes(m, 2 * swiglu, b, s, e, expert_skew=skew)
     none = tuple(2 * norm + attn + slot for slot in slots)
     n = len(none)
     # AC full: each block keeps its input (the first block's unsplit: its checkpoint wraps the
@@ -167,7 +174,7 @@ def _activation_parts(cfg: ForgeConfig, layout: Layout, b: int, device: str) -> 
     # under SP their reduce-scatters (an MoE slot, replicated on tp, has none).
     scatter = shard if sp and t > 1 else 0
     op_attn = 2 * q_out + kv + lse + norm_out + scatter
-    op_slots = ffn_slot_op_bytes(m, swiglu + norm_out + scatter, b, s, e)
+    op_slots = ffn_slot_op_bytes(m, swiglu + norm_out + scatter, b, s, e, expert_skew=skew)
     op = tuple(inputs[i] + op_attn + op_slots[i] for i in range(n))
     blocks = {"none": none, "full": inputs, "selective": selective, "op": op}
     recompute = {
@@ -223,7 +230,7 @@ class PipelinePlan:
 
 
 def pipeline_plan(
-    cfg: ForgeConfig, layout: Layout, device: str
+    cfg: ForgeConfig, layout: Layout, device: str, moe_skew: float = 1.0
 ) -> tuple[PipelinePlan, list[ActivationEstimate], list[str]]:
     """The pipeline section, each pipeline rank's activations (peak in flight) and the settings
     torch refuses when it builds the schedule."""
@@ -241,7 +248,7 @@ def pipeline_plan(
             f"{v} stages per rank: torch refuses it: {err}"
         )
         ranks, order = pipeline_actions("GPipe", pp, m, 1)
-    parts = _activation_parts(cfg, layout, b, device)
+    parts = _activation_parts(cfg, layout, b, device, moe_skew)
     e, s, d = itemsize_of(cfg), cfg.training.seq_len, cfg.model.dim
     # NOTE: a stage keeps its output until that micro-batch's backward (hidden states; the
     # last stage its logits), and nothing longer: forge_pp runs the schedule with

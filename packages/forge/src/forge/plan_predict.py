@@ -15,7 +15,8 @@ full, which recomputes the forward) at the profile's peak x efficiency (fp8 peak
 matmuls, TF32 = half the bf16 peak for float32), split evenly over the ranks, plus the
 memory-bound kernels (passes over the activations at the HBM bandwidth); each collective at
 its ring volume over NVLink when its group fits in a node, else over the network, plus a
-latency per call. FSDP2's and DDP's collectives overlap the compute (only what exceeds it
+latency per call. With a routing skew (``--moe-skew F``, expert parallelism, dropless), the
+busiest rank runs F x its routed-expert FLOPs and its row all-to-alls take F x as long. FSDP2's and DDP's collectives overlap the compute (only what exceeds it
 shows); TP, EP, CP, PP and the step's reductions do not. A pipeline's bubble
 (forge_pp's theory) stretches the compute.
 
@@ -25,16 +26,18 @@ Pure arithmetic on a :class:`~forge.plan.LayoutPlan`: milliseconds for any world
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import asdict, dataclass, fields
 from importlib import resources
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forge_core import ParallelismConfig
 from forge_core.costs import Collective
 from forge_core.errors import ForgeConfigError, did_you_mean
 from forge_core.mesh_dims import AXES
-from forge_moe_ep.costs import active_params
+from forge_moe_ep.costs import active_params, expert_skew, routed_active_params
 
 from .job_config import TrainingConfig
 from .layout import resolve_layout
@@ -79,17 +82,58 @@ def gpu_names() -> list[str]:
 
 
 def load_gpu(name: str) -> GPUProfile:
-    """The profile ``name``; an unknown name is one line listing the known ones."""
+    """The profile ``name``, or the profile file at ``name`` when it ends in ``.toml`` (a GPU
+    forge does not ship: the same fields, read as data). An unknown name, an unreadable file or
+    a bad field is one line."""
+    if name.endswith(".toml"):
+        path = Path(name)
+        try:
+            text = path.read_text()
+        except OSError as err:
+            raise ForgeConfigError(
+                f"--gpu {name}: cannot read the profile file ({err.strerror}); give a "
+                f"readable .toml with the fields of forge/gpu_profiles/h100-sxm.toml"
+            ) from None
+        return _profile(text, f"--gpu {name}")
     names = gpu_names()
     if name not in names:
         raise ForgeConfigError(
             f"--gpu {name!r} is not a GPU profile forge has{did_you_mean(name, names)}; "
-            f"choose one of {names}"
+            f"choose one of {names}, or give a profile file (NAME.toml)"
         )
     text = resources.files("forge").joinpath(_PROFILES, f"{name}.toml").read_text()
-    raw = tomllib.loads(text)
-    known = {f.name for f in fields(GPUProfile)}
-    return GPUProfile(**{k: v for k, v in raw.items() if k in known})
+    return _profile(text, f"forge's profile {name}")
+
+
+def _profile(text: str, where: str) -> GPUProfile:
+    """A :class:`GPUProfile` from a TOML text, every field checked (``where`` names it)."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ForgeConfigError(f"{where}: not valid TOML ({err})") from None
+    known = {f.name: f.type for f in fields(GPUProfile)}
+    missing = [k for k in known if k not in raw]
+    unknown = [k for k in raw if k not in known]
+    if missing or unknown:
+        raise ForgeConfigError(
+            f"{where}: missing fields {missing}, unknown fields {unknown}; the fields are "
+            f"{list(known)}"
+        )
+    for key, kind in known.items():
+        value = raw[key]
+        if kind == "str":
+            ok = isinstance(value, str) and bool(value.strip())
+        elif kind == "int":
+            ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        else:
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+            ok = ok and math.isfinite(value) and (not key.endswith("_efficiency") or value <= 1)
+        if not ok:
+            rule = "in (0, 1]" if key.endswith("_efficiency") else "a positive number"
+            rule = "text" if kind == "str" else "a positive integer" if kind == "int" else rule
+            raise ForgeConfigError(f"{where}: {key} = {value!r} must be {rule}")
+    values: dict[str, Any] = {k: float(v) if known[k] == "float" else v for k, v in raw.items()}
+    return GPUProfile(**values)
 
 
 @dataclass(frozen=True)
@@ -203,9 +247,11 @@ def _comm_seconds(
     gpu: GPUProfile,
     mesh: tuple[tuple[str, int], ...],
     par: ParallelismConfig,
+    skew: float = 1.0,
 ) -> tuple[float, float, dict[str, float]]:
     """``(overlappable, exposed, exposed per group)`` of the slowest pipeline rank's table,
-    each group of its size and place in ``mesh`` (``par``'s)."""
+    each group of its size and place in ``mesh`` (``par``'s); the expert-parallel row
+    all-to-alls ``skew`` times longer (the busiest rank receives that many more rows)."""
     groups = _strides(mesh, par.ep)
     real = group_sizes(par)
     tables = [
@@ -218,6 +264,8 @@ def _comm_seconds(
         by_group: dict[str, float] = {}
         for c in table:
             seconds = c.count * _call_seconds(c, gpu, groups.get(c.group, (1, 1))[1])
+            if c.group == "ep" and not c.what.endswith("expert counts"):
+                seconds *= skew
             if c.what.startswith(("FSDP2", "DDP")):
                 hidden += seconds
             else:
@@ -276,14 +324,19 @@ def predict_time(
     if t.param_dtype == "float32":
         peak = gpu.bf16_flops / 2  # NOTE: TF32 tensor cores: half the bf16 rate
     recompute = 4 / 3 if t.ac_mode == "full" else 1.0
+    skew = expert_skew(cfg.decoder, par.ep, plan.moe_skew)
+    # NOTE: the busiest expert-parallel rank runs skew x its share of the routed experts' FLOPs
+    busiest = matmul + (skew - 1) * 6.0 * routed_active_params(cfg.decoder) * t.seq_len * (
+        t.global_batch_size
+    )
     compute = recompute * (
-        matmul / (peak * gpu.matmul_efficiency)
+        busiest / (peak * gpu.matmul_efficiency)
         + attention / (gpu.bf16_flops * gpu.attention_efficiency)
     )
     compute = compute / plan.world_size + _memory_bound_seconds(plan, gpu)
     bubble = plan.pipeline.bubble if plan.pipeline is not None else 0.0
     stretched = compute / (1 - bubble) if bubble < 1 else float("inf")
-    hidden, shown, by_group = _comm_seconds(plan, gpu, mesh or plan.mesh, par)
+    hidden, shown, by_group = _comm_seconds(plan, gpu, mesh or plan.mesh, par, skew)
     exposed = max(0.0, hidden - compute) + shown
     step = stretched + exposed
     tokens = t.global_batch_size * t.seq_len
@@ -322,4 +375,5 @@ def prediction_json(
         "world_size": plan.world_size,
         "mesh": dict(plan.mesh),
         "broken_rules": plan.broken_rules,
+        "moe_skew": plan.moe_skew,
     }

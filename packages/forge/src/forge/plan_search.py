@@ -30,7 +30,7 @@ from forge_mesh import mesh_layout
 
 from .checks import config_problems
 from .config import ForgeConfig, load_config
-from .plan import fmt_bytes, plan_layout
+from .plan import check_moe_skew, fmt_bytes, plan_layout
 from .plan_predict import GPUProfile, load_gpu, predict_memory, predict_time
 
 __all__ = ["SearchRow", "candidate_layouts", "print_search", "run_search", "search_layouts"]
@@ -100,12 +100,16 @@ def _planned_at(
 
 
 def _row(
-    cfg: ForgeConfig, table: dict[str, Any], world_size: int, gpu: GPUProfile
+    cfg: ForgeConfig,
+    table: dict[str, Any],
+    world_size: int,
+    gpu: GPUProfile,
+    moe_skew: float = 1.0,
 ) -> SearchRow | None:
     """``table``'s prediction on ``world_size`` ranks (None: it does not plan)."""
     try:
         planned, ranks, scale = _planned_at(cfg, table, world_size)
-        plan = plan_layout(planned, ranks)
+        plan = plan_layout(planned, ranks, moe_skew=moe_skew)
     except ForgeConfigError:
         return None
     if not plan.ok or not plan.param_bytes:
@@ -128,23 +132,31 @@ def _row(
 
 
 def search_layouts(
-    cfg: ForgeConfig, world_size: int, gpu: GPUProfile
+    cfg: ForgeConfig, world_size: int, gpu: GPUProfile, moe_skew: float = 1.0
 ) -> tuple[list[SearchRow], int]:
     """Every candidate's row, the fitting ones first by tokens/s per GPU (then the rest by peak
-    bytes), and how many candidates were tried."""
+    bytes), and how many candidates were tried (``moe_skew``: see ``forge.plan.plan_layout``)."""
+    check_moe_skew(moe_skew)
     candidates = candidate_layouts(cfg, world_size, gpu)
-    rows = [r for table in candidates if (r := _row(cfg, table, world_size, gpu)) is not None]
+    rows = [
+        r for table in candidates if (r := _row(cfg, table, world_size, gpu, moe_skew)) is not None
+    ]
     rows.sort(key=lambda r: (not r.fits, -r.tokens_per_second_per_gpu if r.fits else r.peak_bytes))
     return rows, len(candidates)
 
 
 def print_search(
-    cfg: ForgeConfig, world_size: int, gpu: GPUProfile, output: str, top: int = 5
+    cfg: ForgeConfig,
+    world_size: int,
+    gpu: GPUProfile,
+    output: str,
+    top: int = 5,
+    moe_skew: float = 1.0,
 ) -> int:
     """``forge plan --search``'s output: the best ``top`` layouts that fit, how many were
     tried; 0 when one fits, 2 when none does."""
     start = time.perf_counter()
-    rows, tried = search_layouts(cfg, world_size, gpu)
+    rows, tried = search_layouts(cfg, world_size, gpu, moe_skew)
     fitting = [r for r in rows if r.fits]
     shown = (fitting or rows)[:top]
     if output == "json":
@@ -178,6 +190,7 @@ def run_search(
     *,
     gpu: str | None = None,
     output: str = "text",
+    moe_skew: float = 1.0,
 ) -> int:
     """``forge plan --search``: rank the layouts of ``config`` on ``world_size`` ranks on
     ``gpu`` (required); exit status 0 when one fits, 2 when none does or the input is bad."""
@@ -188,7 +201,7 @@ def run_search(
             )
         profile = load_gpu(gpu)
         cfg = config if isinstance(config, ForgeConfig) else load_config(config, overrides)
-        return print_search(cfg, world_size, profile, output)
+        return print_search(cfg, world_size, profile, output, moe_skew=moe_skew)
     except ForgeConfigError as err:
         print(f"forge plan: config error: {err}", file=sys.stderr)
         return 2
