@@ -42,6 +42,17 @@ ROWS: list[tuple[str, int, list[str]]] = [
     ("HSDP 2 x 2", 4, ["parallelism.tp=1", "parallelism.dp_replicate=2"]),
     ("DDP 4", 4, ["parallelism.tp=1", "parallelism.data=ddp"]),
     ("FSDP2 bf16 mixed precision", 4, ["parallelism.tp=1", "training.param_dtype=bfloat16"]),
+    ("Float8 tensorwise, FSDP2 4", 4, ["parallelism.tp=1", "float8.enabled=true"]),
+    (
+        "Float8 rowwise, bf16, FSDP2 4",
+        4,
+        [
+            "parallelism.tp=1",
+            "float8.enabled=true",
+            "float8.recipe=rowwise",
+            "training.param_dtype=bfloat16",
+        ],
+    ),
     ("AC full, FSDP2 2 x TP 2", 4, ["training.ac_mode=full"]),
     ("AC selective, FSDP2 4", 4, ["parallelism.tp=1", "training.ac_mode=selective"]),
     ("AC op, FSDP2 4", 4, ["parallelism.tp=1", "training.ac_mode=op"]),
@@ -92,6 +103,8 @@ METHOD = [
     "again for backward, and the weights `F.linear` saves). Under AC the recomputation inside "
     "backward is not seen by the hooks, so the prediction compared is the bytes kept "
     "(`saved`), not the peak with one block recomputed.",
+    "- Float8 (torchao) keeps the high-precision input and weight for backward and casts them "
+    "again there, so its rows keep what the bf16/fp32 rows keep; the plan says the same.",
     "- **predicted**: `forge.plan.plan_layout(cfg, world_size, device='cpu')`, rank by rank: "
     "`padded_param_bytes`, `grad_bytes`, `optim_bytes` and the activation estimate kept under "
     "the config's AC mode.",
@@ -271,6 +284,15 @@ def worst_ratios(row: dict[str, Any]) -> dict[str, float]:
     return worst
 
 
+def _version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def _kib(n: int) -> str:
     return f"{n / 1024:,.1f}"
 
@@ -336,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for r in ROWS if not args.quick or r[0] in QUICK]
     rows = [r for r in rows if args.only is None or args.only in r[0]]
     result, info, wall_s = measure_on_rank_pools(lambda run: measure(rows, run))
+    info["torchao"] = _version("torchao")  # the Float8 rows
     print("\n" + "\n".join(table(result)))
     if not args.no_write and not args.quick and args.only is None:
         args.out.write_text(render(info, result, wall_s))
