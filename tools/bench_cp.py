@@ -6,8 +6,9 @@ other processes load it; the 16k sequences take most of it), ``--quick`` (sequen
 model: seconds; what ``tests/tools/test_bench_cp.py`` runs), ``--no-write`` (print only),
 ``--out PATH``, ``--rounds N`` (timed steps per repeat), ``--repeats N``.
 
-What runs: sequences of 4096, 8192 and 16384 tokens (batch 1) through a small fp32 reference
-``Transformer`` at cp = 1 (the plain model), 2 and 4 (forge-cp on gloo ranks), one
+What runs: sequences of 4096, 8192 and 16384 tokens (batch 1; 65536 for memory only) through a
+small fp32 reference ``Transformer`` at cp = 1 (the plain model), 2 and 4 (forge-cp on gloo
+ranks, each ``[cp]`` variant: all-gather and heads), one
 ``forge_core.training.forward_backward`` step at a time; the page's Settings section
 (``render_markdown``) says exactly what. How each number is taken, with the analytic account of
 what a cp rank holds beyond ``(cp=1) / cp``, is written once, in ``METHOD`` below (the page
@@ -63,6 +64,12 @@ METHOD = [
     "A rank's two chunks attend to prefixes ending at `(r + 1) chunk` and `(2 cp - r) chunk`: "
     "`4 x ((2 cp + 3) chunk - 2)` bytes on every rank, linear in S. *masks measured*: the saved "
     "storages found in the kernel's mask cache.",
+    '- **heads variant** (`[cp] variant = "heads"`): an all-to-all gives each rank every '
+    "token of `1/cp` of the heads, attended with SDPA `is_causal=True` (no mask), and sends the "
+    "output back. Its K/V held (`L x 2 x B x S x n_kv_heads x head_dim x 4 / cp`) is already "
+    "in the ideal; the K/V excess is the copy each key/value head gets when there are fewer of "
+    "them than cp ranks (here 2 of them at cp=4: each goes to two ranks); masks none; smaller "
+    "as below (the output sent back is `wo`'s own copy).",
     "- **smaller**: the attention output saved twice per block (the two chunks' SDPA outputs, "
     "then their concatenation for `wo`: `L x B x S/cp x dim x 4`; cp=1's kernel writes its "
     "output in `wo`'s layout already) plus the rank's RoPE rows gathered by position "
@@ -130,6 +137,10 @@ class Settings:
     batch: int = 1
     rounds: int = 3
     repeats: int = 2
+    #: [cp] variants run at each cp > 1 (cp=1 is the plain model)
+    variants: tuple[str, ...] = ("allgather", "heads")
+    #: sequences measured for memory only: one step, no timing, in the first repeat
+    memory_seqs: tuple[int, ...] = ()
 
     def model_config(self, seq: int) -> ModelConfig:
         return ModelConfig.preset(
@@ -144,7 +155,7 @@ class Settings:
         )
 
 
-FULL = Settings((4096, 8192, 16384), (1, 2, 4))
+FULL = Settings((4096, 8192, 16384), (1, 2, 4), memory_seqs=(65536,))
 QUICK = Settings((256, 512), (1, 2), dim=64, vocab=256, rounds=2, repeats=1)
 
 
@@ -218,12 +229,15 @@ def _mask_storages(model: nn.Module) -> set[int]:
     return found
 
 
-def rank_run(settings: Settings, cp: int, seq: int) -> dict[str, Any]:
+def rank_run(
+    settings: Settings, cp: int, seq: int, variant: str = "allgather", timed: bool = True
+) -> dict[str, Any]:
     """On every rank of a ``cp``-rank pool (cp=1: the plain model): the memory step, then the
-    timed steps; returns this rank's numbers."""
+    timed steps (none unless ``timed``); returns this rank's numbers."""
     from forge.build import ParallelPlan
     from forge_core import Transformer
     from forge_core.training import forward_backward
+    from forge_cp import CPConfig
     from forge_mesh import build_device_mesh
 
     torch.set_num_threads(1)
@@ -231,7 +245,7 @@ def rank_run(settings: Settings, cp: int, seq: int) -> dict[str, Any]:
     with torch.device("meta"):
         meta_model = Transformer(cfg)
     mesh = build_device_mesh({"cp": cp}, "cpu") if cp > 1 else None
-    plan = ParallelPlan(mesh, param_dtype=torch.float32)
+    plan = ParallelPlan(mesh, param_dtype=torch.float32, cp=CPConfig(variant=variant))
     model = plan.parallelize(meta_model, device="cpu", seed=0)
     group = mesh["cp"].get_group() if mesh is not None else None
     g = torch.Generator().manual_seed(seq)
@@ -250,7 +264,7 @@ def rank_run(settings: Settings, cp: int, seq: int) -> dict[str, Any]:
     steps: list[dict[str, float | None]] = []
     peak_kib = None
     first_rank = not dist.is_initialized() or dist.get_rank() == 0
-    for i in range(settings.rounds):
+    for i in range(settings.rounds if timed else 0):
         model.zero_grad(set_to_none=True)
         last = i == settings.rounds - 1 and _reset_peak_rss()
         if group is not None:
@@ -273,7 +287,9 @@ def rank_run(settings: Settings, cp: int, seq: int) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- analysis
-def analytic_terms(settings: Settings, seq: int, cp: int) -> dict[str, float]:
+def analytic_terms(
+    settings: Settings, seq: int, cp: int, variant: str = "allgather"
+) -> dict[str, float]:
     """The per-rank bytes (fp32) that cp>1 holds beyond ``(cp=1) / cp`` (see ``METHOD``)."""
     cfg = settings.model_config(seq)
     assert cfg.n_kv_heads is not None  # NOTE: ModelConfig.__post_init__ fills it
@@ -287,6 +303,15 @@ def analytic_terms(settings: Settings, seq: int, cp: int) -> dict[str, float]:
     # int64 token ids: cp=1's inputs and targets are views of one [B, S+1] tensor (batch 1:
     # the flattened targets stay a view), a cp rank's are two [B, S/cp] slices of their own.
     ids = 8 * b * (2 * (seq // cp) - (seq + 1) / cp)
+    if variant == "heads":  # the whole sequence of 1/cp of the heads: K/V beyond it only
+        # where a key/value head goes to cp / n_kv_heads ranks; no masks (is_causal=True)
+        repeat = 1 if cfg.n_kv_heads % cp == 0 else cp // cfg.n_kv_heads
+        return {
+            "kv": kv * repeat / cp,
+            "kv_excess": kv * (repeat - 1) / cp,
+            "masks": 0.0,
+            "small": attn_out + rope + ids,
+        }
     return {
         "kv": kv,
         "kv_excess": kv * (1 - 1 / cp),
@@ -297,10 +322,16 @@ def analytic_terms(settings: Settings, seq: int, cp: int) -> dict[str, float]:
 
 
 def summarize(
-    settings: Settings, seq: int, cp: int, per_rep: list[list[dict[str, Any]]], base: Any
+    settings: Settings,
+    seq: int,
+    cp: int,
+    variant: str,
+    per_rep: list[list[dict[str, Any]]],
+    base: Any,
 ) -> dict[str, Any]:
     """One table row from every repeat's per-rank results (``per_rep[repeat][rank]``);
-    ``base``: the cp=1 row of this seq (None for cp=1 itself)."""
+    ``base``: the cp=1 row of this seq (None for cp=1 itself). A memory-only row (no timed
+    steps) has NaN timings."""
     act = [max(r["activation_bytes"] for r in ranks) for ranks in per_rep]
     if len(set(act)) != 1:
         raise RuntimeError(f"seq {seq} cp {cp}: saved bytes differ between repeats: {act}")
@@ -318,16 +349,18 @@ def summarize(
             cpu_share += [s["cpu_s"] / s["step_s"] for s in steps]
             if steps[0]["machine_busy_s"] is not None:  # rank 0's /proc/stat minus the ranks'
                 other.append((steps[0]["machine_busy_s"] - sum(s["cpu_s"] for s in steps)) / wall)
-        step_ms.append(1e3 * statistics.median(walls))
-    terms = analytic_terms(settings, seq, cp)
+        step_ms.append(1e3 * statistics.median(walls) if walls else math.nan)
+    terms = analytic_terms(settings, seq, cp, variant)
     cp1 = act[0] if base is None else base["act"]
     ideal = cp1 / cp
     predicted = ideal + terms["kv_excess"] + terms["masks"] + terms["small"]
-    median_ms, cpu = statistics.median(step_ms), statistics.median(cpu_s)
+    median_ms = statistics.median(step_ms)
+    cpu = statistics.median(cpu_s) if cpu_s else math.nan
     masks_measured = [r["mask_bytes"] for r in per_rep[0]]
     return {
         "seq": seq,
         "cp": cp,
+        "variant": variant if cp > 1 else "-",
         "act": act[0],
         "act_lo": min(r["activation_bytes"] for r in per_rep[0]),
         "ratio": act[0] / cp1,
@@ -341,7 +374,7 @@ def summarize(
         "step_ms_reps": step_ms,
         "tok_s_rank": settings.batch * seq / cp / (median_ms / 1e3),
         "speedup": 1.0 if base is None else base["step_ms"] / median_ms,
-        "cpu_share": statistics.median(cpu_share),
+        "cpu_share": statistics.median(cpu_share) if cpu_share else math.nan,
         "cpu_s": cpu,
         "cpu_vs_ideal": math.nan if base is None else cpu / (base["cpu_s"] / cp),
         "other_cores": max(0.0, statistics.median(other)) if other else math.nan,
@@ -350,19 +383,23 @@ def summarize(
 
 def measure(settings: Settings, run_on_ranks: RunOnRanks) -> list[dict[str, Any]]:
     """Every (seq, cp) row; ``run_on_ranks(n, fn, *args)`` runs ``fn`` on n gloo ranks."""
-    results: dict[tuple[int, int], list[list[dict[str, Any]]]] = {}
+    results: dict[tuple[int, int, str], list[list[dict[str, Any]]]] = {}
+    runs = [(c, v) for c in settings.cps for v in (settings.variants if c > 1 else ("-",))]
     for rep in range(settings.repeats):
         t0 = time.perf_counter()
-        for seq in settings.seqs:
-            for cp in settings.cps:  # interleaved: the degrees share the machine's noise
-                out = run_on_ranks(cp, rank_run, settings, cp, seq)
-                results.setdefault((seq, cp), []).append(out)
+        seqs = [(s, True) for s in settings.seqs]
+        seqs += [(s, False) for s in settings.memory_seqs] if rep == 0 else []
+        for seq, timed in seqs:
+            for cp, variant in runs:  # interleaved: the degrees share the machine's noise
+                kind = variant if cp > 1 else "allgather"
+                out = run_on_ranks(cp, rank_run, settings, cp, seq, kind, timed)
+                results.setdefault((seq, cp, variant), []).append(out)
         print(f"  repeat {rep + 1}: {time.perf_counter() - t0:.0f} s", flush=True)
     rows = []
-    for seq in settings.seqs:
+    for seq in (*settings.seqs, *settings.memory_seqs):
         base = None
-        for cp in sorted(settings.cps):
-            row = summarize(settings, seq, cp, results[seq, cp], base)
+        for cp, variant in sorted(runs):
+            row = summarize(settings, seq, cp, variant, results[seq, cp, variant], base)
             base = base or (row if cp == 1 else None)
             rows.append(row)
     return rows
@@ -388,15 +425,16 @@ def _span(values: list[float], fmt: str) -> str:
 def memory_table(rows: list[dict[str, Any]]) -> list[str]:
     """Saved-for-backward bytes per rank against cp=1 / cp and the analytic terms (MiB)."""
     lines = [
-        "| seq | cp | measured MiB | / cp=1 | ideal 1/cp | (cp=1)/cp | + K/V excess | + masks KiB "
-        "| + smaller | = predicted | measured / predicted | gathered K/V (all) "
+        "| seq | cp | variant | measured MiB | / cp=1 | ideal 1/cp | (cp=1)/cp | + K/V excess "
+        "| + masks KiB | + smaller | = predicted | measured / predicted | K/V held "
         "| masks measured KiB | peak RSS growth MiB |",
-        "|---:" * 14 + "|",
+        "|---:|---:|---|" + "---:|" * 12,
     ]
     for r in rows:
         kib = "—" if r["mask_measured"] is None else f"{r['mask_measured'] / 1024:.1f}"
         lines.append(
-            f"| {r['seq']} | {r['cp']} | {_mib(r['act'])} | {r['ratio']:.3f} | {1 / r['cp']:.3f} "
+            f"| {r['seq']} | {r['cp']} | {r['variant']} | {_mib(r['act'])} | {r['ratio']:.3f} "
+            f"| {1 / r['cp']:.3f} "
             f"| {_mib(r['ideal'])} | {_mib(r['kv_excess'])} | {r['masks'] / 1024:.1f} "
             f"| {_mib(r['small'])} | {_mib(r['predicted'])} | {r['vs_predicted']:.4f} "
             f"| {_mib(r['kv'])} | {kib} | {_mib(r['rss'])} |"
@@ -407,15 +445,18 @@ def memory_table(rows: list[dict[str, Any]]) -> list[str]:
 def time_table(rows: list[dict[str, Any]]) -> list[str]:
     """Step time (median of each repeat), tokens/s per rank, speed-up, CPU share."""
     lines = [
-        "| seq | cp | step ms (median) | step ms (r1 / r2 / ...) | tokens/s per rank "
+        "| seq | cp | variant | step ms (median) | step ms (r1 / r2 / ...) | tokens/s per rank "
         "| tokens/s all ranks | speed-up vs cp=1 | CPU share | CPU ms per rank "
         "| CPU / ((cp=1 CPU) / cp) | other processes, cores |",
-        "|---:" * 11 + "|",
+        "|---:|---:|---|" + "---:|" * 9,
     ]
     for r in rows:
+        if math.isnan(r["step_ms"]):  # a memory-only sequence
+            continue
         reps = " / ".join(f"{ms:.0f}" for ms in r["step_ms_reps"])
         lines.append(
-            f"| {r['seq']} | {r['cp']} | {r['step_ms']:.0f} | {reps} | {r['tok_s_rank']:.0f} "
+            f"| {r['seq']} | {r['cp']} | {r['variant']} | {r['step_ms']:.0f} | {reps} "
+            f"| {r['tok_s_rank']:.0f} "
             f"| {r['tok_s_rank'] * r['cp']:.0f} | {r['speedup']:.2f} | {r['cpu_share']:.2f} "
             f"| {1e3 * r['cpu_s']:.0f} | {_num(r['cpu_vs_ideal'], '.2f')} "
             f"| {_num(r['other_cores'], '.2f')} |"
@@ -428,30 +469,34 @@ def reading(rows: list[dict[str, Any]]) -> list[str]:
     par = [r for r in rows if r["cp"] > 1]
     if not par:
         return []
-    exact = sum(r["mask_measured"] == r["masks"] for r in par)
+    gathered = [r for r in par if r["variant"] == "allgather"]
+    exact = sum(r["mask_measured"] == r["masks"] for r in gathered)
     lines = [
         "- Measured against predicted ((cp=1)/cp + K/V excess + masks + smaller terms): "
         f"{_span([r['vs_predicted'] for r in par], '.5f')} (largest miss "
         f"{max(abs(r['act'] - r['predicted']) for r in par):.0f} bytes); the masks measured in the "
-        "kernel's cache equal the formula "
-        + ("exactly." if exact == len(par) else f"in {exact} of {len(par)} rows.")
+        "all-gather kernel's cache equal the formula "
+        + ("exactly." if exact == len(gathered) else f"in {exact} of {len(gathered)} rows.")
     ]
     timing = []
-    for cp in sorted({r["cp"] for r in par}):
-        at = [r for r in par if r["cp"] == cp]
+    for cp, variant in sorted({(r["cp"], r["variant"]) for r in par}):
+        at = [r for r in par if (r["cp"], r["variant"]) == (cp, variant)]
         seqs = ", ".join(str(r["seq"]) for r in at)
+        timed = [r for r in at if not math.isnan(r["step_ms"])]
 
         def share(key: str, fmt: str, at: list[dict[str, Any]] = at) -> str:
             return _span([r[key] / (r["act"] - r["ideal"]) for r in at], fmt)
 
         lines.append(
-            f"- cp={cp}: a rank saves {_span([r['ratio'] for r in at], '.3f')} of cp=1's bytes "
-            f"(ideal {1 / cp:.3f}) for seq {seqs}. Of the excess over (cp=1)/cp, the K/V "
-            f"excess is {share('kv_excess', '.0%')}, the smaller terms {share('small', '.0%')}, "
-            f"the masks {share('masks', '.2%')}."
+            f"- cp={cp} {variant}: a rank saves {_span([r['ratio'] for r in at], '.3f')} of "
+            f"cp=1's bytes (ideal {1 / cp:.3f}) for seq {seqs}. Of the excess over (cp=1)/cp, "
+            f"the K/V excess is {share('kv_excess', '.0%')}, the smaller terms "
+            f"{share('small', '.0%')}, the masks {share('masks', '.2%')}."
         )
+        at = timed
+        seqs = ", ".join(str(r["seq"]) for r in at)
         timing.append(
-            f"- Step time at cp={cp}: {_span([r['speedup'] for r in at], '.2f')} x cp=1's speed "
+            f"- Step time at cp={cp} {variant}: {_span([r['speedup'] for r in at], '.2f')} x cp=1's speed "
             f"(seq {seqs}), CPU share per rank {_span([r['cpu_share'] for r in at], '.2f')}; the "
             f"busiest rank's CPU time is {_span([r['cpu_vs_ideal'] for r in at], '.2f')} x its "
             f"ideal share (cp=1's / {cp}); other processes kept "
@@ -477,12 +522,20 @@ def render_markdown(
         f"- Model: forge's reference `Transformer`, dim {cfg.dim}, {cfg.n_layers} blocks, "
         f"{cfg.n_heads} heads, {cfg.n_kv_heads} KV heads (GQA), head_dim {cfg.head_dim}, FFN "
         f"{cfg.ffn_dim}, vocabulary {cfg.vocab_size}; fp32.",
-        f"- Batch {settings.batch}, sequences {', '.join(map(str, settings.seqs))} tokens; cp in "
-        f"{list(settings.cps)}. cp=1: the plain model (`ParallelPlan(None)`: no mesh, SDPA "
+        f"- Batch {settings.batch}, sequences {', '.join(map(str, settings.seqs))} tokens"
+        + (
+            f" (and {', '.join(map(str, settings.memory_seqs))} for memory only: one step, no "
+            "timing)"
+            if settings.memory_seqs
+            else ""
+        )
+        + f"; cp in {list(settings.cps)}, each cp > 1 with the `[cp]` variants "
+        f"{list(settings.variants)}. cp=1: the plain model (`ParallelPlan(None)`: no mesh, SDPA "
         "`is_causal=True`) in a 1-rank `forge_core.testing.RankPool`, so it runs in the same kind "
         'of process as the cp ranks; cp>1: `ParallelPlan(build_device_mesh({"cp": cp}, "cpu"))` '
-        "(forge-cp's load-balanced shards and all-gathered K/V, FSDP2 sharding the parameters over "
-        "the cp ranks: forge's default) on cp gloo ranks. One torch thread per process, cp=1 "
+        '(forge-cp\'s load-balanced shards; all-gathered K/V, or with `variant = "heads"` the '
+        "all-to-all over heads; FSDP2 sharding the parameters over the cp ranks: forge's "
+        "default) on cp gloo ranks. One torch thread per process, cp=1 "
         "included.",
         "- A step: `forge_core.training.forward_backward` on the same full batch on every rank (it "
         "keeps the rank's two chunks of inputs, targets and positions; forward, loss, backward; no "

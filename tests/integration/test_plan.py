@@ -232,7 +232,7 @@ def _real_tp_saved_bytes(overrides: list[str], ac_mode: str) -> tuple[int, int]:
     )
     if par.cp > 1:  # TP and CP by hand, then the plan's AC and materialization on one "device"
         apply_tensor_parallel(model, mesh, sequence_parallel=cfg.tp.sequence_parallel_flag)
-        apply_context_parallel(model, mesh)
+        apply_context_parallel(model, mesh, variant=cfg.cp.variant)
     model = plan.parallelize(model, device="cpu", seed=0)
     measured = _saved_bytes(model, lambda: _forward_backward(cfg, model, mesh, backward=False))
     estimate = estimate_activations(cfg, dist.get_world_size(), device="cpu")
@@ -310,8 +310,9 @@ def test_activation_estimate_matches_saved_tensors(preset, dtype, ac_mode):
         ["tp.sequence_parallel=false"],
         ["model.preset=debug_moe"],
         ["parallelism.cp=2"],
+        ["parallelism.cp=2", "cp.variant=heads"],
     ],
-    ids=["sp", "sp-loss-parallel", "tp-no-sp", "moe-ep2-sp", "cp2-sp"],
+    ids=["sp", "sp-loss-parallel", "tp-no-sp", "moe-ep2-sp", "cp2-sp", "cp2-heads-sp"],
 )
 def test_activation_estimate_matches_saved_tensors_under_tp(run_on_ranks, overrides):
     """dp_shard 2 x tp 2 (or cp 2 x tp 2) on 4 gloo ranks. Measured ratios estimate/measured: 1.0000 on every rank

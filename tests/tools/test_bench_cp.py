@@ -27,18 +27,20 @@ def rows(run_on_ranks: bench_cp.RunOnRanks) -> list[dict]:
     return bench_cp.measure(SETTINGS, run_on_ranks)
 
 
-def _row(rows: list[dict], seq: int, cp: int) -> dict:
-    (row,) = [r for r in rows if r["seq"] == seq and r["cp"] == cp]
+def _row(rows: list[dict], seq: int, cp: int, variant: str = "allgather") -> dict:
+    want = variant if cp > 1 else "-"
+    (row,) = [r for r in rows if (r["seq"], r["cp"], r["variant"]) == (seq, cp, want)]
     return row
 
 
 def test_every_seq_and_cp_has_a_row(rows: list[dict]) -> None:
-    assert len(rows) == len(SETTINGS.seqs) * len(SETTINGS.cps)
+    runs = [(1, "-")] + [(c, v) for c in SETTINGS.cps if c > 1 for v in SETTINGS.variants]
+    assert len(rows) == len(SETTINGS.seqs) * len(runs)
     memory, timing = bench_cp.memory_table(rows), bench_cp.time_table(rows)
     for seq in SETTINGS.seqs:
-        for cp in SETTINGS.cps:
-            _row(rows, seq, cp)
-            start = f"| {seq} | {cp} |"
+        for cp, variant in runs:
+            _row(rows, seq, cp, variant)
+            start = f"| {seq} | {cp} | {variant} |"
             assert sum(line.startswith(start) for line in memory) == 1, (seq, cp, memory)
             assert sum(line.startswith(start) for line in timing) == 1, (seq, cp, timing)
 
@@ -47,6 +49,15 @@ def test_cp2_saves_less_than_cp1_but_more_than_half(rows: list[dict]) -> None:
     for seq in SETTINGS.seqs:
         one, two = _row(rows, seq, 1)["act"], _row(rows, seq, 2)["act"]
         assert one / 2 < two < one, (seq, one, two)
+
+
+def test_the_heads_variant_keeps_less_than_the_allgather_one(rows: list[dict]) -> None:
+    """The heads variant keeps the whole sequence of half the heads (what the rank's own
+    tokens of every head take), not every head's gathered K/V: less than the all-gather."""
+    for seq in SETTINGS.seqs:
+        heads, gathered = _row(rows, seq, 2, "heads"), _row(rows, seq, 2, "allgather")
+        assert heads["act"] < gathered["act"], (seq, heads["act"], gathered["act"])
+        assert heads["mask_measured"] is None and heads["masks"] == 0  # is_causal: no mask
 
 
 def test_measured_bytes_match_the_accounting(rows: list[dict]) -> None:
@@ -75,6 +86,8 @@ def test_masks_are_one_strided_row_per_chunk_shape(rows: list[dict]) -> None:
         if cp == 1:
             assert row["mask_measured"] == 0, row  # is_causal=True: no mask
             continue
+        if row["variant"] == "heads":
+            continue  # no masks: test_the_heads_variant_keeps_less_than_the_allgather_one
         chunk = seq // (2 * cp)
         rank_rows = [
             chunk + (r + 1) * chunk - 1 + chunk + (2 * cp - r) * chunk - 1 for r in range(cp)
@@ -88,4 +101,4 @@ def test_masks_are_one_strided_row_per_chunk_shape(rows: list[dict]) -> None:
 def test_page_renders(rows: list[dict]) -> None:
     page = bench_cp.render_markdown({"date": "today"}, SETTINGS, rows, 1.0)
     assert "## Activation memory per rank" in page and "## Reading" in page
-    assert all(f"| {r['seq']} | {r['cp']} |" in page for r in rows)
+    assert all(f"| {r['seq']} | {r['cp']} | {r['variant']} |" in page for r in rows)

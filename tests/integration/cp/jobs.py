@@ -41,18 +41,20 @@ def cp_parity(
     return compare_runs(train_steps(reference, tokens), train_steps(parallel, tokens, mesh=mesh))
 
 
-def causal_logits(seq_len: int, changed: int) -> dict[str, Any]:
-    """Logits of a cp=2 model for a batch and for the same batch with token ``changed`` replaced,
-    gathered back into sequence order, next to the single-device model's for the batch."""
+def causal_logits(seq_len: int, changed: int, variant: str = "allgather") -> dict[str, Any]:
+    """Logits of a cp=2 model (``[cp] variant``) for a batch and for the same batch with token
+    ``changed`` replaced, gathered back into sequence order, next to the single-device model's
+    for the batch."""
     import torch.distributed as dist
     from forge_core.contracts import sequence_shard
-    from forge_cp import gather_sequence
+    from forge_cp import CPConfig, gather_sequence
 
     mesh = build_device_mesh({"cp": 2}, "cpu")
     cfg = ModelConfig.preset("debug")
     with torch.device("meta"):
         model, reference = Transformer(cfg), Transformer(cfg)
-    model = ParallelPlan(mesh, param_dtype=torch.float32).parallelize(model, device="cpu", seed=0)
+    plan = ParallelPlan(mesh, param_dtype=torch.float32, cp=CPConfig(variant=variant))
+    model = plan.parallelize(model, device="cpu", seed=0)
     reference = ParallelPlan(None, param_dtype=torch.float32).parallelize(
         reference, device="cpu", seed=0
     )

@@ -4,9 +4,11 @@ plan's activation memory per rank (forge.plan). forge-cp's own pieces: packages/
 
 from __future__ import annotations
 
+import pytest
 from forge.checks import config_problems
 from forge.config import load_config
 from forge.plan import estimate_activations, plan_layout
+from forge_core import ForgeConfigError
 from forge_cp import cp_problems
 
 from tests.integration.cp.jobs import capacity_refusal, cp_on_pipeline_stages, too_long_refusal
@@ -93,3 +95,24 @@ def test_the_plans_activation_memory_per_rank_falls_about_1_over_cp():
     text = plan_layout(load_config(None, (*sets, "parallelism.cp=4")), 4).text()
     assert "1 x 2048 tokens per micro-batch per rank" in text and "seq 8192 / cp 4" in text
     assert "CP: keys and values" in text and "stages: cp -> fsdp2" in text
+
+
+def test_the_heads_variant_is_refused_where_the_heads_do_not_split_over_cp():
+    """debug: 4 heads, 2 key/value heads. tp=2 x cp=4 leaves 2 heads per tp rank for 4 cp
+    ranks; 6 key/value heads over cp=4 neither divide nor are divided; 'ring' is not built."""
+    heads = "cp.variant='heads'"
+    assert _problems(4, "parallelism.cp=4", heads) == []  # 1 head each; kv heads repeated
+    (split,) = _problems(8, "parallelism.tp=2", "parallelism.cp=4", heads)
+    assert split.startswith("cp.variant='heads' with parallelism.tp=2: 2 attention heads per tp")
+    assert split.endswith("use cp.variant='allgather'")
+    (kv,) = _problems(
+        4, "parallelism.cp=4", heads, "model.n_heads=12", "model.n_kv_heads=6", "model.dim=96"
+    )
+    assert "6 key/value heads per tp rank and parallelism.cp=4: neither divides" in kv
+    assert _problems(8, "parallelism.tp=2", "parallelism.cp=4") == []  # allgather: any heads
+    for word, message in (
+        ("ring", "cp.variant='ring' is not built in forge: use 'heads'"),
+        ("head", "did you mean 'heads'"),
+    ):
+        with pytest.raises(ForgeConfigError, match=message):
+            load_config(None, (f"cp.variant='{word}'",))

@@ -2,7 +2,8 @@
 
 cp=2 (blocks compiled around the attention, which runs eagerly) and cp=4 alone, FSDP2 over dp_shard x cp (with AC full), TP (with sequence parallelism)
 inside each cp rank, the MoE model with expert parallelism carved out of the cp ranks, and DDP
-averaging over the cp ranks.
+averaging over the cp ranks; the heads variant ([cp] variant = "heads") at cp=2, cp=4,
+cp=2 x dp_shard=2, cp=2 x tp=2 and the MoE model at cp=2 x ep=2.
 Causality across shards: a later token changes no earlier logit, on any rank.
 """
 
@@ -10,8 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from forge_cp import CPConfig
 
 from tests.integration.cp.jobs import causal_logits, cp_parity
+
+HEADS = CPConfig(variant="heads")
 
 
 @pytest.mark.parametrize(
@@ -23,19 +27,39 @@ from tests.integration.cp.jobs import causal_logits, cp_parity
         (4, {"cp": 2, "tp": 2}, {"sequence_parallel": True}),
         (2, {"cp": 2, "ep": 2}, {"moe": True}),
         (2, {"cp": 2, "data": "ddp"}, {"data": "ddp"}),
+        # the heads variant: 4 heads, 2 key/value heads (cp=4 and tp=2 x cp=2: each key/value
+        # head goes to two ranks)
+        (2, {"cp": 2}, {"cp": HEADS}),
+        (4, {"cp": 4}, {"cp": HEADS}),
+        (4, {"cp": 2, "dp_shard": 2}, {"cp": HEADS, "ac_mode": "full"}),
+        (4, {"cp": 2, "tp": 2}, {"cp": HEADS, "sequence_parallel": True}),
+        (4, {"cp": 2, "ep": 2, "dp_shard": 2}, {"cp": HEADS, "moe": True}),
     ],
-    ids=["cp2-compiled", "cp4", "cp2xfsdp2-ac-full", "cp2xtp2-sp", "cp2xep2-moe", "cp2-ddp"],
+    ids=[
+        "cp2-compiled",
+        "cp4",
+        "cp2xfsdp2-ac-full",
+        "cp2xtp2-sp",
+        "cp2xep2-moe",
+        "cp2-ddp",
+        "heads-cp2",
+        "heads-cp4",
+        "heads-cp2xfsdp2-ac-full",
+        "heads-cp2xtp2-sp",
+        "heads-cp2xep2-moe",
+    ],
 )
 def test_context_parallel_matches_one_device(run_on_ranks, world, layout, kwargs):
     for result in run_on_ranks(world, cp_parity, layout, **kwargs):
         result.assert_ok()
 
 
-def test_a_later_token_changes_no_earlier_logit_across_shards(run_on_ranks):
+@pytest.mark.parametrize("variant", ["allgather", "heads"])
+def test_a_later_token_changes_no_earlier_logit_across_shards(run_on_ranks, variant):
     # seq 32 over cp=2: chunks of 8; rank 0 holds positions 0-7 and 24-31, rank 1 8-23. Token
     # 20 sits in rank 1's second chunk; positions 0-19 span both ranks and three chunks.
     changed = 20
-    results = run_on_ranks(2, causal_logits, 32, changed)
+    results = run_on_ranks(2, causal_logits, 32, changed, variant)
     for out in results:
         before, after = out["tokens"][:, :changed], out["changed"][:, :changed]
         assert torch.equal(before, after)  # bit for bit: masked keys add exact zeros

@@ -8,7 +8,9 @@ forge_core's contracts; forge_core's training step then shards inputs, targets a
 and reduces the loss over the cp ranks; FSDP2 shards the parameters over ``dp_shard x cp``.
 
 - :func:`apply_context_parallel`, :class:`LoadBalancedShard` (:mod:`forge_cp.apply`)
-- :class:`ContextParallelAttention`: the exact attention kernel (:mod:`forge_cp.attention`)
+- :class:`ContextParallelAttention`: the exact all-gather attention kernel
+  (:mod:`forge_cp.attention`); :class:`HeadParallelAttention`: the head-parallel one, ~1/cp
+  memory (:mod:`forge_cp.heads`); :class:`CPConfig` (``[cp] variant``) picks one
 - :func:`shard_sequence`, :func:`gather_sequence`, :func:`sequence_positions`,
   :func:`chunk_order`: the layout (:mod:`forge_cp.sequence`)
 - :func:`cp_problems`, :func:`cp_pipeline_problems`: pre-launch checks (:mod:`forge_cp.checks`,
@@ -26,6 +28,11 @@ _EXPORTS = {
     "LoadBalancedShard": "apply",
     "apply_context_parallel": "apply",
     "ContextParallelAttention": "attention",
+    "CP_VARIANTS": "config",
+    "CPConfig": "config",
+    "HeadParallelAttention": "heads",
+    "cp_variant_problems": "checks",
+    "head_split_problem": "checks",
     "cp_pipeline_problems": "checks",
     "cp_problems": "checks",
     "seq_len_choices": "checks",
@@ -38,7 +45,15 @@ _EXPORTS = {
 if TYPE_CHECKING:
     from .apply import LoadBalancedShard, apply_context_parallel
     from .attention import ContextParallelAttention
-    from .checks import cp_pipeline_problems, cp_problems, seq_len_choices
+    from .checks import (
+        cp_pipeline_problems,
+        cp_problems,
+        cp_variant_problems,
+        head_split_problem,
+        seq_len_choices,
+    )
+    from .config import CP_VARIANTS, CPConfig
+    from .heads import HeadParallelAttention
     from .sequence import chunk_order, gather_sequence, sequence_positions, shard_sequence
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
@@ -46,13 +61,18 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __version__ = "0.1.0"
 
 __all__ = [
+    "CP_VARIANTS",
+    "CPConfig",
     "ContextParallelAttention",
+    "HeadParallelAttention",
     "LoadBalancedShard",
     "apply_context_parallel",
     "chunk_order",
     "cp_pipeline_problems",
     "cp_problems",
+    "cp_variant_problems",
     "gather_sequence",
+    "head_split_problem",
     "seq_len_choices",
     "sequence_positions",
     "shard_sequence",

@@ -36,6 +36,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .attention import ContextParallelAttention
 from .checks import cp_pipeline_problems
+from .config import CPConfig
+from .heads import HeadParallelAttention
 from .sequence import shard_sequence
 
 __all__ = ["LoadBalancedShard", "apply_context_parallel"]
@@ -62,8 +64,14 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if getattr(type(m), ATTENTION_ATTR, None) == "causal"]
 
 
-def apply_context_parallel(model: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+def apply_context_parallel(
+    model: nn.Module, device_mesh: DeviceMesh, *, variant: str = "allgather"
+) -> nn.Module:
     """Shard the sequences of ``model`` over ``device_mesh``'s ``cp`` axis; returns ``model``.
+
+    ``variant``: how attention runs across the shards (:data:`forge_cp.config.CP_VARIANTS`):
+    ``"allgather"`` (:class:`~forge_cp.attention.ContextParallelAttention`) or ``"heads"``
+    (:class:`~forge_cp.heads.HeadParallelAttention`; the heads per tp rank must split over cp).
 
     ``device_mesh`` is the full forge mesh (``forge_mesh.build_device_mesh``) with a ``cp`` axis
     of size > 1. The model's forward must take ``positions=`` (the global position of each
@@ -76,6 +84,7 @@ def apply_context_parallel(model: nn.Module, device_mesh: DeviceMesh) -> nn.Modu
     dispatch). A model whose ``config.max_seq_len`` is set
     refuses longer sequences in one line (:class:`LoadBalancedShard`).
     """
+    CPConfig(variant=variant)  # one line for an unknown variant
     cp = axis_size(device_mesh, "cp")
     if cp <= 1:
         raise ForgeConfigError(
@@ -105,7 +114,12 @@ def apply_context_parallel(model: nn.Module, device_mesh: DeviceMesh) -> nn.Modu
     mesh = sub_mesh(device_mesh, "cp")
     rank = mesh.get_local_rank()
     with stage(inner, "cp"):
-        kernel = ContextParallelAttention(mesh.get_group(), rank, cp)
+        group = mesh.get_group()
+        kernel: ContextParallelAttention | HeadParallelAttention = (
+            HeadParallelAttention(group, rank, cp)
+            if variant == "heads"
+            else ContextParallelAttention(group, rank, cp)
+        )
         for module in attention:
             set_attention_kernel(module, kernel)
             # NOTE: its collectives cannot be traced into a graph: per-block compile compiles

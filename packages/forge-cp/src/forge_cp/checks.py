@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-__all__ = ["cp_pipeline_problems", "cp_problems", "seq_len_choices"]
+__all__ = [
+    "cp_pipeline_problems",
+    "cp_problems",
+    "cp_variant_problems",
+    "head_split_problem",
+    "seq_len_choices",
+]
 
 
 def seq_len_choices(seq_len: int, cp: int) -> tuple[int, int]:
@@ -70,3 +76,32 @@ def cp_problems(
             "parallelism.domain for spatial parallelism and set cp=1"
         )
     return problems
+
+
+def head_split_problem(n_heads: int, n_kv_heads: int, cp: int) -> str | None:
+    """Why ``n_heads`` query and ``n_kv_heads`` key/value heads (per tp rank) cannot be split
+    over ``cp`` ranks by head (the heads variant), or None when they can."""
+    if n_heads % cp:
+        return (
+            f"{n_heads} attention heads per tp rank do not split over parallelism.cp={cp} (the "
+            "heads variant gives each cp rank n_heads / cp of them)"
+        )
+    if n_kv_heads % cp and cp % n_kv_heads:
+        return (
+            f"{n_kv_heads} key/value heads per tp rank and parallelism.cp={cp}: neither divides "
+            "the other (each cp rank needs whole key/value heads)"
+        )
+    return None
+
+
+def cp_variant_problems(
+    variant: str, cp: int, *, n_heads: int, n_kv_heads: int, tp: int
+) -> list[str]:
+    """``[message]`` when ``cp.variant`` cannot run with these heads (``n_heads`` and
+    ``n_kv_heads`` of the whole model, split over ``tp`` first)."""
+    if cp <= 1 or variant != "heads":
+        return []
+    problem = head_split_problem(n_heads // tp, max(1, n_kv_heads // tp), cp)
+    if problem is None:
+        return []
+    return [f"cp.variant='heads' with parallelism.tp={tp}: {problem}; use cp.variant='allgather'"]

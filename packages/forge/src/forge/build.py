@@ -36,6 +36,7 @@ from forge_core.errors import did_you_mean, refuse
 from forge_core.mesh_dims import axis_size, has_dp_mesh
 from forge_cp import apply_context_parallel
 from forge_cp.checks import cp_pipeline_problems
+from forge_cp.config import CPConfig
 from forge_domain import apply_domain_parallel
 from forge_float8 import Float8Config, apply_float8
 from forge_fsdp_wrap import (
@@ -154,6 +155,7 @@ class ParallelPlan:
     vlm: VLMConfig | None = None
     packed_sequences: bool | None = None
     pp: PPConfig = PPConfig()
+    cp: CPConfig = CPConfig()
 
     @property
     def data_mode(self) -> str:
@@ -187,7 +189,8 @@ class ParallelPlan:
             raise ForgeConfigError(
                 f"packed_sequences={self.packed_sequences!r} must be None (unknown), True or False"
             )
-        for name, kind in (("float8", Float8Config), ("vlm", VLMConfig), ("pp", PPConfig)):
+        sections = (("float8", Float8Config), ("vlm", VLMConfig), ("pp", PPConfig))
+        for name, kind in (*sections, ("cp", CPConfig)):
             value = getattr(self, name)
             if not isinstance(value, kind) and not (name == "vlm" and value is None):
                 raise ForgeConfigError(
@@ -371,7 +374,7 @@ class ParallelPlan:
             )
         if axis_size(mesh, "cp") > 1:
             assert mesh is not None  # a cp axis of size > 1 implies a mesh
-            apply_context_parallel(model, mesh)
+            apply_context_parallel(model, mesh, variant=self.cp.variant)
         spec.expert_parallel(mesh)
         if self.float8.enabled:  # a VLM's decoder; its encoder and adapter stay in high precision
             apply_float8(

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from forge_core.errors import ForgeConfigError, refuse
-from forge_cp.checks import cp_problems
+from forge_cp.checks import cp_problems, cp_variant_problems
 from forge_float8.checks import check_float8, float8_problems, torchao_problems
 from forge_fsdp_wrap.checks import ac_mode_problems
 from forge_moe_ep.checks import moe_layout_problems
@@ -115,6 +115,9 @@ def config_problems(cfg: ForgeConfig, world_size: int | Layout) -> list[str]:
         problems += importable_problems("tp.plan", cfg.tp.plan, cfg.tp.allow_import)
     fitting = _fitting_cp(cfg, world_size) if par.cp > 1 else None
     problems += cp_problems(par.cp, t.seq_len, pp=par.pp, model_kind=kind.name, fitting_cp=fitting)
+    problems += cp_variant_problems(
+        cfg.cp.variant, par.cp, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads or m.n_heads, tp=par.tp
+    )
     if par.tp > 1:
         sp = layout.sequence_parallel
         # NOTE: under cp, sequence parallelism splits each rank's S / cp tokens over tp

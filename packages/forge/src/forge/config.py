@@ -31,6 +31,7 @@ from typing import Any
 from forge_core.config import ParallelismConfig
 from forge_core.errors import ForgeConfigError, did_you_mean, parse_bool_word
 from forge_core.model_config import ModelConfig
+from forge_cp.config import CPConfig
 from forge_domain.config import FIELD_PRESETS, FieldConfig
 from forge_float8.config import Float8Config
 from forge_moe_ep.config import MoEConfig, MoEModelConfig, split_moe_fields
@@ -90,6 +91,7 @@ class ForgeConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     float8: Float8Config = field(default_factory=Float8Config)
     pp: PPConfig = field(default_factory=PPConfig)
+    cp: CPConfig = field(default_factory=CPConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -207,6 +209,7 @@ _SECTIONS: dict[str, type] = {
     "training": TrainingConfig,
     "float8": Float8Config,
     "pp": PPConfig,
+    "cp": CPConfig,
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "metrics": MetricsConfig,

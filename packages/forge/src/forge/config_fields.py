@@ -18,7 +18,7 @@ __all__ = ["config_fields"]
 def config_fields(cfg: ForgeConfig, layout: Layout, *, one_device: bool) -> dict[str, Any]:
     """ParallelPlan's fields for ``cfg`` under ``layout`` (``data`` is ``"none"`` on one
     device): the layout's resolved decisions, ``[training]``, ``[tp]``, ``[float8]``, ``[vlm]``
-    and ``[pp]``."""
+    ``[pp]`` and ``[cp]``."""
     t = cfg.training
     return {
         "data": "none" if one_device else layout.data,
@@ -38,4 +38,5 @@ def config_fields(cfg: ForgeConfig, layout: Layout, *, one_device: bool) -> dict
         else cfg.float8,
         "vlm": cfg.vlm,
         "pp": cfg.pp,
+        "cp": cfg.cp,
     }

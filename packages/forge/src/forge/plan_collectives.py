@@ -109,6 +109,10 @@ def step_collectives(
             itemsize=e,
             block_passes=block_passes,
             ac=ac,
+            variant=cfg.cp.variant,
+            dim=m.dim,
+            head_dim=m.head_dim,
+            cp=par.cp,
         )
     if par.ep > 1 and moe_blocks:
         ep_collectives(tally, m, moe_blocks * acc, routed_rows(m, b, s) * m.dim * e, ac)

@@ -156,7 +156,15 @@ def _activation_parts(
     lse = 4 * b * s * (m.n_heads // t)
     attn = 2 * q_out + kv + lse + (4 * s * m.head_dim * e if low else 0)
     attn += cp_attention_extra_bytes(
-        b=b, seq_len=whole, cp=cp, dim=d, kv_dim=kv_dim, tp=t, itemsize=e
+        b=b,
+        seq_len=whole,
+        cp=cp,
+        dim=d,
+        kv_dim=kv_dim,
+        tp=t,
+        itemsize=e,
+        variant=cfg.cp.variant,
+        head_dim=m.head_dim,
     )
     swiglu = 2 * b * s * (ffn // t) * e  # w1's and w3's outputs
     skew = expert_skew(m, layout.ep, moe_skew)
@@ -188,7 +196,7 @@ def _activation_parts(
     vocab = m.vocab_size // t if lp else m.vocab_size
     ids = 8 * b * (s + (cp == 1))  # token ids (a cp rank's are a copy, without the last)
     cp_once = cp_kept_once_bytes(
-        seq_len=whole, cp=cp, head_dim=m.head_dim, itemsize=e, device=device
+        seq_len=whole, cp=cp, head_dim=m.head_dim, itemsize=e, device=device, variant=cfg.cp.variant
     )
     last = 8 * b * s + 4 + norm + 4 * b * s * vocab  # targets, loss scalar, final norm, log-probs
     vis = model_kind(cfg).input_activation_bytes(b=b, s=s, dim=d, tp=t, itemsize=e)
