@@ -95,6 +95,19 @@ def test_the_plans_activation_memory_per_rank_falls_about_1_over_cp():
     text = plan_layout(load_config(None, (*sets, "parallelism.cp=4")), 4).text()
     assert "1 x 2048 tokens per micro-batch per rank" in text and "seq 8192 / cp 4" in text
     assert "CP: keys and values" in text and "stages: cp -> fsdp2" in text
+    # the heads variant: what a rank keeps falls as 1/cp (8 heads, 2 key/value heads: at cp=4
+    # each key/value head goes to two ranks, one extra copy of a rank's own k and v per block)
+    heads = {
+        cp: estimate_activations(
+            load_config(None, (*sets, f"parallelism.cp={cp}", "cp.variant=heads")), cp
+        ).none
+        for cp in (2, 4)
+    }
+    assert heads[2] < act[2] and heads[4] < act[4], (heads, act)
+    # (the rest over 1/cp: wo's own copy of the output sent back, and at cp=4 the repeats)
+    assert 0.5 < heads[2] / act[1] < 0.54 and 0.25 < heads[4] / act[1] < 0.28, (heads, act)
+    text = plan_layout(load_config(None, (*sets, "parallelism.cp=4", "cp.variant=heads")), 4)
+    assert "CP heads: q and the output" in text.text() and "CP: keys" not in text.text()
 
 
 def test_the_heads_variant_is_refused_where_the_heads_do_not_split_over_cp():
