@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -113,62 +112,16 @@ METHOD = [
 
 
 # ------------------------------------------------------------------------------ on each rank
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    from torch.distributed.tensor import DTensor
-
-    t = t.to_local() if isinstance(t, DTensor) else t
-    return t.trigger_wait() if isinstance(t, AsyncCollectiveTensor) else t
-
-
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes of the distinct storages of ``tensors`` (local shards of DTensors)."""
+    from torch.distributed.tensor import DTensor
+
     seen: dict[int, int] = {}
     for t in tensors:
-        storage = _local(t).untyped_storage()
+        local = t.to_local() if isinstance(t, DTensor) else t
+        storage = local.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
-
-
-class _Saved:
-    """A detached alias of a saved tensor (see tests/integration/pp/test_pp_plan.py: the
-    tensor itself can tie autograd nodes into a cycle that zero-bubble schedules never free)."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor.detach()
-
-
-class _Live:
-    """The storages held for backward now and at their peak, each counted once; weights left
-    out (whatever is registered as a parameter or buffer when the tensor is saved)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.refs: dict[int, int] = {}
-        self.size: dict[int, int] = {}
-        self.now = self.peak = 0
-
-    def _weights(self) -> set[int]:
-        tensors = [*self.model.parameters(), *self.model.buffers()]
-        return {_local(t).untyped_storage().data_ptr() for t in tensors}
-
-    def hold(self, owner: object, tensor: torch.Tensor) -> None:
-        local = _local(tensor)
-        storage = local.untyped_storage()
-        key = storage.data_ptr()
-        if local.is_meta or key == 0 or key in self._weights():
-            return
-        if not self.refs.get(key):
-            self.size[key] = storage.nbytes()
-            self.now += self.size[key]
-            self.peak = max(self.peak, self.now)
-        self.refs[key] = self.refs.get(key, 0) + 1
-        weakref.finalize(owner, self._drop, key)
-
-    def _drop(self, key: int) -> None:
-        self.refs[key] -= 1
-        if not self.refs[key]:
-            self.now -= self.size.pop(key)
 
 
 def _stage_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -188,6 +141,7 @@ def rank_measure(overrides: list[str]) -> dict[str, Any]:
     from forge.models import model_from_config
     from forge_core import dp_rank_and_size
     from forge_core.stages import unwrap
+    from forge_core.testing import SavedTensorPeak
 
     cfg = load_config(None, overrides)
     _, device, layout, mesh = setup_rank(cfg, "cpu")
@@ -205,21 +159,9 @@ def rank_measure(overrides: list[str]) -> dict[str, Any]:
     kind.train_step(model, data.batch(0), mesh, device, ignore)  # a pipeline infers its shapes
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    live = _Live(model)
-
-    def pack(tensor: torch.Tensor) -> _Saved:
-        saved = _Saved(tensor)
-        live.hold(saved, tensor)
-        return saved
-
-    def output_hook(module: Any, args: Any, output: torch.Tensor) -> None:
-        live.hold(output, output)
-
-    hooks = [m.register_forward_hook(output_hook) for m in _stage_modules(model)]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: saved.tensor):
+    live = SavedTensorPeak(model)
+    with live.measuring(outputs_of=_stage_modules(model)):
         kind.train_step(model, data.batch(1), mesh, device, ignore)
-    for hook in hooks:
-        hook.remove()
     grads = _storage_bytes([p.grad for p in params if p.grad is not None])
     optimizer.step()
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]

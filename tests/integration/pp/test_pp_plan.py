@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import weakref
 from typing import Any
 
 import pytest
@@ -35,6 +34,7 @@ from forge.plan import (
     plan_layout,
     run_plan,
 )
+from forge_core.testing import SavedTensorPeak
 from forge_core.training import forward_backward, local_batch
 from forge_mesh import build_device_mesh
 from forge_pp import (
@@ -140,45 +140,6 @@ def _stage_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [stage.submod for stage in stages]
 
 
-class _Live:
-    """Bytes of the storages alive now and at most, counted once each; weights left out."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.skip = {
-            t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())
-        }
-        self.refs: dict[int, int] = {}
-        self.size: dict[int, int] = {}
-        self.now = self.peak = 0
-
-    def hold(self, owner: object, tensor: torch.Tensor) -> None:
-        """Count ``tensor``'s storage while ``owner`` lives."""
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if tensor.is_meta or key == 0 or key in self.skip:
-            return
-        if not self.refs.get(key):
-            self.size[key] = storage.nbytes()
-            self.now += self.size[key]
-            self.peak = max(self.peak, self.now)
-        self.refs[key] = self.refs.get(key, 0) + 1
-        weakref.finalize(owner, self._drop, key)
-
-    def _drop(self, key: int) -> None:
-        self.refs[key] -= 1
-        if not self.refs[key]:
-            self.now -= self.size.pop(key)
-
-
-class _Saved:
-    """What autograd keeps for a saved tensor. NOTE: a detached alias: the tensor itself would
-    tie the autograd node that saved its own output into a cycle through C++, which zero-bubble
-    schedules (input and weight gradients apart, part of the graph never run twice) never free."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor.detach()
-
-
 def _real_traffic(overrides: list[str]) -> tuple[int, dict[str, int], dict[str, dict[int, int]]]:
     """(pipeline rank, collectives CommDebugMode counts, point-to-point ops by bytes) of this
     rank's second schedule step (the first also runs torch's shape inference)."""
@@ -220,21 +181,9 @@ def _real_peak(overrides: list[str]) -> tuple[int, int, int, int]:
     cfg, mesh, model = _build_real(overrides)
     batch = _batch(cfg, mesh)
     forward_backward(model, batch, mesh=mesh)
-    live = _Live(model)
-
-    def pack(tensor: torch.Tensor) -> _Saved:
-        saved = _Saved(tensor)
-        live.hold(saved, tensor)
-        return saved
-
-    def output_hook(module: Any, args: Any, output: torch.Tensor) -> None:
-        live.hold(output, output)
-
-    hooks = [m.register_forward_hook(output_hook) for m in _stage_modules(model)]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: saved.tensor):
+    live = SavedTensorPeak(model)
+    with live.measuring(outputs_of=_stage_modules(model)):
         forward_backward(model, batch, mesh=mesh)
-    for hook in hooks:
-        hook.remove()
     pp_rank = mesh["pp"].get_local_rank()
     est = estimate_pipeline_activations(cfg, dist.get_world_size(), device="cpu")[pp_rank]
     return live.peak, est.none, est.full_saved, est.full

@@ -6,6 +6,7 @@
 - :func:`no_host_sync`, :func:`count_host_syncs`, :class:`HostSyncError`: catch device-to-host
   synchronizations (:mod:`.sync_guard`)
 - :data:`TINY_HF_DECODER`: the sizes of the tiny Hugging Face decoders tests build (:mod:`.hf`)
+- :class:`SavedTensorPeak`: the peak bytes autograd holds for backward (:mod:`.saved`)
 
 Nothing in forge's layers imports this package; it is here so that every layer's tests, and
 projects vendoring a layer, prove parity the same way.
@@ -29,6 +30,7 @@ _EXPORTS = {
     "count_host_syncs": "sync_guard",
     "no_host_sync": "sync_guard",
     "TINY_HF_DECODER": "hf",
+    "SavedTensorPeak": "saved",
 }
 
 if TYPE_CHECKING:
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
         tolerances_for,
         train_steps,
     )
+    from .saved import SavedTensorPeak
     from .sync_guard import HostSyncError, count_host_syncs, no_host_sync
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
@@ -53,6 +56,7 @@ __all__ = [
     "ParityResult",
     "RankError",
     "RankPool",
+    "SavedTensorPeak",
     "StepRecord",
     "Tolerances",
     "compare_runs",
