@@ -34,9 +34,8 @@ import torch.nn as nn
 from forge_core import ForgeConfigError, ModelConfig
 from forge_core.errors import did_you_mean, refuse
 from forge_core.mesh_dims import axis_size, has_dp_mesh
-from forge_cp import apply_context_parallel
+from forge_cp import CPConfig, apply_context_parallel
 from forge_cp.checks import cp_pipeline_problems
-from forge_cp.config import CPConfig
 from forge_domain import apply_domain_parallel
 from forge_float8 import Float8Config, apply_float8
 from forge_fsdp_wrap import (
@@ -189,8 +188,8 @@ class ParallelPlan:
             raise ForgeConfigError(
                 f"packed_sequences={self.packed_sequences!r} must be None (unknown), True or False"
             )
-        sections = (("float8", Float8Config), ("vlm", VLMConfig), ("pp", PPConfig))
-        for name, kind in (*sections, ("cp", CPConfig)):
+        sections = {"float8": Float8Config, "vlm": VLMConfig, "pp": PPConfig, "cp": CPConfig}
+        for name, kind in sections.items():
             value = getattr(self, name)
             if not isinstance(value, kind) and not (name == "vlm" and value is None):
                 raise ForgeConfigError(
