@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from benchlib import machine_busy_s, measure_on_rank_pools  # noqa: E402 - sibling module (tools/ is the script's folder)
 from forge_core import ModelConfig
+from forge_cp.checks import kv_head_copies
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_MD = ROOT / "benchmarks" / "cp.md"
@@ -305,7 +306,7 @@ def analytic_terms(
     ids = 8 * b * (2 * (seq // cp) - (seq + 1) / cp)
     if variant == "heads":  # the whole sequence of 1/cp of the heads: K/V beyond it only
         # where a key/value head goes to cp / n_kv_heads ranks; no masks (is_causal=True)
-        repeat = 1 if cfg.n_kv_heads % cp == 0 else cp // cfg.n_kv_heads
+        repeat = kv_head_copies(cfg.n_kv_heads, cp)
         return {
             "kv": kv * repeat / cp,
             "kv_excess": kv * (repeat - 1) / cp,

@@ -12,6 +12,7 @@ __all__ = [
     "cp_problems",
     "cp_variant_problems",
     "head_split_problem",
+    "kv_head_copies",
     "seq_len_choices",
 ]
 
@@ -76,6 +77,12 @@ def cp_problems(
             "parallelism.domain for spatial parallelism and set cp=1"
         )
     return problems
+
+
+def kv_head_copies(n_kv_heads: int, cp: int) -> int:
+    """How many cp ranks each key/value head goes to under the heads variant: 1 when they split
+    over cp, else ``cp / n_kv_heads`` (each repeated before the exchange)."""
+    return 1 if n_kv_heads % cp == 0 else cp // n_kv_heads
 
 
 def head_split_problem(n_heads: int, n_kv_heads: int, cp: int) -> str | None:

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from forge_core.costs import CollectiveTally
 
+from .checks import kv_head_copies
+
 __all__ = ["cp_attention_extra_bytes", "cp_collectives", "cp_kept_once_bytes"]
 
 
 def _kv_repeat(kv_dim: int, tp: int, head_dim: int, cp: int) -> int:
-    """How many ranks each key/value head goes to under the heads variant (1: they split)."""
-    heads = max(1, kv_dim // tp // head_dim)
-    return 1 if heads % cp == 0 else cp // heads
+    """:func:`forge_cp.checks.kv_head_copies` of the key/value heads per tp rank."""
+    return kv_head_copies(max(1, kv_dim // tp // head_dim), cp)
 
 
 def cp_attention_extra_bytes(

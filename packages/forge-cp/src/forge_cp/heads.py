@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .checks import head_split_problem
+from .checks import head_split_problem, kv_head_copies
 
 __all__ = ["HeadParallelAttention"]
 
@@ -101,8 +101,9 @@ def _attend(
     problem = head_split_problem(heads, kv_heads, cp)
     if problem is not None:
         raise ValueError(f"cp.variant='heads': {problem}; use cp.variant='allgather'")
-    if kv_heads % cp:  # fewer key/value heads than ranks: each goes to cp / kv_heads ranks
-        k, v = (t.repeat_interleave(cp // kv_heads, dim=1) for t in (k, v))
+    copies = kv_head_copies(kv_heads, cp)
+    if copies > 1:  # fewer key/value heads than ranks: each goes to cp / kv_heads ranks
+        k, v = (t.repeat_interleave(copies, dim=1) for t in (k, v))
     q_all, k_all, v_all = (_to_heads(t, kernel) for t in (q, k, v))
     gqa = q_all.shape[1] != k_all.shape[1]
     out = F.scaled_dot_product_attention(q_all, k_all, v_all, is_causal=True, enable_gqa=gqa)
