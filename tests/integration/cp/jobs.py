@@ -16,6 +16,25 @@ from forge_mesh import build_device_mesh
 from tests.integration.pp.jobs import meta_model
 
 
+def packed_positions(steps: int, batch_size: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+    """Positions ``[steps, batch_size, seq_len]`` of packed documents of uneven lengths: row 0
+    of each step is one long document after two short ones (the load a fixed pairing of chunks
+    balances worst), the others random cuts (1 to 4 documents)."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.empty(steps, batch_size, seq_len, dtype=torch.long)
+    for step in range(steps):
+        for row in range(batch_size):
+            if row == 0:
+                cuts = [2, 5]
+            else:
+                count = int(torch.randint(0, 4, (), generator=g))
+                cuts = sorted(set(torch.randint(1, seq_len, (count,), generator=g).tolist()))
+            bounds = [0, *cuts, seq_len]
+            lengths = torch.tensor(bounds).diff().tolist()
+            out[step, row] = torch.cat([torch.arange(n) for n in lengths])
+    return out
+
+
 def cp_parity(
     layout: dict[str, Any],
     *,
@@ -24,9 +43,11 @@ def cp_parity(
     batch_size: int = 4,
     seq_len: int = 32,
     model: dict[str, Any] | None = None,
+    documents: bool = False,
     **plan: Any,
 ) -> ParityResult:
-    """A context-parallel model (``layout`` has cp) against the same model on one device, fp32."""
+    """A context-parallel model (``layout`` has cp) against the same model on one device, fp32;
+    with ``documents``, both trained on packed documents (:func:`packed_positions`)."""
     parallel_model, cfg = meta_model(moe, **(model or {}))
     reference_model, _ = meta_model(moe, **(model or {}))
     experts = getattr(cfg, "num_experts", 0) if moe else 0
@@ -38,7 +59,11 @@ def cp_parity(
         reference_model, device="cpu", seed=0
     )
     tokens = synthetic_tokens(0, steps, batch_size, seq_len, cfg.vocab_size)
-    return compare_runs(train_steps(reference, tokens), train_steps(parallel, tokens, mesh=mesh))
+    positions = packed_positions(steps, batch_size, seq_len) if documents else None
+    return compare_runs(
+        train_steps(reference, tokens, positions=positions),
+        train_steps(parallel, tokens, mesh=mesh, positions=positions),
+    )
 
 
 def causal_logits(seq_len: int, changed: int, variant: str = "allgather") -> dict[str, Any]:
@@ -174,3 +199,50 @@ def order_and_refusals() -> dict[str, str]:
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small))
     attempt("hugging_face", lambda: apply_context_parallel(hf, mesh))
     return said
+
+
+def document_logits(variant: str, lengths: list[int]) -> dict[str, Any]:
+    """A cp=2 model's logits (``[cp] variant``) for one row of packed documents of ``lengths``,
+    dealt over the ranks by their work and put back in the row's order, for the row and for the
+    row with its second document changed; and the single-device model's logits of each document
+    run alone (2 ranks)."""
+    import torch.distributed as dist
+    from forge_core.contracts import sequence_shard
+    from forge_core.documents import Documents
+    from forge_cp import CPConfig
+
+    mesh = build_device_mesh({"cp": 2}, "cpu")
+    cfg = ModelConfig.preset("debug")
+    with torch.device("meta"):
+        model, reference = Transformer(cfg), Transformer(cfg)
+    plan = ParallelPlan(mesh, param_dtype=torch.float32, cp=CPConfig(variant=variant))
+    model = plan.parallelize(model, device="cpu", seed=0)
+    reference = ParallelPlan(None, param_dtype=torch.float32).parallelize(
+        reference, device="cpu", seed=0
+    )
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    length = positions.shape[1]
+    tokens = torch.randint(
+        0, cfg.vocab_size, (1, length), generator=torch.Generator().manual_seed(1)
+    )
+    other = tokens.clone()
+    second = slice(lengths[0], lengths[0] + lengths[1])
+    other[:, second] = (other[:, second] + 3) % cfg.vocab_size
+    shard = sequence_shard(model)
+    mine, index = shard.for_documents(positions)
+    docs = Documents(index, (torch.arange(length) - positions)[:, index])
+    out: dict[str, Any] = {"index": index}
+    with torch.no_grad():
+        for name, row in (("tokens", tokens), ("changed", other)):
+            local = model(mine(row), positions=mine(positions), documents=docs)
+            parts = [torch.empty_like(local) for _ in range(2)]
+            dist.all_gather(parts, local.contiguous(), group=mesh["cp"].get_group())
+            whole = torch.empty(1, length, local.shape[-1])
+            whole[:, index] = torch.cat(parts, dim=1)
+            out[name] = whole
+        alone, at = [], 0
+        for n in lengths:
+            alone.append(reference(tokens[:, at : at + n]))
+            at += n
+        out["alone"] = torch.cat(alone, dim=1)
+    return out

@@ -78,6 +78,9 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.hooks import RemovableHandle
 
+from .documents import Documents, document_mask
+from .errors import ForgeConfigError
+
 __all__ = [
     "TPRecord",
     "AFTER_STEP_METHOD",
@@ -372,7 +375,10 @@ def restyle_tp(model: nn.Module, fqn: str, style: ParallelStyle) -> None:
 ATTENTION_ATTR = "forge_attention"
 _KERNEL_ATTR = "_forge_attention_kernel"
 #: ``kernel(q [B, H, s, D], k [B, Hkv, s, D], v, enable_gqa=...) -> [B, H, s, D]``: causal.
+#: A kernel whose class sets ``forge_documents = True`` also takes ``documents=``
+#: (:class:`forge_core.documents.Documents`) and keeps attention inside each document.
 AttentionKernel = Callable[..., torch.Tensor]
+DOCUMENTS_ATTR = "forge_documents"
 
 
 def set_attention_kernel(module: nn.Module, kernel: AttentionKernel) -> None:
@@ -387,15 +393,37 @@ def set_attention_kernel(module: nn.Module, kernel: AttentionKernel) -> None:
 
 
 def causal_attention(
-    module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, enable_gqa: bool
+    module: nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    enable_gqa: bool,
+    documents: Documents | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q, k, v [B, heads, seq, head_dim]`` for ``module``: its installed
-    kernel (:func:`set_attention_kernel`), else ``F.scaled_dot_product_attention``."""
+    kernel (:func:`set_attention_kernel`), else ``F.scaled_dot_product_attention``. With
+    ``documents`` each token attends inside its own document only (:mod:`forge_core.documents`);
+    an installed kernel that cannot do that is refused in one line."""
     kernel = module.__dict__.get(_KERNEL_ATTR)
     if kernel is not None:
-        return kernel(q, k, v, enable_gqa=enable_gqa)
+        if documents is None:
+            return kernel(q, k, v, enable_gqa=enable_gqa)
+        if not getattr(kernel, DOCUMENTS_ATTR, False):
+            name = getattr(kernel, "__qualname__", type(kernel).__name__)
+            raise ForgeConfigError(
+                f"the attention kernel {name} installed on "
+                f"{type(module).__name__} cannot keep attention inside packed documents; train "
+                "on unpacked data or use a kernel that can (forge_cp's can)"
+            )
+        return kernel(q, k, v, enable_gqa=enable_gqa, documents=documents)
+    if documents is None:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=enable_gqa
+        )
+    mask = document_mask(documents, slice(None))
     return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, is_causal=True, enable_gqa=enable_gqa
+        q, k, v, attn_mask=mask, enable_gqa=enable_gqa
     )
 
 

@@ -45,6 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .contracts import causal_attention
+from .documents import Documents
 from .errors import ForgeConfigError
 from .init import canonical_name, fill_param_
 from .model_config import PRESETS, ModelConfig
@@ -81,9 +82,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding on ``x [B, S, H, Dh]`` with tables ``[S, Dh]`` (rotate-half layout)."""
-    cos = cos[None, :, None, :].to(x.dtype)
-    sin = sin[None, :, None, :].to(x.dtype)
+    """Rotary embedding on ``x [B, S, H, Dh]`` with tables ``[S, Dh]``, or ``[B, S, Dh]`` when
+    each row has positions of its own (packed documents); rotate-half layout."""
+    cos = (cos[None] if cos.dim() == 2 else cos)[:, :, None, :].to(x.dtype)
+    sin = (sin[None] if sin.dim() == 2 else sin)[:, :, None, :].to(x.dtype)
     return x * cos + _rotate_half(x) * sin
 
 
@@ -110,7 +112,13 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.dim, kv_dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
 
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        documents: Documents | None = None,
+    ) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         # Head counts come from the projection widths, so column-sharded weights just work.
         q = self.wq(x_BSD).view(B, S, -1, self.head_dim)
@@ -118,7 +126,7 @@ class Attention(nn.Module):
         v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = causal_attention(self, q, k, v, enable_gqa=self.gqa)
+        out = causal_attention(self, q, k, v, enable_gqa=self.gqa, documents=documents)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -156,8 +164,14 @@ class TransformerBlock(nn.Module):
             feed_forward = FeedForward(config.dim, config.ffn_dim)
         self.feed_forward = feed_forward
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        documents: Documents | None = None,
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, documents=documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -266,12 +280,18 @@ class Transformer(nn.Module):
         insert_embeds: torch.Tensor | None = None,
         insert_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         """Logits for ``tokens [B, S]``.
 
         ``positions [S]`` (int64): the place of each token in its sequence, for RoPE; default
         ``0 .. S-1``. A context-parallel rank holds slices of each sequence and passes their
         global positions (``forge_core.contracts.set_sequence_shard``).
+
+        Packed documents: ``positions [B, S]``, each token's place in its own document
+        (restarting at 0 where one starts): RoPE takes them, and attention stays inside each
+        document (:mod:`forge_core.documents`). A context-parallel rank, whose tokens are not
+        in order, passes its tokens' positions with the whole sequence's ``documents``.
 
         ``insert_embeds [B, N, dim]`` with ``insert_mask [B, S]`` (N True positions per row):
         those positions take the given embeddings instead of their token's (see
@@ -285,6 +305,8 @@ class Transformer(nn.Module):
         check_sequence_length(
             S if positions is None else positions.shape[-1], self.config.max_seq_len
         )
+        if documents is None and positions is not None and positions.dim() == 2:
+            documents = Documents.from_positions(positions)
         # NOTE: a pipeline stage after the first has no embedding and gets hidden states.
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         if (insert_embeds is None) != (insert_mask is None):
@@ -296,7 +318,9 @@ class Transformer(nn.Module):
         else:  # NOTE: not checked against max_seq_len here: that would wait for the device
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for block in self.layers.values():
-            h = block(h, cos, sin)
+            # NOTE: documents by keyword: tensor-parallel input preparation counts positional
+            # inputs, and leaves keyword ones as they are.
+            h = block(h, cos, sin) if documents is None else block(h, cos, sin, documents=documents)
         if self.norm is not None:  # NOTE: None on a pipeline stage before the last
             h = self.norm(h)
         return h if self.output is None else self.output(h)

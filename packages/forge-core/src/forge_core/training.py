@@ -13,9 +13,11 @@ The parity harness built on them is :mod:`forge_core.testing`.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
-from .contracts import pipeline_step, pop_aux_losses, sequence_shard
+from .contracts import pipeline_step, pop_aux_losses, sequence_shard, unwrap
+from .documents import Documents, position_problem
 from .errors import ForgeConfigError
 from .mesh_dims import DP_AXES, axis_size, dp_rank_and_size, has_axis, sub_mesh
 
@@ -201,11 +204,15 @@ def forward_backward(
     summed over the ``cp`` ranks as well, and the gradient scale counts them among the ranks
     FSDP2 / DDP average over (they shard and reduce over ``dp x cp``).
 
-    Packed documents (a Hugging Face model's batch from ``forge.text_data``): ``positions_BS
-    [b, S]`` is each input token's position in its document, passed as ``position_ids`` (from
-    which transformers keeps attention inside each document), and ``loss_mask_BS [b, S]`` says
-    which targets count (False: a document boundary, padding, a prompt token). A model may
-    return transformers' output object: its ``logits`` are taken.
+    Packed documents (``forge.text_data``, a token file's EOS): ``positions_BS [b, S]`` (best on
+    the CPU: it is read on the host) is each input token's position in its document, restarting
+    at 0 where one starts; attention then stays inside each document. forge's model gets them as
+    ``positions=`` (:mod:`forge_core.documents`); under context parallelism its tokens are dealt
+    to the ranks by their attention work (the shard's ``for_documents``) and it also gets the
+    whole row's ``documents=``. A Hugging Face model gets ``position_ids`` (from which
+    transformers keeps attention inside each document). ``loss_mask_BS [b, S]`` says which
+    targets count (False: a document boundary, padding, a prompt token). A model may return
+    transformers' output object: its ``logits`` are taken.
 
     Returns ``(loss sum, token count)`` over the global batch (both reduced over the
     data-parallel and context-parallel ranks, on the device): their ratio is the step's loss.
@@ -230,23 +237,19 @@ def forward_backward(
     if ignore_token is not None:
         targets = targets.masked_fill(targets == ignore_token, IGNORE_INDEX)
     if loss_mask_BS is not None:
-        targets = targets.masked_fill(~loss_mask_BS.to(torch.bool), IGNORE_INDEX)
-    where: dict[str, torch.Tensor] = {}
-    micro_positions: list[torch.Tensor | None] = [None] * grad_accum
-    if positions_BS is not None:
-        if shard is not None or step is not None:
-            raise ForgeConfigError(
-                "packed documents (per-token positions) cannot run split into pipeline stages or "
-                "context-parallel shards yet: set parallelism.pp=1 and parallelism.cp=1"
-            )
-        micro_positions = list(positions_BS.chunk(grad_accum))
-    cp = 1
-    if shard is not None:
-        cp = axis_size(mesh, "cp")
-        positions = torch.arange(inputs_BS.shape[1], device=tokens_BS.device)
-        where["positions"] = shard(positions[None])[0]
-        inputs_BS, targets = shard(inputs_BS), shard(targets)
-    count = _reduce_over_tokens((targets != IGNORE_INDEX).sum().to(torch.int64), mesh, cp)
+        targets = targets.masked_fill(~loss_mask_BS.to(targets.device, torch.bool), IGNORE_INDEX)
+    if positions_BS is not None and step is not None:
+        raise ForgeConfigError(
+            "packed documents (per-token positions) cannot run split into pipeline stages yet: "
+            "set parallelism.pp=1"
+        )
+    cp = axis_size(mesh, "cp") if shard is not None else 1
+    if step is None:
+        micros = _micro_batches(model, inputs_BS, targets, positions_BS, grad_accum)
+        local = sum((y != IGNORE_INDEX).sum() for _, y, _ in micros)
+    else:
+        local = (targets != IGNORE_INDEX).sum()
+    count = _reduce_over_tokens(torch.as_tensor(local).to(torch.int64), mesh, cp)
     scale = dp_rank_and_size(mesh)[1] * cp / count
 
     def token_loss(logits: torch.Tensor, micro_targets: torch.Tensor) -> torch.Tensor:
@@ -268,19 +271,17 @@ def forward_backward(
         inputs = (inputs_BS,) if images is None else (inputs_BS, images)
         return reduce_over_dp(step(inputs, targets, pipeline_loss), mesh), count
     micro_images = images.chunk(grad_accum) if images is not None else [None] * grad_accum
-    micro_targets = targets.chunk(grad_accum)
     loss_sum = torch.zeros((), device=tokens_BS.device)
-    for i, (micro, pixels) in enumerate(
-        zip(inputs_BS.chunk(grad_accum), micro_images, strict=True)
+    for i, ((micro, micro_targets, at), pixels) in enumerate(
+        zip(micros, micro_images, strict=True)
     ):
         set_gradient_sync(model, i == grad_accum - 1)
-        at = where if micro_positions[i] is None else {"position_ids": micro_positions[i]}
         out = model(micro, **at) if pixels is None else model(micro, pixels, **at)
         logits = out if isinstance(out, torch.Tensor) else out.logits  # transformers' output
         # Vocab-sharded logits (loss parallel): the cross entropy reduces over the tp ranks
         # without gathering the logits; forward and backward both need the context.
         with loss_parallel() if isinstance(logits, DTensor) else nullcontext():
-            micro_sum = token_loss(logits, micro_targets[i])
+            micro_sum = token_loss(logits, micro_targets)
             loss = micro_sum * scale
             aux = pop_aux_losses(model)  # e.g. the MoE balancing loss: a mean over micro-batches
             if aux is not None:
@@ -294,6 +295,58 @@ def forward_backward(
             micro_sum.full_tensor() if isinstance(micro_sum, DTensor) else micro_sum
         ).detach()
     return _reduce_over_tokens(loss_sum, mesh, cp), count
+
+
+def _micro_batches(
+    model: nn.Module,
+    inputs_BS: torch.Tensor,
+    targets_BS: torch.Tensor,
+    positions_BS: torch.Tensor | None,
+    grad_accum: int,
+) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
+    """``(inputs, targets, keyword arguments)`` of each micro-batch as this rank feeds the model:
+    its sequence shard's tokens (context parallelism) and their global ``positions``, or packed
+    documents' positions: ``positions`` (with the whole row's ``documents`` under context
+    parallelism) for a model that masks documents itself (forge's), ``position_ids`` for a
+    Hugging Face model (transformers keeps attention inside each document from them)."""
+    shard = sequence_shard(model)
+    pieces = zip(inputs_BS.chunk(grad_accum), targets_BS.chunk(grad_accum), strict=True)
+    if positions_BS is None:
+        if shard is None:
+            return [(x, y, {}) for x, y in pieces]
+        where = shard(torch.arange(inputs_BS.shape[1], device=inputs_BS.device)[None])[0]
+        return [(shard(x), shard(y), {"positions": where}) for x, y in pieces]
+    positions = positions_BS.cpu()  # NOTE: read on the host; the data gives CPU tensors
+    problem = position_problem(positions)
+    if problem:
+        raise ForgeConfigError(f"positions_BS: {problem}")
+    params = inspect.signature(unwrap(model).forward).parameters
+    micros = []
+    for (x, y), pos in zip(pieces, positions.chunk(grad_accum), strict=True):
+        device = x.device
+        if "documents" not in params:
+            if shard is not None or "position_ids" not in params:
+                raise ForgeConfigError(
+                    f"{type(unwrap(model)).__name__} cannot keep attention inside packed "
+                    "documents here (its forward takes neither documents= nor, without context "
+                    "parallelism, position_ids=); train it on unpacked data"
+                )
+            micros.append((x, y, {"position_ids": pos.to(device)}))
+        elif shard is None:
+            micros.append((x, y, {"positions": pos.to(device)}))
+        else:
+            deal = getattr(shard, "for_documents", None)
+            if deal is None:
+                raise ForgeConfigError(
+                    f"the sequence shard {type(shard).__name__} cannot deal packed documents "
+                    "over the context-parallel ranks (it has no for_documents)"
+                )
+            mine, index = deal(pos)
+            starts = torch.arange(pos.shape[1]) - pos
+            docs = Documents(index, starts[:, index]).to(device)
+            at = {"positions": mine(pos).to(device), "documents": docs}
+            micros.append((mine(x), mine(y), at))
+    return micros
 
 
 def _reduce_over_tokens(value: torch.Tensor, mesh: DeviceMesh | None, cp: int) -> torch.Tensor:

@@ -38,7 +38,7 @@ from .attention import ContextParallelAttention
 from .checks import cp_pipeline_problems
 from .config import CPConfig
 from .heads import HeadParallelAttention
-from .sequence import shard_sequence
+from .sequence import balanced_order, check_shardable, shard_sequence
 
 __all__ = ["LoadBalancedShard", "apply_context_parallel"]
 
@@ -46,7 +46,9 @@ __all__ = ["LoadBalancedShard", "apply_context_parallel"]
 class LoadBalancedShard:
     """``shard(x [B, S, ...]) -> [B, S / cp, ...]``: rank ``rank``'s two chunks of each row
     (:func:`forge_cp.sequence.shard_sequence`). With ``max_seq_len`` (the model's rotary tables'
-    length) a longer ``S`` is refused in one line: only here is the whole length known."""
+    length) a longer ``S`` is refused in one line: only here is the whole length known.
+
+    Packed documents: :meth:`for_documents` deals the tokens by their work instead."""
 
     def __init__(self, cp: int, rank: int, max_seq_len: int | None = None) -> None:
         self.cp, self.rank, self.max_seq_len = cp, rank, max_seq_len
@@ -56,8 +58,34 @@ class LoadBalancedShard:
             check_sequence_length(x.shape[1], self.max_seq_len)
         return shard_sequence(x, self.cp, self.rank, dim=1)
 
+    def for_documents(self, positions_BS: torch.Tensor) -> tuple[_IndexShard, torch.Tensor]:
+        """The shard of a batch of packed documents at ``positions_BS [B, S]`` (on the CPU: read
+        on the host) and the order of the whole row over the ranks (``index [S]``, what
+        :class:`forge_core.documents.Documents` carries): tokens dealt by their attention work,
+        ``position + 1`` summed over the rows (:func:`forge_cp.sequence.balanced_order`), in
+        blocks as fine as the length allows (up to 8 per rank)."""
+        length = positions_BS.shape[1]
+        if self.max_seq_len is not None:
+            check_sequence_length(length, self.max_seq_len)
+        check_shardable(length, self.cp)
+        per_rank = next(k for k in (8, 4, 2) if length % (k * self.cp) == 0)
+        index = balanced_order((positions_BS + 1).sum(0), self.cp, per_rank)
+        local = length // self.cp
+        return _IndexShard(index[self.rank * local : (self.rank + 1) * local]), index
+
     def __repr__(self) -> str:
         return f"LoadBalancedShard(cp={self.cp}, rank={self.rank}, max_seq_len={self.max_seq_len})"
+
+
+class _IndexShard:
+    """``shard(x [B, S, ...]) -> x[:, index]``: the tokens :meth:`LoadBalancedShard.for_documents`
+    dealt to this rank."""
+
+    def __init__(self, index: torch.Tensor) -> None:
+        self.index = index
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x.index_select(1, self.index.to(x.device))
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:

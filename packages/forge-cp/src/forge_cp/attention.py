@@ -35,6 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from forge_core.documents import Documents, document_mask
+
+from .sequence import check_document_order
 
 __all__ = ["ContextParallelAttention"]
 
@@ -65,6 +68,9 @@ class ContextParallelAttention:
     rank's ``s = S / cp`` tokens (its two chunks) attending causally to every earlier token of
     the whole sequence. Runs eagerly under ``torch.compile`` (a graph break at the collective).
     """
+
+    #: keeps attention inside packed documents (``forge_core.contracts``' attention kernel)
+    forge_documents = True
 
     def __init__(self, group: dist.ProcessGroup, rank: int, cp: int) -> None:
         self.group, self.rank, self.cp = group, rank, cp
@@ -99,9 +105,15 @@ class ContextParallelAttention:
         return out.flip(2)
 
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, enable_gqa: bool
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        enable_gqa: bool,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
-        return _eager_attend()(self, q, k, v, enable_gqa)
+        return _eager_attend()(self, q, k, v, enable_gqa, documents)
 
 
 @functools.cache
@@ -120,10 +132,21 @@ def _attend(
     k: torch.Tensor,
     v: torch.Tensor,
     enable_gqa: bool,
+    documents: Documents | None,
 ) -> torch.Tensor:
     cp, rank = kernel.cp, kernel.rank
-    chunk = q.shape[2] // 2
     gathered = _GatherKV.apply(torch.stack((k, v))[None], kernel.group, cp)
+    if documents is not None:
+        # [cp, 2 (k, v), B, Hkv, s, D] -> the ranks' tokens one after another (the documents'
+        # order), masked by the document rule: no reordering, any dealing of the tokens.
+        local = q.shape[2]
+        check_document_order(documents, cp * local)
+        k_all, v_all = gathered.movedim(0, 3).flatten(3, 4)
+        mask = document_mask(documents, slice(rank * local, (rank + 1) * local))
+        return F.scaled_dot_product_attention(
+            q, k_all, v_all, attn_mask=mask, enable_gqa=enable_gqa
+        )
+    chunk = q.shape[2] // 2
     # [cp, 2 (k, v), B, Hkv, 2 (front, back), chunk, D] -> the sequence in its natural order:
     # chunk j is rank j's front chunk for j < cp, else rank 2 cp - 1 - j's back chunk.
     halves = gathered.unflatten(4, (2, chunk))

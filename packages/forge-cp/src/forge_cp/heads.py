@@ -26,8 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from forge_core.documents import Documents, document_mask
 
 from .checks import head_split_problem, kv_head_copies
+from .sequence import check_document_order
 
 __all__ = ["HeadParallelAttention"]
 
@@ -57,32 +59,48 @@ class HeadParallelAttention:
     rank's ``s = S / cp`` tokens (its two chunks) attending causally to the whole sequence.
     Runs eagerly under ``torch.compile`` (a graph break at the collectives)."""
 
+    #: keeps attention inside packed documents (``forge_core.contracts``' attention kernel)
+    forge_documents = True
+
     def __init__(self, group: dist.ProcessGroup, rank: int, cp: int) -> None:
         self.group, self.rank, self.cp = group, rank, cp
 
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, enable_gqa: bool
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        enable_gqa: bool,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
-        return _eager_attend()(self, q, k, v)
+        return _eager_attend()(self, q, k, v, documents)
 
 
-def _to_heads(x: torch.Tensor, kernel: HeadParallelAttention) -> torch.Tensor:
+def _to_heads(x: torch.Tensor, kernel: HeadParallelAttention, ordered: bool) -> torch.Tensor:
     """``[B, h, s, D]`` (this rank's tokens, all ``h`` heads) -> ``[B, h / cp, S, D]`` (every
-    token of head group ``rank``, in the sequence's order)."""
+    token of head group ``rank``): in the sequence's order when ``ordered``, else the ranks'
+    tokens one after another (packed documents, masked in that order)."""
     cp = kernel.cp
     send = x.unflatten(1, (cp, x.shape[1] // cp)).movedim(1, 0)  # [cp, B, h/cp, s, D]
     got = _Exchange.apply(send, kernel.group)  # got[j]: rank j's tokens of my heads
+    if not ordered:
+        return got.movedim(0, 2).flatten(2, 3)
     halves = got.unflatten(3, (2, got.shape[3] // 2))  # [cp, B, h/cp, 2, c, D]
     chunks = [halves[j, :, :, 0] for j in range(cp)]
     chunks += [halves[j, :, :, 1] for j in reversed(range(cp))]
     return torch.cat(chunks, dim=2)
 
 
-def _to_tokens(x: torch.Tensor, kernel: HeadParallelAttention) -> torch.Tensor:
+def _to_tokens(x: torch.Tensor, kernel: HeadParallelAttention, ordered: bool) -> torch.Tensor:
     """The inverse of :func:`_to_heads`: ``[B, h / cp, S, D]`` -> ``[B, h, s, D]``."""
     cp = kernel.cp
-    chunks = x.chunk(2 * cp, dim=2)
-    send = torch.stack([torch.cat((chunks[j], chunks[2 * cp - 1 - j]), dim=2) for j in range(cp)])
+    if ordered:
+        chunks = x.chunk(2 * cp, dim=2)
+        pairs = [torch.cat((chunks[j], chunks[2 * cp - 1 - j]), dim=2) for j in range(cp)]
+        send = torch.stack(pairs)
+    else:
+        send = x.unflatten(2, (cp, x.shape[2] // cp)).movedim(2, 0)
     got = _Exchange.apply(send, kernel.group)  # got[j]: my tokens of rank j's heads
     return got.movedim(0, 1).flatten(1, 2)
 
@@ -95,7 +113,11 @@ def _eager_attend() -> Any:
 
 
 def _attend(
-    kernel: HeadParallelAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    kernel: HeadParallelAttention,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    documents: Documents | None,
 ) -> torch.Tensor:
     cp, heads, kv_heads = kernel.cp, q.shape[1], k.shape[1]
     problem = head_split_problem(heads, kv_heads, cp)
@@ -104,7 +126,13 @@ def _attend(
     copies = kv_head_copies(kv_heads, cp)
     if copies > 1:  # fewer key/value heads than ranks: each goes to cp / kv_heads ranks
         k, v = (t.repeat_interleave(copies, dim=1) for t in (k, v))
-    q_all, k_all, v_all = (_to_heads(t, kernel) for t in (q, k, v))
+    ordered = documents is None
+    q_all, k_all, v_all = (_to_heads(t, kernel, ordered) for t in (q, k, v))
     gqa = q_all.shape[1] != k_all.shape[1]
-    out = F.scaled_dot_product_attention(q_all, k_all, v_all, is_causal=True, enable_gqa=gqa)
-    return _to_tokens(out, kernel)
+    if documents is None:
+        out = F.scaled_dot_product_attention(q_all, k_all, v_all, is_causal=True, enable_gqa=gqa)
+    else:  # every token of the row, in the ranks' order: the document rule masks it as it is
+        check_document_order(documents, q_all.shape[2])
+        mask = document_mask(documents, slice(None))
+        out = F.scaled_dot_product_attention(q_all, k_all, v_all, attn_mask=mask, enable_gqa=gqa)
+    return _to_tokens(out, kernel, ordered)

@@ -64,9 +64,13 @@ def train_steps(
     device: torch.device | str = "cpu",
     images: torch.Tensor | None = None,
     ignore_token: int | None = None,
+    positions: torch.Tensor | None = None,
 ) -> list[StepRecord]:
     """Train on ``tokens [steps, B, S+1]`` with AdamW through :func:`forward_backward`, and
     record each step's loss (the global token mean) and global gradient norm.
+
+    ``positions [steps, B, S]``: packed documents (each input token's position in its
+    document), kept on the CPU as the data gives them.
 
     With a mesh, each rank takes its DP slice of every batch. A vision-language model also gets
     ``images [steps, B, ...]``; targets equal to ``ignore_token`` (image placeholders) are left
@@ -93,6 +97,7 @@ def train_steps(
             grad_accum=grad_accum,
             images=None if images is None else local_batch(images[step], mesh).to(device),
             ignore_token=ignore_token,
+            positions_BS=None if positions is None else local_batch(positions[step], mesh),
         )
         grad_norm = global_grad_norm(trainable, mesh=mesh)
         optimizer.step()
