@@ -311,29 +311,30 @@ def _micro_batches(
     Hugging Face model (transformers keeps attention inside each document from them)."""
     shard = sequence_shard(model)
     pieces = zip(inputs_BS.chunk(grad_accum), targets_BS.chunk(grad_accum), strict=True)
+    params = inspect.signature(unwrap(model).forward).parameters
+    # NOTE: forge's models take positions=, transformers' position_ids= ([B or 1, S])
+    name = "positions" if "positions" in params else "position_ids"
+    if positions_BS is None and shard is None:
+        return [(x, y, {}) for x, y in pieces]
+    if name not in params:
+        raise ForgeConfigError(
+            f"{type(unwrap(model)).__name__}.forward takes neither positions= nor position_ids=: "
+            "it cannot train on packed documents or on context-parallel shards"
+        )
     if positions_BS is None:
-        if shard is None:
-            return [(x, y, {}) for x, y in pieces]
-        where = shard(torch.arange(inputs_BS.shape[1], device=inputs_BS.device)[None])[0]
-        return [(shard(x), shard(y), {"positions": where}) for x, y in pieces]
+        assert shard is not None  # NOTE: returned above otherwise
+        where = shard(torch.arange(inputs_BS.shape[1], device=inputs_BS.device)[None])
+        at = {name: where[0] if name == "positions" else where}
+        return [(shard(x), shard(y), at) for x, y in pieces]
     positions = positions_BS.cpu()  # NOTE: read on the host; the data gives CPU tensors
     problem = position_problem(positions)
     if problem:
         raise ForgeConfigError(f"positions_BS: {problem}")
-    params = inspect.signature(unwrap(model).forward).parameters
     micros = []
     for (x, y), pos in zip(pieces, positions.chunk(grad_accum), strict=True):
         device = x.device
-        if "documents" not in params:
-            if shard is not None or "position_ids" not in params:
-                raise ForgeConfigError(
-                    f"{type(unwrap(model)).__name__} cannot keep attention inside packed "
-                    "documents here (its forward takes neither documents= nor, without context "
-                    "parallelism, position_ids=); train it on unpacked data"
-                )
-            micros.append((x, y, {"position_ids": pos.to(device)}))
-        elif shard is None:
-            micros.append((x, y, {"positions": pos.to(device)}))
+        if shard is None:  # forge's model masks from them; transformers too
+            micros.append((x, y, {name: pos.to(device)}))
         else:
             deal = getattr(shard, "for_documents", None)
             if deal is None:
@@ -344,8 +345,8 @@ def _micro_batches(
             mine, index = deal(pos)
             starts = torch.arange(pos.shape[1]) - pos
             docs = Documents(index, starts[:, index]).to(device)
-            at = {"positions": mine(pos).to(device), "documents": docs}
-            micros.append((mine(x), mine(y), at))
+            kwargs: dict[str, Any] = {name: mine(pos).to(device), "documents": docs}
+            micros.append((mine(x), mine(y), kwargs))
     return micros
 
 

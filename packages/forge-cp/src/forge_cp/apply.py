@@ -38,6 +38,7 @@ from .attention import ContextParallelAttention
 from .checks import cp_pipeline_problems
 from .config import CPConfig
 from .heads import HeadParallelAttention
+from .hf import HF_CP_FAMILIES, hf_config_dict, hf_cp_problems, install_hf_kernel, is_hf_model
 from .sequence import balanced_order, check_shardable, shard_sequence
 
 __all__ = ["LoadBalancedShard", "apply_context_parallel"]
@@ -104,9 +105,11 @@ def apply_context_parallel(
     ``device_mesh`` is the full forge mesh (``forge_mesh.build_device_mesh``) with a ``cp`` axis
     of size > 1. The model's forward must take ``positions=`` (the global position of each
     token, for RoPE) and its attention must go through forge_core's attention contract:
-    forge's Transformer and MoE transformer do. Refused, with the reason: a model made of
-    components (a vision-language model), one without such attention modules (e.g. a Hugging
-    Face model), a mesh without cp, a pipeline stage (the config check's words:
+    forge's Transformer and MoE transformer do. A Hugging Face decoder of
+    :data:`forge_cp.hf.HF_CP_FAMILIES` attends through transformers' attention interface
+    instead (:mod:`forge_cp.hf`; it takes ``position_ids=``). Refused, with the reason: a model
+    made of components (a vision-language model), one without such attention modules (another
+    Hugging Face family), a mesh without cp, a pipeline stage (the config check's words:
     :func:`forge_cp.checks.cp_pipeline_problems`), a model with modules that cannot compute on
     sequence shards (``forge_core.contracts.cp_problems_of``: forge's MoE with the capacity
     dispatch). A model whose ``config.max_seq_len`` is set
@@ -121,20 +124,24 @@ def apply_context_parallel(
     inner = unwrap(model)
     name = type(inner).__name__
     refuse(cp_pipeline_problems(cp, axis_size(device_mesh, "pp")) + cp_problems_of(inner, cp))
+    hf = is_hf_model(inner)
+    if hf:  # another family, dropout or soft-capping in the attention: one line
+        refuse(hf_cp_problems(hf_config_dict(inner), cp))
     if declared_components(inner):
         raise ForgeConfigError(
             f"context parallelism on {name}, a model made of components (vision-language), is "
             "not supported: its image tokens would be split across ranks; set parallelism.cp=1"
         )
-    attention = _attention_modules(inner)
-    if not attention:
+    attention = [] if hf else _attention_modules(inner)
+    if not hf and not attention:
         raise ForgeConfigError(
             f"{name} has no attention module forge-cp can run across sequence shards (a class "
             "declaring forge_attention = 'causal', whose attention goes through "
-            "forge_core.contracts.causal_attention): forge-cp runs forge's Transformer and MoE "
-            "transformer; set parallelism.cp=1 for this model (docs/context.md says why)"
+            "forge_core.contracts.causal_attention, or a Hugging Face decoder of "
+            f"{', '.join(HF_CP_FAMILIES.values())}); set parallelism.cp=1 for this model "
+            "(docs/context.md says why)"
         )
-    if "positions" not in inspect.signature(inner.forward).parameters:
+    if not hf and "positions" not in inspect.signature(inner.forward).parameters:
         raise ForgeConfigError(
             f"{name}.forward takes no positions= argument: a context-parallel rank must give "
             "RoPE the global positions of its tokens; set parallelism.cp=1 for this model"
@@ -148,13 +155,19 @@ def apply_context_parallel(
             if variant == "heads"
             else ContextParallelAttention(group, rank, cp)
         )
+        if hf:  # transformers' attention interface hands q, k, v to the kernel
+            attention = install_hf_kernel(inner, kernel, cp)
         for module in attention:
-            set_attention_kernel(module, kernel)
+            if not hf:
+                set_attention_kernel(module, kernel)
             # NOTE: its collectives cannot be traced into a graph: per-block compile compiles
             # the block's other parts and runs the attention module eagerly (forge_core's
             # "left out of torch.compile" contract).
             module.__dict__["forge_no_compile"] = True
-        max_seq_len = getattr(getattr(inner, "config", None), "max_seq_len", None)
+        config = getattr(inner, "config", None)
+        max_seq_len = getattr(config, "max_seq_len", None)
+        if hf:
+            max_seq_len = getattr(config, "max_position_embeddings", None)
         limit = max_seq_len if isinstance(max_seq_len, int) else None
         set_sequence_shard(inner, LoadBalancedShard(cp, rank, limit))
     return model

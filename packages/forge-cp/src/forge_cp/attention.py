@@ -35,9 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from forge_core.documents import Documents, document_mask
+from forge_core.documents import Documents
 
-from .sequence import check_document_order
+from .sequence import KeyBounds
 
 __all__ = ["ContextParallelAttention"]
 
@@ -88,7 +88,12 @@ class ContextParallelAttention:
         return self._masks[key]
 
     def attend_chunk(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        enable_gqa: bool,
+        scale: float | None = None,
     ) -> torch.Tensor:
         """``q``'s chunk (the last ``q.shape[2]`` of ``k.shape[2]`` tokens) attending causally."""
         chunk, end = q.shape[2], k.shape[2]
@@ -99,9 +104,13 @@ class ContextParallelAttention:
             from torch.nn.attention.bias import causal_lower_right
 
             bias = causal_lower_right(chunk, end)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=enable_gqa)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias, enable_gqa=enable_gqa, scale=scale
+            )
         mask = self.flipped_mask(chunk, end, q)
-        out = F.scaled_dot_product_attention(q.flip(2), k, v, attn_mask=mask, enable_gqa=enable_gqa)
+        out = F.scaled_dot_product_attention(
+            q.flip(2), k, v, attn_mask=mask, enable_gqa=enable_gqa, scale=scale
+        )
         return out.flip(2)
 
     def __call__(
@@ -112,8 +121,14 @@ class ContextParallelAttention:
         *,
         enable_gqa: bool,
         documents: Documents | None = None,
+        window: int | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
-        return _eager_attend()(self, q, k, v, enable_gqa, documents)
+        """``documents``: keep attention inside packed documents; ``window``: a sliding window
+        of that many tokens (each sees itself and ``window - 1`` before it); ``scale``: the
+        softmax scale (default ``head_dim ** -0.5``)."""
+        bounds = KeyBounds(documents, window, scale)
+        return _eager_attend()(self, q, k, v, enable_gqa, bounds)
 
 
 @functools.cache
@@ -132,19 +147,18 @@ def _attend(
     k: torch.Tensor,
     v: torch.Tensor,
     enable_gqa: bool,
-    documents: Documents | None,
+    bounds: KeyBounds,
 ) -> torch.Tensor:
     cp, rank = kernel.cp, kernel.rank
     gathered = _GatherKV.apply(torch.stack((k, v))[None], kernel.group, cp)
-    if documents is not None:
+    if bounds.masked:
         # [cp, 2 (k, v), B, Hkv, s, D] -> the ranks' tokens one after another (the documents'
         # order), masked by the document rule: no reordering, any dealing of the tokens.
         local = q.shape[2]
-        check_document_order(documents, cp * local)
         k_all, v_all = gathered.movedim(0, 3).flatten(3, 4)
-        mask = document_mask(documents, slice(rank * local, (rank + 1) * local))
+        mask = bounds.mask(cp * local, cp, slice(rank * local, (rank + 1) * local), q.device)
         return F.scaled_dot_product_attention(
-            q, k_all, v_all, attn_mask=mask, enable_gqa=enable_gqa
+            q, k_all, v_all, attn_mask=mask, enable_gqa=enable_gqa, scale=bounds.scale
         )
     chunk = q.shape[2] // 2
     # [cp, 2 (k, v), B, Hkv, 2 (front, back), chunk, D] -> the sequence in its natural order:
@@ -157,5 +171,6 @@ def _attend(
     for i, index in enumerate((rank, 2 * cp - 1 - rank)):
         end = (index + 1) * chunk  # the prefix of the sequence this chunk attends to
         mine = q[:, :, i * chunk : (i + 1) * chunk]
-        outs.append(kernel.attend_chunk(mine, k_all[:, :, :end], v_all[:, :, :end], enable_gqa))
+        keys, values = k_all[:, :, :end], v_all[:, :, :end]
+        outs.append(kernel.attend_chunk(mine, keys, values, enable_gqa, bounds.scale))
     return torch.cat(outs, dim=2)

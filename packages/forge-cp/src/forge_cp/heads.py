@@ -26,10 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from forge_core.documents import Documents, document_mask
+from forge_core.documents import Documents
 
 from .checks import head_split_problem, kv_head_copies
-from .sequence import check_document_order
+from .sequence import KeyBounds
 
 __all__ = ["HeadParallelAttention"]
 
@@ -73,8 +73,12 @@ class HeadParallelAttention:
         *,
         enable_gqa: bool,
         documents: Documents | None = None,
+        window: int | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
-        return _eager_attend()(self, q, k, v, documents)
+        """``documents``, ``window``, ``scale``: as
+        :meth:`forge_cp.attention.ContextParallelAttention.__call__`."""
+        return _eager_attend()(self, q, k, v, KeyBounds(documents, window, scale))
 
 
 def _to_heads(x: torch.Tensor, kernel: HeadParallelAttention, ordered: bool) -> torch.Tensor:
@@ -117,7 +121,7 @@ def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    documents: Documents | None,
+    bounds: KeyBounds,
 ) -> torch.Tensor:
     cp, heads, kv_heads = kernel.cp, q.shape[1], k.shape[1]
     problem = head_split_problem(heads, kv_heads, cp)
@@ -126,13 +130,16 @@ def _attend(
     copies = kv_head_copies(kv_heads, cp)
     if copies > 1:  # fewer key/value heads than ranks: each goes to cp / kv_heads ranks
         k, v = (t.repeat_interleave(copies, dim=1) for t in (k, v))
-    ordered = documents is None
+    ordered = not bounds.masked
     q_all, k_all, v_all = (_to_heads(t, kernel, ordered) for t in (q, k, v))
     gqa = q_all.shape[1] != k_all.shape[1]
-    if documents is None:
-        out = F.scaled_dot_product_attention(q_all, k_all, v_all, is_causal=True, enable_gqa=gqa)
-    else:  # every token of the row, in the ranks' order: the document rule masks it as it is
-        check_document_order(documents, q_all.shape[2])
-        mask = document_mask(documents, slice(None))
-        out = F.scaled_dot_product_attention(q_all, k_all, v_all, attn_mask=mask, enable_gqa=gqa)
+    if ordered:
+        out = F.scaled_dot_product_attention(
+            q_all, k_all, v_all, is_causal=True, enable_gqa=gqa, scale=bounds.scale
+        )
+    else:  # every token of the row, in the ranks' order: the mask rule takes it as it is
+        mask = bounds.mask(q_all.shape[2], kernel.cp, slice(None), q.device)
+        out = F.scaled_dot_product_attention(
+            q_all, k_all, v_all, attn_mask=mask, enable_gqa=gqa, scale=bounds.scale
+        )
     return _to_tokens(out, kernel, ordered)

@@ -20,15 +20,19 @@ blocks per rank it deals exactly the fixed pairing above.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-from forge_core.documents import Documents
+from forge_core.documents import Documents, document_mask
 
 __all__ = [
+    "KeyBounds",
     "balanced_order",
     "check_document_order",
     "check_shardable",
     "chunk_order",
     "gather_sequence",
+    "row_documents",
     "shard_sequence",
     "sequence_positions",
 ]
@@ -109,3 +113,37 @@ def check_document_order(documents: Documents, length: int) -> None:
             f"a sequence of {length}: pass the whole row's documents in the ranks' order "
             "(forge_core.training.forward_backward does)"
         )
+
+
+def row_documents(length: int, cp: int, device: torch.device) -> Documents:
+    """A row of one document of ``length`` tokens in the order the ``cp`` ranks hold it (the
+    fixed pairing): what the kernels mask with when a sliding window asks for a mask and the
+    row has no packed documents."""
+    index = torch.cat([shard_sequence(torch.arange(length), cp, r, dim=0) for r in range(cp)])
+    starts = torch.zeros(1, length, dtype=torch.int64, device=device)
+    return Documents(index.to(device), starts)
+
+
+@dataclass(frozen=True)
+class KeyBounds:
+    """What limits the keys a query sees besides causality, and the softmax scale, as the
+    context-parallel kernels take them: packed ``documents``, a sliding ``window`` (each query
+    sees itself and ``window - 1`` tokens before it), ``scale`` (None: ``head_dim ** -0.5``)."""
+
+    documents: Documents | None = None
+    window: int | None = None
+    scale: float | None = None
+
+    @property
+    def masked(self) -> bool:
+        """Whether the keys need a mask beyond causality (else the kernels' mask-free path)."""
+        return self.documents is not None or self.window is not None
+
+    def mask(self, length: int, cp: int, queries: slice, device: torch.device) -> torch.Tensor:
+        """The bool mask ``[B or 1, 1, q, length]`` of ``queries`` over the whole row held in the
+        ranks' order (:func:`forge_core.documents.document_mask`)."""
+        documents = self.documents
+        if documents is None:
+            documents = row_documents(length, cp, device)
+        check_document_order(documents, length)
+        return document_mask(documents, queries, window=self.window)
