@@ -123,3 +123,21 @@ def test_a_kernel_that_cannot_mask_documents_is_refused():
         ForgeConfigError, match="plain_kernel installed on Attention cannot keep attention"
     ):
         m(tokens, positions=_packed([4, 4]))
+
+
+def test_every_layer_shares_one_mask(monkeypatch):
+    import forge_core.documents as documents
+
+    made = []
+    real = documents.document_mask
+
+    def counting(*args, **kwargs):
+        made.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(documents, "document_mask", counting)
+    m = _model()
+    assert CFG.n_layers > 1
+    tokens = torch.randint(0, CFG.vocab_size, (2, 12))
+    m(tokens, positions=_packed([5, 7]).expand(2, -1)).sum().backward()
+    assert len(made) == 1  # one mask per forward, saved once for every layer's backward

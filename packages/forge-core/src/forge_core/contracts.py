@@ -78,7 +78,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.hooks import RemovableHandle
 
-from .documents import Documents, document_mask
+from .documents import Documents
 from .errors import ForgeConfigError
 
 __all__ = [
@@ -421,7 +421,7 @@ def causal_attention(
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=enable_gqa
         )
-    mask = document_mask(documents, slice(None))
+    mask = documents.mask(slice(None))
     return torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, enable_gqa=enable_gqa
     )

@@ -23,8 +23,6 @@ inputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .errors import ForgeConfigError
@@ -32,7 +30,6 @@ from .errors import ForgeConfigError
 __all__ = ["Documents", "document_mask", "position_problem"]
 
 
-@dataclass(frozen=True)
 class Documents:
     """The documents of one batch, as attention sees them.
 
@@ -40,10 +37,21 @@ class Documents:
     order it holds them (``arange(S)`` without context parallelism). ``starts [B, S]`` (int64):
     the place where that token's document starts, same order. Every cp rank gets the same two
     tensors (the whole sequence's), so each can mask the keys it gathers.
+
+    :meth:`mask` makes each mask once per object: the model passes one object to every layer,
+    so every layer's attention saves the same mask tensor for backward (one copy, not one per
+    layer). A plain class, not a dataclass, so that FSDP2's input casting passes the object
+    itself down (it rebuilds dataclasses field by field, which would drop the cache).
     """
 
-    index: torch.Tensor
-    starts: torch.Tensor
+    __slots__ = ("_masks", "index", "starts")
+
+    def __init__(self, index: torch.Tensor, starts: torch.Tensor) -> None:
+        self.index, self.starts = index, starts
+        self._masks: dict[tuple[int | None, int | None, int | None], torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return f"Documents(index={tuple(self.index.shape)}, starts={tuple(self.starts.shape)})"
 
     @classmethod
     def from_positions(cls, positions_BS: torch.Tensor) -> Documents:
@@ -61,9 +69,12 @@ class Documents:
         """The same documents on ``device``."""
         return Documents(self.index.to(device), self.starts.to(device))
 
-    def rows(self, rows: slice) -> Documents:
-        """The documents of batch rows ``rows`` (a gradient-accumulation micro-batch)."""
-        return Documents(self.index, self.starts[rows])
+    def mask(self, queries: slice, window: int | None = None) -> torch.Tensor:
+        """:func:`document_mask` of these documents, made once per ``(queries, window)``."""
+        key = (queries.start, queries.stop, window)
+        if key not in self._masks:
+            self._masks[key] = document_mask(self, queries, window=window)
+        return self._masks[key]
 
 
 def document_mask(

@@ -20,10 +20,11 @@ blocks per rank it deals exactly the fixed pairing above.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
-from forge_core.documents import Documents, document_mask
+from forge_core.documents import Documents
 
 __all__ = [
     "KeyBounds",
@@ -115,10 +116,12 @@ def check_document_order(documents: Documents, length: int) -> None:
         )
 
 
+@functools.lru_cache(maxsize=8)
 def row_documents(length: int, cp: int, device: torch.device) -> Documents:
     """A row of one document of ``length`` tokens in the order the ``cp`` ranks hold it (the
     fixed pairing): what the kernels mask with when a sliding window asks for a mask and the
-    row has no packed documents."""
+    row has no packed documents. Kept per shape, so its masks are made once for every layer
+    and step."""
     index = torch.cat([shard_sequence(torch.arange(length), cp, r, dim=0) for r in range(cp)])
     starts = torch.zeros(1, length, dtype=torch.int64, device=device)
     return Documents(index.to(device), starts)
@@ -146,4 +149,4 @@ class KeyBounds:
         if documents is None:
             documents = row_documents(length, cp, device)
         check_document_order(documents, length)
-        return document_mask(documents, queries, window=self.window)
+        return documents.mask(queries, self.window)
