@@ -192,6 +192,29 @@ def test_forge_train_on_an_hf_directory_matches_a_transformers_loop(run_on_ranks
     assert torch.allclose(got, want, rtol=1e-3, atol=1e-4), (got - want).abs().max()
 
 
+@pytest.mark.zoo  # NOTE: 4 ranks, 6 steps: the Hugging Face lane
+@needs_datasets
+def test_forge_train_of_an_hf_directory_at_cp2_on_packed_text_matches_a_transformers_loop(
+    run_on_ranks, hf_job
+):
+    """Packed documents through every piece: text tokenized and packed, the Llama's attention
+    at cp=2 (transformers' attention interface, documents dealt over the ranks by their work)
+    under FSDP2 over dp_shard=2 x cp, against transformers' own loop on one device, which keeps
+    attention inside the documents from the same position_ids."""
+    root, model, data = hf_job
+    cfg = _cfg(root, model, data, "cp", dp_shard=2, cp=2)
+    cfg["checkpoint"] = {"save_at_end": False, "resume": "none"}
+    reference, validation, _ = _reference_steps(cfg)
+    summary = run_on_ranks(4, run_train, cfg, "cpu")[0]
+    forge_steps = [(s.loss, s.grad_norm) for s in summary.steps]
+    assert len(forge_steps) == STEPS
+    assert _rel(forge_steps[0][0], reference[0][0]) <= 1e-5
+    for (loss, norm), (ref_loss, ref_norm) in zip(forge_steps, reference, strict=True):
+        assert _rel(loss, ref_loss) <= 1e-4 and _rel(norm, ref_norm) <= 1e-4
+    for (_, loss), (_, ref_loss) in zip(summary.validation, validation, strict=True):
+        assert _rel(loss, ref_loss) <= 1e-4
+
+
 @pytest.mark.slow
 @needs_datasets
 def test_hf_resume_under_another_layout_continues_the_run(run_on_ranks, hf_job):

@@ -12,6 +12,10 @@ from tests.integration.cp.hf_jobs import hf_cp_parity, hf_cp_refusal
 #: imports it once (forge_core.testing.pytest_ranks).
 RANK_PRELOAD = ["transformers"]
 
+# NOTE: the Hugging Face lane (marker zoo), which runs in both venvs (transformers 5.23 and the
+# GPU machines' 5.17), not the README suite (its time).
+pytestmark = pytest.mark.zoo
+
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3_text"])
 def test_hf_model_at_cp2_x_fsdp2_matches_one_device(run_on_ranks, name):

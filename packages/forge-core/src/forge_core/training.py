@@ -37,7 +37,9 @@ __all__ = [
     "forward_backward",
     "global_grad_norm",
     "local_batch",
+    "micro_batches",
     "reduce_over_dp",
+    "reduce_over_tokens",
     "set_gradient_sync",
     "step_generator",
     "synthetic_tokens",
@@ -245,11 +247,11 @@ def forward_backward(
         )
     cp = axis_size(mesh, "cp") if shard is not None else 1
     if step is None:
-        micros = _micro_batches(model, inputs_BS, targets, positions_BS, grad_accum)
+        micros = micro_batches(model, inputs_BS, targets, positions_BS, grad_accum)
         local = sum((y != IGNORE_INDEX).sum() for _, y, _ in micros)
     else:
         local = (targets != IGNORE_INDEX).sum()
-    count = _reduce_over_tokens(torch.as_tensor(local).to(torch.int64), mesh, cp)
+    count = reduce_over_tokens(torch.as_tensor(local).to(torch.int64), mesh, cp)
     scale = dp_rank_and_size(mesh)[1] * cp / count
 
     def token_loss(logits: torch.Tensor, micro_targets: torch.Tensor) -> torch.Tensor:
@@ -294,17 +296,18 @@ def forward_backward(
         loss_sum += (
             micro_sum.full_tensor() if isinstance(micro_sum, DTensor) else micro_sum
         ).detach()
-    return _reduce_over_tokens(loss_sum, mesh, cp), count
+    return reduce_over_tokens(loss_sum, mesh, cp), count
 
 
-def _micro_batches(
+def micro_batches(
     model: nn.Module,
     inputs_BS: torch.Tensor,
     targets_BS: torch.Tensor,
     positions_BS: torch.Tensor | None,
     grad_accum: int,
 ) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
-    """``(inputs, targets, keyword arguments)`` of each micro-batch as this rank feeds the model:
+    """``(inputs, targets, keyword arguments)`` of each of ``grad_accum`` micro-batches as this
+    rank feeds ``model`` (the training step's, and the validation loss's):
     its sequence shard's tokens (context parallelism) and their global ``positions``, or packed
     documents' positions: ``positions`` (with the whole row's ``documents`` under context
     parallelism) for a model that masks documents itself (forge's), ``position_ids`` for a
@@ -350,7 +353,7 @@ def _micro_batches(
     return micros
 
 
-def _reduce_over_tokens(value: torch.Tensor, mesh: DeviceMesh | None, cp: int) -> torch.Tensor:
+def reduce_over_tokens(value: torch.Tensor, mesh: DeviceMesh | None, cp: int) -> torch.Tensor:
     """Sum ``value`` over every rank holding other tokens: the data-parallel ranks and, for a
     model that shards its sequences (``cp > 1``), the context-parallel ones."""
     reduce_over_dp(value, mesh)

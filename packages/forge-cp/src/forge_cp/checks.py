@@ -5,9 +5,12 @@ Each returns one-line messages naming the field and the fix (empty: fine).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from typing import Any
 
 __all__ = [
+    "HF_CP_FAMILIES",
+    "hf_cp_problems",
     "cp_pipeline_problems",
     "cp_problems",
     "cp_variant_problems",
@@ -112,3 +115,33 @@ def cp_variant_problems(
     if problem is None:
         return []
     return [f"cp.variant='heads' with parallelism.tp={tp}: {problem}; use cp.variant='allgather'"]
+
+
+#: ``model_type`` -> family: the Hugging Face decoders whose attention runs across cp shards.
+HF_CP_FAMILIES: dict[str, str] = {"llama": "Llama", "qwen3": "Qwen3", "gemma3_text": "Gemma3"}
+
+
+def hf_cp_problems(config: Mapping[str, Any], cp: int) -> list[str]:
+    """Why a Hugging Face model with this ``config.json`` cannot run at ``parallelism.cp=cp``,
+    one line each (empty: it can). Pure: the launcher asks before any rank starts."""
+    if cp <= 1:
+        return []
+    kind = config.get("model_type")
+    if kind not in HF_CP_FAMILIES:
+        names = ", ".join(f"{v} ({k})" for k, v in HF_CP_FAMILIES.items())
+        return [
+            f"parallelism.cp={cp} with a Hugging Face {kind!r} model: context parallelism runs "
+            f"the attention of {names}; set parallelism.cp=1 for this model"
+        ]
+    problems = []
+    if float(config.get("attention_dropout") or 0.0) > 0.0:
+        problems.append(
+            f"parallelism.cp={cp}: the model's attention_dropout={config['attention_dropout']} "
+            "is not run across cp shards; set it to 0 in config.json or parallelism.cp=1"
+        )
+    if config.get("attn_logit_softcapping") is not None:
+        problems.append(
+            f"parallelism.cp={cp}: attention logit soft-capping (attn_logit_softcapping) is not "
+            "run across cp shards; set parallelism.cp=1 for this model"
+        )
+    return problems

@@ -21,7 +21,6 @@ Only families whose attention forge checked against one device run this way
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -29,39 +28,13 @@ import torch.nn as nn
 from forge_core.documents import Documents
 from forge_core.errors import ForgeConfigError
 
+from .checks import HF_CP_FAMILIES, hf_cp_problems
+
 __all__ = ["ATTENTION_NAME", "HF_CP_FAMILIES", "hf_attention_modules", "hf_cp_problems"]
 
 #: The name forge-cp registers in transformers' ``AttentionInterface``.
 ATTENTION_NAME = "forge_cp"
-#: ``model_type`` -> family: the Hugging Face decoders whose attention runs across cp shards.
-HF_CP_FAMILIES: dict[str, str] = {"llama": "Llama", "qwen3": "Qwen3", "gemma3_text": "Gemma3"}
 _KERNEL_ATTR = "_forge_cp_kernel"
-
-
-def hf_cp_problems(config: Mapping[str, Any], cp: int) -> list[str]:
-    """Why a Hugging Face model with this ``config.json`` cannot run at ``parallelism.cp=cp``,
-    one line each (empty: it can). Pure: the launcher asks before any rank starts."""
-    if cp <= 1:
-        return []
-    kind = config.get("model_type")
-    if kind not in HF_CP_FAMILIES:
-        names = ", ".join(f"{v} ({k})" for k, v in HF_CP_FAMILIES.items())
-        return [
-            f"parallelism.cp={cp} with a Hugging Face {kind!r} model: context parallelism runs "
-            f"the attention of {names}; set parallelism.cp=1 for this model"
-        ]
-    problems = []
-    if float(config.get("attention_dropout") or 0.0) > 0.0:
-        problems.append(
-            f"parallelism.cp={cp}: the model's attention_dropout={config['attention_dropout']} "
-            "is not run across cp shards; set it to 0 in config.json or parallelism.cp=1"
-        )
-    if config.get("attn_logit_softcapping") is not None:
-        problems.append(
-            f"parallelism.cp={cp}: attention logit soft-capping (attn_logit_softcapping) is not "
-            "run across cp shards; set parallelism.cp=1 for this model"
-        )
-    return problems
 
 
 def is_hf_model(model: nn.Module) -> bool:

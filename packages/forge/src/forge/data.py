@@ -9,7 +9,9 @@ materializes only its data-parallel slice of a global batch.
 Token file: a flat binary of token ids (no header) in ``data.dtype``. It is cut into windows of
 ``seq_len + 1`` tokens starting every ``seq_len`` tokens (the last token of a window is the first
 of the next: every token is predicted once). Each pass over the file visits the windows in its
-own seeded random order.
+own seeded random order. With ``data.eos_id``, the file is documents each ended by that id:
+a window's ``positions`` restart at 0 after each EOS and the target that starts a document is
+masked (:func:`document_positions`), as for packed text.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ __all__ = [
     "SyntheticFields",
     "SyntheticVLMData",
     "TokenFile",
+    "document_positions",
     "token_file_problems",
 ]
 
@@ -43,7 +46,8 @@ __all__ = [
 class Batch:
     """One rank's slice of a step's global batch: ``tokens [b, S+1]`` and VLM ``images``.
 
-    Packed text (:mod:`forge.text_data`) adds ``positions [b, S]``, each input token's position
+    Packed text (:mod:`forge.text_data`), and a token file with ``data.eos_id``, add
+    ``positions [b, S]``, each input token's position
     in its document (restarting at 0 where a document starts, so attention does not cross it),
     and ``loss_mask [b, S]``, whether the target ``tokens[:, 1:]`` counts in the loss (False
     across a document boundary, on padding, and in SFT on all but the assistant's tokens).
@@ -154,6 +158,7 @@ class TokenFile(StepData[Batch]):
         seed: int,
         dp_rank: int,
         dp_size: int,
+        eos_id: int | None = None,
     ) -> None:
         super().__init__(global_batch, dp_rank, dp_size)
         if not os.path.isfile(path):
@@ -168,6 +173,7 @@ class TokenFile(StepData[Batch]):
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self.tokens = torch.frombuffer(self._map, dtype=self.dtype, count=n_tokens)
         self.path, self.seq_len, self.vocab_size, self.seed = path, seq_len, vocab_size, seed
+        self.eos_id = eos_id
         self._order: tuple[int, torch.Tensor] | None = None
 
     def _window(self, sample: int) -> int:
@@ -192,7 +198,29 @@ class TokenFile(StepData[Batch]):
                 f"data.path={self.path!r} holds token id {top} at step {step}, outside "
                 f"model.vocab_size={self.vocab_size}; use the tokenizer's vocabulary size"
             )
-        return Batch(tokens)
+        if self.eos_id is None:
+            return Batch(tokens)
+        positions, loss_mask = document_positions(tokens, self.eos_id)
+        return Batch(tokens, positions=positions, loss_mask=loss_mask)
+
+
+def document_positions(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(positions [b, S], loss_mask [b, S])`` of windows ``tokens [b, S+1]`` of documents each
+    ended by ``eos_id``.
+
+    A position counts from the window's first token and restarts at 0 on the token after each
+    EOS (the EOS is its document's last token). A target is masked exactly where it starts a
+    document (its input is an EOS): nothing in the previous document predicts it, while the EOS
+    itself stays a target. NOTE: the last start at or before each token is a running maximum of
+    the start indices (``cummax``): no loop over tokens.
+    """
+    ends_BS = tokens[:, :-1] == eos_id
+    s = ends_BS.shape[1]
+    index_BS = torch.arange(s).expand_as(ends_BS)
+    starts_BS = torch.zeros_like(ends_BS)
+    starts_BS[:, 1:] = ends_BS[:, :-1]  # the token after an EOS starts a document
+    last_start_BS = torch.where(starts_BS, index_BS, 0).cummax(dim=1).values
+    return index_BS - last_start_BS, ~ends_BS
 
 
 class SyntheticFields(StepData[FieldBatch]):

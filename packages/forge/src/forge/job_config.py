@@ -6,6 +6,7 @@ The layers' sections live in their layers; :mod:`forge.config` composes them all
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from forge_core.errors import (
@@ -25,7 +26,10 @@ __all__ = [
     "DATA_MODES",
     "DataConfig",
     "MetricsConfig",
+    "TEXT_SUFFIXES",
     "TrainingConfig",
+    "eos_id_problems",
+    "is_text_data",
 ]
 
 
@@ -120,6 +124,24 @@ class TrainingConfig:
 TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
 
 
+#: Suffix of a text ``data.path`` -> the ``datasets`` builder that reads it
+#: (:mod:`forge.text_data`); any other file is a flat token file.
+TEXT_SUFFIXES: dict[str, str] = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".text": "text",
+}
+
+
+def is_text_data(path: str) -> bool:
+    """Whether ``data.path`` is text to tokenize (a suffix of :data:`TEXT_SUFFIXES` or a
+    directory saved by ``datasets``), not a flat token file. Here, without torch, so that the
+    pure checks can tell them apart before launch."""
+    return os.path.isdir(path) or os.path.splitext(path)[1].lower() in TEXT_SUFFIXES
+
+
 #: What ``data.mode`` trains on: whole documents (``pretrain``) or conversations (``sft``).
 DATA_MODES = ("pretrain", "sft")
 
@@ -142,6 +164,10 @@ class DataConfig:
     per row padded), ``cache_dir`` (tokenized data, keyed by the file's contents and the
     tokenizer; default ``<training.out_dir>/token_cache``) and ``validation_fraction`` (the
     share of documents held out for the validation loss, ``[metrics] validation_every``).
+
+    Token file only: ``eos_id``, the id that ends each document in the file. Set, a row's
+    positions restart at 0 after each such token and the loss skips the target that starts a
+    document, as for packed text: attention stays inside each document.
     """
 
     path: str | None = None
@@ -153,9 +179,12 @@ class DataConfig:
     packing: bool = True
     cache_dir: str | None = None
     validation_fraction: float = 0.0
+    eos_id: int | None = None
 
     def __post_init__(self) -> None:
         check_field_types(self, "data")
+        if self.eos_id is not None:
+            check_int("data.eos_id", self.eos_id, 0)
         if self.dtype not in TOKEN_DTYPES:
             raise ForgeConfigError(
                 f"data.dtype={self.dtype!r} is invalid: choose one of {list(TOKEN_DTYPES)}"
@@ -181,6 +210,36 @@ class DataConfig:
             hi_open=True,
             why="the share of documents held out for the validation loss",
         )
+
+    @property
+    def packs_documents(self) -> bool:
+        """Whether rows hold several documents, each token's position counted from its own
+        document's start: text, or a token file with ``eos_id``."""
+        return self.path is not None and (is_text_data(self.path) or self.eos_id is not None)
+
+
+def eos_id_problems(data: DataConfig, vocab_size: int) -> list[str]:
+    """What is wrong with ``data.eos_id`` against the rest of ``[data]`` and the model's
+    vocabulary (pure; empty: fine or unset)."""
+    eos = data.eos_id
+    if eos is None:
+        return []
+    if data.path is None:
+        return [
+            f"data.eos_id={eos} marks the documents of a token file, and data.path is unset "
+            "(synthetic tokens); set data.path to a token file or unset data.eos_id"
+        ]
+    if is_text_data(data.path):
+        return [
+            f"data.eos_id={eos} with text data.path={data.path!r}: the tokenizer's own EOS "
+            "ends each document of text; unset data.eos_id"
+        ]
+    if eos >= vocab_size:
+        return [
+            f"data.eos_id={eos} is outside model.vocab_size={vocab_size}; set data.eos_id to "
+            "the id that ends each document in the token file"
+        ]
+    return []
 
 
 @dataclass(frozen=True)

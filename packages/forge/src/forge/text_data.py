@@ -1,10 +1,11 @@
 """Text as training data for ``forge train``: tokenized once, cached, read in windows by step.
 
-Provides :data:`TEXT_SUFFIXES` and :func:`is_text_data` (which ``data.path`` is text),
-:class:`TokenizedText` (a token stream with its loss targets), :func:`tokenize_text` (a split
-of the tokenized corpus, through the cache), :class:`TextData` (``batch(step)`` like
-:class:`forge.data.TokenFile`) and :func:`text_data_problems` (the launcher's check, which also
-fills the cache so that the ranks only read it).
+Provides :data:`TEXT_SUFFIXES` and :func:`is_text_data` (which ``data.path`` is text; defined
+in :mod:`forge.job_config`, without torch, for the pure checks), :class:`TokenizedText` (a token
+stream with its loss targets), :func:`tokenize_text` (a split of the tokenized corpus, through
+the cache), :class:`TextData` (``batch(step)`` like :class:`forge.data.TokenFile`) and
+:func:`text_data_problems` (the launcher's check, which also fills the cache so that the ranks
+only read it).
 
 What a file holds (loaded through Hugging Face ``datasets``, see :mod:`forge.text_tokens`):
 ``.jsonl``/``.json`` and ``.parquet`` rows, a directory saved by ``save_to_disk``, or a
@@ -41,7 +42,7 @@ import torch
 from forge_core import ForgeConfigError
 
 from .data import Batch, StepData
-from .job_config import DataConfig
+from .job_config import TEXT_SUFFIXES, DataConfig, is_text_data
 from .text_cache import cache_key, cache_path, read_cache, write_cache
 from .text_tokens import (
     TokenizedText,
@@ -66,22 +67,8 @@ __all__ = [
     "tokenize_text",
 ]
 
-#: Suffix of ``data.path`` -> the ``datasets`` builder that reads it.
-TEXT_SUFFIXES: dict[str, str] = {
-    ".jsonl": "json",
-    ".json": "json",
-    ".parquet": "parquet",
-    ".txt": "text",
-    ".text": "text",
-}
 #: Offset of the validation split's generator seed from the epochs' (``seed * 7919 + epoch``).
 _SPLIT_STREAM = 1 << 40
-
-
-def is_text_data(path: str) -> bool:
-    """Whether ``data.path`` is text to tokenize (a suffix of :data:`TEXT_SUFFIXES` or a
-    directory saved by ``datasets``), not a flat token file."""
-    return os.path.isdir(path) or os.path.splitext(path)[1].lower() in TEXT_SUFFIXES
 
 
 def _loader(path: str) -> str:

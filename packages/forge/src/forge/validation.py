@@ -3,7 +3,7 @@ token loss over the first ``validation_batches`` global batches of the held-out 
 (``data.validation_fraction``), the same batches every time, so that the points of one run
 (and of runs under other layouts) compare.
 
-Every rank takes part (the forward is collective under TP and FSDP2); nothing is trained: no
+Every rank takes part (the forward is collective under TP, CP and FSDP2); nothing is trained: no
 gradient is kept, and FSDP2's units are resharded afterwards, so that the optimizer keeps
 updating the shards (:func:`forge_fsdp_wrap.reshard`).
 """
@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from forge_core.training import IGNORE_INDEX, reduce_over_dp
+from forge_core.contracts import sequence_shard
+from forge_core.mesh_dims import axis_size
+from forge_core.training import IGNORE_INDEX, micro_batches, reduce_over_tokens
 from forge_fsdp_wrap import reshard
 from torch.distributed.tensor import DTensor
 
@@ -46,20 +48,25 @@ def validation_loss(
             targets = tokens[:, 1:]
             if batch.loss_mask is not None:
                 targets = targets.masked_fill(~batch.loss_mask.to(device), IGNORE_INDEX)
-            at = {} if batch.positions is None else {"position_ids": batch.positions.to(device)}
-            out = model(tokens[:, :-1], **at)
+            # NOTE: fed as the training step feeds it: a context-parallel rank's tokens, packed
+            # documents' positions (positions= for forge's model, position_ids= for transformers')
+            ((inputs, kept, at),) = micro_batches(
+                model, tokens[:, :-1], targets, batch.positions, 1
+            )
+            out = model(inputs, **at)
             logits = out if isinstance(out, torch.Tensor) else out.logits
             if isinstance(logits, DTensor):
                 logits = logits.full_tensor()
             loss = F.cross_entropy(
                 logits.float().flatten(0, 1),
-                targets.flatten(),
+                kept.flatten(),
                 ignore_index=IGNORE_INDEX,
                 reduction="sum",
             )
-            total += torch.stack([loss.double(), (targets != IGNORE_INDEX).sum().double()])
+            total += torch.stack([loss.double(), (kept != IGNORE_INDEX).sum().double()])
     finally:
         model.train(was_training)
         reshard(model)
-    reduce_over_dp(total, mesh)
+    cp = axis_size(mesh, "cp") if sequence_shard(model) is not None else 1
+    reduce_over_tokens(total, mesh, cp)  # the data-parallel ranks, and the cp ranks' tokens
     return float(total[0] / total[1].clamp_min(1))

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from forge_pp.checks import pp_problems
 
+from ..job_config import eos_id_problems, is_text_data
+
 #: :meth:`DecoderKind.input_activation_bytes`' keys: bytes kept per AC mode, and recomputed.
 INPUT_ACTIVATION_KEYS: tuple[str, ...] = ("none", "full", "selective", "op")
 INPUT_ACTIVATION_KEYS += tuple(f"{m}_recompute" for m in INPUT_ACTIVATION_KEYS[1:])
@@ -40,21 +42,24 @@ class DecoderKind:
     first_stage: ClassVar[str] = "embedding"
 
     def problems(self, layout: Layout) -> list[str]:
-        """What this kind cannot be combined with (pure; the layers' checks run beside it)."""
+        """What this kind cannot be combined with (pure; the layers' checks run beside it), and
+        ``data.eos_id`` against the data and the vocabulary."""
+        problems = eos_id_problems(self.cfg.data, self.cfg.model.vocab_size)
         domain = layout.parallelism.domain
-        if domain <= 1:
-            return []
-        return [
-            f"parallelism.domain={domain}: domain parallelism splits 2-D fields (conv nets), "
-            "and this model is a token model. Train a field model (model.preset=debug_field, "
-            "[field] section), or set domain=1"
-        ]
+        if domain > 1:
+            problems.append(
+                f"parallelism.domain={domain}: domain parallelism splits 2-D fields (conv nets), "
+                "and this model is a token model. Train a field model (model.preset=debug_field, "
+                "[field] section), or set domain=1"
+            )
+        return problems
 
     def pipeline_problems(self, layout: Layout) -> list[str]:
         """What cannot run with ``parallelism.pp > 1`` (pure): the ``[pp]`` section against the
         layout (forge_pp's own checks), and what forge composes around the stages: plain tensors
         between them (no sequence or loss parallelism), a rank model that is never called as a
-        whole (no whole-model compile). ``data='ddp'`` is :func:`forge.checks.plan_problems`'."""
+        whole (no whole-model compile), and no packed documents (the stages pass no positions).
+        ``data='ddp'`` is :func:`forge.checks.plan_problems`'."""
         cfg = self.cfg
         par, t, m = layout.parallelism, cfg.training, cfg.decoder
         problems = pp_problems(
@@ -71,6 +76,12 @@ class DecoderKind:
                 f"training.compile_scope='model' with parallelism.pp={par.pp}: a pipeline rank's "
                 "model is never called as a whole (the schedule calls its stages); set "
                 "training.compile_scope='blocks', which compiles each block of every stage"
+            )
+        if cfg.data.packs_documents:
+            eos = "" if cfg.data.eos_id is None else f" with data.eos_id={cfg.data.eos_id}"
+            problems.append(
+                f"data.path={cfg.data.path!r}{eos} packs documents (positions restart at each "
+                "document), which pipeline stages do not carry yet; set parallelism.pp=1"
             )
         return problems
 
@@ -103,10 +114,15 @@ class DecoderKind:
     def data(
         self, dp_rank: int, dp_size: int, *, image_token_id: int | None, image_tokens: int
     ) -> StepData[Batch] | StepData[FieldBatch]:
-        """The data source of ``forge train``: the token file at ``data.path``, else synthetic
-        tokens. ``image_*``: a VLM's placeholder (what its wrapper says)."""
+        """The data source of ``forge train``: text tokenized by :meth:`tokenizer_dir`'s
+        tokenizer (:mod:`forge.text_data`), the token file at ``data.path`` (its documents ended
+        by ``data.eos_id`` when set), else synthetic tokens. ``image_*``: a VLM's placeholder
+        (what its wrapper says)."""
         from ..data import SyntheticData, TokenFile
 
+        text = self._text_data(dp_rank, dp_size, "train")
+        if text is not None:
+            return text
         cfg, t = self.cfg, self.cfg.training
         if cfg.data.path is None:
             return SyntheticData(cfg, dp_rank, dp_size)
@@ -119,28 +135,69 @@ class DecoderKind:
             seed=t.seed,
             dp_rank=dp_rank,
             dp_size=dp_size,
+            eos_id=cfg.data.eos_id,
         )
 
     def validation_data(self, dp_rank: int, dp_size: int) -> StepData[Batch] | None:
-        """The held-out documents of ``metrics.validation_every`` (None: this kind's data has
-        none; the pre-launch check refuses asking for it)."""
-        return None
+        """The held-out documents (``data.validation_fraction``) of text data for
+        ``metrics.validation_every`` (None: not text; the pre-launch check refuses asking for
+        a validation loss without held-out documents)."""
+        return self._text_data(dp_rank, dp_size, "validation")
+
+    def tokenizer_dir(self) -> str | None:
+        """The tokenizer of text data: ``data.tokenizer`` (None: unset, which the pre-launch
+        check refuses for text)."""
+        return self.cfg.data.tokenizer
+
+    def cache_dir(self) -> str:
+        """Where tokenized text is kept: ``data.cache_dir``, else ``<out_dir>/token_cache``."""
+        import os
+
+        return self.cfg.data.cache_dir or os.path.join(self.cfg.training.out_dir, "token_cache")
+
+    def _text_data(self, dp_rank: int, dp_size: int, split: str) -> StepData[Batch] | None:
+        """Split ``split`` of text ``data.path``, this rank's slices (None: not text)."""
+        cfg, t = self.cfg, self.cfg.training
+        if cfg.data.path is None or not is_text_data(cfg.data.path):
+            return None
+        from ..text_data import TextData
+
+        tokenizer = self.tokenizer_dir()
+        assert tokenizer is not None  # NOTE: data_problems refused it before launch
+        return TextData(
+            cfg.data,
+            tokenizer_dir=tokenizer,
+            seq_len=t.seq_len,
+            global_batch=t.global_batch_size,
+            seed=t.seed,
+            cache_dir=self.cache_dir(),
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            split=split,
+        )
 
     def data_problems(self) -> list[str]:
-        """What the launcher says of the training data before any rank starts: the token file
-        at ``data.path`` (:func:`forge.data.token_file_problems`); nothing of synthetic data."""
-        from ..data import token_file_problems
-        from ..text_data import is_text_data
-
+        """What the launcher says of the training data before any rank starts: text (the
+        tokenizer, the columns, the template and the vocabulary, tokenizing once so that the
+        ranks then read the cache: :func:`forge.text_data.text_data_problems`), or the token
+        file at ``data.path`` (:func:`forge.data.token_file_problems`); nothing of synthetic
+        data."""
         cfg, t, path = self.cfg, self.cfg.training, self.cfg.data.path
         if path is None:
             return []
         if is_text_data(path):
-            return [
-                f"data.path={path!r} is text to tokenize, which trains a Hugging Face model "
-                "(model.hf = DIR); forge's own model reads a token file of ids (data.dtype) "
-                "until it keeps attention inside packed documents"
-            ]
+            from ..text_data import text_data_problems
+
+            return text_data_problems(
+                cfg.data,
+                tokenizer_dir=self.tokenizer_dir(),
+                vocab_size=cfg.model.vocab_size,
+                seq_len=t.seq_len,
+                seed=t.seed,
+                cache_dir=self.cache_dir(),
+            )
+        from ..data import token_file_problems
+
         try:
             return token_file_problems(
                 path, cfg.data.dtype, seq_len=t.seq_len, vocab_size=cfg.model.vocab_size
@@ -172,7 +229,8 @@ class DecoderKind:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step's forward and backward on this rank's ``batch`` (what
         :meth:`data` gives): ``(loss sum, global count)``. ``ignore_token``: a VLM's placeholder,
-        which the loss skips."""
+        which the loss skips. Packed documents' positions (attention kept inside each document)
+        and loss mask go with the tokens."""
         from forge_core.training import forward_backward
 
         from ..data import FieldBatch
@@ -185,6 +243,10 @@ class DecoderKind:
             grad_accum=self.cfg.training.grad_accum,
             images=None if batch.images is None else batch.images.to(device),
             ignore_token=ignore_token,
+            # NOTE: the positions stay on the host: forward_backward lays out context-parallel
+            # shards from them without a device sync, and moves them to the device itself.
+            positions_BS=batch.positions,
+            loss_mask_BS=None if batch.loss_mask is None else batch.loss_mask.to(device),
         )
 
     # ------------------------------------------------------------------------ forge plan

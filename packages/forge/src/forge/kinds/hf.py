@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from forge_cp.checks import hf_cp_problems
+
 from ..hf_source import (
     HFModelConfig,
     exact_heads,
@@ -23,7 +25,6 @@ if TYPE_CHECKING:
     from forge_core import ParallelismConfig
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..data import Batch, FieldBatch, StepData
     from ..layout import Layout
 
 __all__ = ["HFKind"]
@@ -51,11 +52,9 @@ class HFKind(DecoderKind):
                 "stages, not a Hugging Face model yet; set parallelism.pp=1"
             )
         problems += hf_compile_problems(True, par.tp, self.cfg.training.compile)
-        if par.cp > 1:
-            problems.append(
-                f"parallelism.cp={par.cp} with model.hf: context parallelism runs forge's own "
-                "attention, not a Hugging Face model's yet; set parallelism.cp=1"
-            )
+        if par.cp > 1 and not hf_dir_problems(self.hf):
+            # NOTE: Llama, Qwen3, Gemma3 through transformers' attention interface; others by name
+            problems += hf_cp_problems(read_hf_config(self.hf.dir), par.cp)
         return problems
 
     def import_problems(self, layout: Layout) -> list[str]:
@@ -114,75 +113,12 @@ class HFKind(DecoderKind):
         return self.hf.dir if self.hf.pretrained else None
 
     def tokenizer_dir(self) -> str | None:
-        """``data.tokenizer``, else the model directory when it holds a tokenizer."""
+        """``data.tokenizer``, else the model directory when it holds a tokenizer (text data
+        and the train step are :class:`DecoderKind`'s)."""
         given = self.cfg.data.tokenizer
         if given is not None:
             return given
         return self.hf.dir if has_tokenizer(self.hf.dir) else None
-
-    def data(
-        self, dp_rank: int, dp_size: int, *, image_token_id: int | None, image_tokens: int
-    ) -> StepData[Batch] | StepData[FieldBatch]:
-        """Text tokenized by the model's tokenizer (:mod:`forge.text_data`), a token file, or
-        synthetic tokens."""
-        text = self._text_data(dp_rank, dp_size, "train")
-        if text is not None:
-            return text
-        return super().data(
-            dp_rank, dp_size, image_token_id=image_token_id, image_tokens=image_tokens
-        )
-
-    def validation_data(self, dp_rank: int, dp_size: int) -> StepData[Batch] | None:
-        """The held-out documents (``data.validation_fraction``) of text data."""
-        return self._text_data(dp_rank, dp_size, "validation")
-
-    def _text_data(self, dp_rank: int, dp_size: int, split: str) -> StepData[Batch] | None:
-        """Split ``split`` of text ``data.path``, this rank's slices (None: not text)."""
-        cfg, t = self.cfg, self.cfg.training
-        if cfg.data.path is None:
-            return None
-        from ..text_data import TextData, is_text_data
-
-        if not is_text_data(cfg.data.path):
-            return None
-        tokenizer = self.tokenizer_dir()
-        assert tokenizer is not None  # NOTE: data_problems refused it before launch
-        return TextData(
-            cfg.data,
-            tokenizer_dir=tokenizer,
-            seq_len=t.seq_len,
-            global_batch=t.global_batch_size,
-            seed=t.seed,
-            cache_dir=self.cache_dir(),
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            split=split,
-        )
-
-    def cache_dir(self) -> str:
-        """Where tokenized text is kept: ``data.cache_dir``, else ``<out_dir>/token_cache``."""
-        import os
-
-        return self.cfg.data.cache_dir or os.path.join(self.cfg.training.out_dir, "token_cache")
-
-    def data_problems(self) -> list[str]:
-        """Text: the tokenizer, the columns, the template and the vocabulary, tokenizing once
-        (the ranks then read the cache); a token file as for forge's model."""
-        cfg, t = self.cfg, self.cfg.training
-        if cfg.data.path is None:
-            return []
-        from ..text_data import is_text_data, text_data_problems
-
-        if not is_text_data(cfg.data.path):
-            return super().data_problems()
-        return text_data_problems(
-            cfg.data,
-            tokenizer_dir=self.tokenizer_dir(),
-            vocab_size=cfg.model.vocab_size,
-            seq_len=t.seq_len,
-            seed=t.seed,
-            cache_dir=self.cache_dir(),
-        )
 
     def describe(self) -> tuple[str, str]:
         config = read_hf_config(self.hf.dir)
@@ -193,30 +129,6 @@ class HFKind(DecoderKind):
             f"{m.n_layers} layers x dim {m.dim})"
         )
         return model, f"{self.cfg.data.path or 'synthetic tokens'}, seq {t.seq_len}"
-
-    def train_step(
-        self,
-        model: nn.Module,
-        batch: Batch | FieldBatch,
-        mesh: DeviceMesh,
-        device: torch.device,
-        ignore_token: int | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step of :meth:`DecoderKind.train_step`, with packed text's positions (attention
-        kept inside each document) and loss mask."""
-        from forge_core.training import forward_backward
-
-        from ..data import FieldBatch
-
-        assert not isinstance(batch, FieldBatch)  # NOTE: data() gives token batches here
-        return forward_backward(
-            model,
-            batch.tokens.to(device),
-            mesh=mesh,
-            grad_accum=self.cfg.training.grad_accum,
-            positions_BS=None if batch.positions is None else batch.positions.to(device),
-            loss_mask_BS=None if batch.loss_mask is None else batch.loss_mask.to(device),
-        )
 
     def decoder_reports(
         self,

@@ -82,7 +82,11 @@ class VLMKind(DecoderKind):
             self.cfg, dp_rank, dp_size, image_token_id=image_token_id, image_tokens=image_tokens
         )
 
+    def validation_data(self, dp_rank: int, dp_size: int) -> StepData[Batch] | None:
+        return None  # NOTE: no text: data_problems refuses any data.path
+
     def data_problems(self) -> list[str]:
+        """A token file or text holds no images: any ``data.path`` is refused."""
         return [] if self.cfg.data.path is None else [VLM_TOKEN_FILE]
 
     def describe(self) -> tuple[str, str]:
