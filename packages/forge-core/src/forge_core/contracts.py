@@ -421,7 +421,7 @@ def causal_attention(
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=enable_gqa
         )
-    mask = documents.mask(slice(None))
+    mask = documents.mask(slice(None), None, q.dtype)
     return torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, enable_gqa=enable_gqa
     )

@@ -48,7 +48,8 @@ class Documents:
 
     def __init__(self, index: torch.Tensor, starts: torch.Tensor) -> None:
         self.index, self.starts = index, starts
-        self._masks: dict[tuple[int | None, int | None, int | None], torch.Tensor] = {}
+        self._masks: dict[tuple[int | None, int | None, int | None, torch.dtype], torch.Tensor]
+        self._masks = {}
 
     def __repr__(self) -> str:
         return f"Documents(index={tuple(self.index.shape)}, starts={tuple(self.starts.shape)})"
@@ -69,11 +70,17 @@ class Documents:
         """The same documents on ``device``."""
         return Documents(self.index.to(device), self.starts.to(device))
 
-    def mask(self, queries: slice, window: int | None = None) -> torch.Tensor:
-        """:func:`document_mask` of these documents, made once per ``(queries, window)``."""
-        key = (queries.start, queries.stop, window)
+    def mask(self, queries: slice, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """:func:`document_mask` of these documents as SDPA's additive mask in ``dtype`` (0
+        where allowed, -inf elsewhere), made once per ``(queries, window, dtype)``.
+
+        NOTE: additive, not bool: SDPA turns a bool mask into a float one inside every call,
+        and each layer's backward would then keep its own copy."""
+        key = (queries.start, queries.stop, window, dtype)
         if key not in self._masks:
-            self._masks[key] = document_mask(self, queries, window=window)
+            allowed = document_mask(self, queries, window=window)
+            additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            self._masks[key] = additive.masked_fill_(~allowed, float("-inf"))
         return self._masks[key]
 
 

@@ -156,7 +156,7 @@ def _attend(
         # order), masked by the document rule: no reordering, any dealing of the tokens.
         local = q.shape[2]
         k_all, v_all = gathered.movedim(0, 3).flatten(3, 4)
-        mask = bounds.mask(cp * local, cp, slice(rank * local, (rank + 1) * local), q.device)
+        mask = bounds.mask(cp * local, cp, slice(rank * local, (rank + 1) * local), q)
         return F.scaled_dot_product_attention(
             q, k_all, v_all, attn_mask=mask, enable_gqa=enable_gqa, scale=bounds.scale
         )

@@ -138,7 +138,7 @@ def _attend(
             q_all, k_all, v_all, is_causal=True, enable_gqa=gqa, scale=bounds.scale
         )
     else:  # every token of the row, in the ranks' order: the mask rule takes it as it is
-        mask = bounds.mask(q_all.shape[2], kernel.cp, slice(None), q.device)
+        mask = bounds.mask(q_all.shape[2], kernel.cp, slice(None), q_all)
         out = F.scaled_dot_product_attention(
             q_all, k_all, v_all, attn_mask=mask, enable_gqa=gqa, scale=bounds.scale
         )

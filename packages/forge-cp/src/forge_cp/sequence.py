@@ -142,11 +142,12 @@ class KeyBounds:
         """Whether the keys need a mask beyond causality (else the kernels' mask-free path)."""
         return self.documents is not None or self.window is not None
 
-    def mask(self, length: int, cp: int, queries: slice, device: torch.device) -> torch.Tensor:
-        """The bool mask ``[B or 1, 1, q, length]`` of ``queries`` over the whole row held in the
-        ranks' order (:func:`forge_core.documents.document_mask`)."""
+    def mask(self, length: int, cp: int, queries: slice, like: torch.Tensor) -> torch.Tensor:
+        """The additive mask ``[B or 1, 1, q, length]`` (``like``'s dtype and device) of
+        ``queries`` over the whole row held in the ranks' order
+        (:meth:`forge_core.documents.Documents.mask`)."""
         documents = self.documents
         if documents is None:
-            documents = row_documents(length, cp, device)
+            documents = row_documents(length, cp, like.device)
         check_document_order(documents, length)
-        return documents.mask(queries, self.window)
+        return documents.mask(queries, self.window, like.dtype)
