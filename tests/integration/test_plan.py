@@ -412,3 +412,25 @@ def test_collective_counts_match_comm_debug_mode(run_on_ranks, planned, name):
             op = _OPS[(kind, group == "tp")]
             expected[op] = expected.get(op, 0) + count
     assert run_on_ranks(4, _real_comm_counts, LAYOUTS[name])[0] == expected
+
+
+def test_packed_documents_add_their_mask_and_rotary_rows_to_the_estimate(tmp_path):
+    """forge's model on one CPU process, fp32, AC none, micro-batch 4 x 32: packed documents
+    keep one additive mask (b x S x S) for every layer and each row's rotary rows; the estimate
+    for a token file with data.eos_id adds exactly what the saved tensors grow by."""
+    path = tmp_path / "tokens.bin"
+    path.write_bytes(bytes(2 * 4096))
+    settings = {"training": {"global_batch_size": 4, "param_dtype": "float32"}}
+    plain = load_config(settings)
+    packed = load_config({**settings, "data": {"path": str(path), "eos_id": 2}})
+    model = build_parallel_model(plain.decoder, "cpu", None, param_dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, plain.model.vocab_size, (4, 33), generator=g)
+    positions = torch.cat([torch.arange(n) for n in (5, 20, 7)]).expand(4, -1)
+
+    def step(**where: Any) -> None:
+        model(tokens[:, :-1], **where).sum()
+
+    grown = _saved_bytes(model, lambda: step(positions=positions)) - _saved_bytes(model, step)
+    estimate = [estimate_activations(cfg, 1, device="cpu").saved("none") for cfg in (plain, packed)]
+    assert grown == estimate[1] - estimate[0] == 4 * 32 * 32 * 4 + 2 * 4 * 32 * 16 * 4

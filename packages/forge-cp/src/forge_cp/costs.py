@@ -14,7 +14,12 @@ from forge_core.costs import CollectiveTally
 
 from .checks import kv_head_copies
 
-__all__ = ["cp_attention_extra_bytes", "cp_collectives", "cp_kept_once_bytes"]
+__all__ = [
+    "cp_attention_extra_bytes",
+    "cp_collectives",
+    "cp_kept_once_bytes",
+    "document_mask_bytes",
+]
 
 
 def _kv_repeat(kv_dim: int, tp: int, head_dim: int, cp: int) -> int:
@@ -72,6 +77,17 @@ def cp_kept_once_bytes(
     masks = device == "cpu" and variant == "allgather"
     # the masks: one row of chunk + end - 1 values per chunk (end: (r + 1) c, (2 cp - r) c)
     return rope + (itemsize * ((2 * cp + 3) * chunk - 2) if masks else 0)
+
+
+def document_mask_bytes(
+    *, b: int, seq_len: int, cp: int, itemsize: int, variant: str = "allgather"
+) -> int:
+    """The one additive mask packed documents keep per micro-batch of ``b`` rows (shared by
+    every layer, alive while its documents are: under any AC mode): ``b q seq_len e`` with
+    ``q`` the queries a rank masks, the whole row on one device or under the heads variant,
+    its own ``seq_len / cp`` tokens under the all-gather variant."""
+    queries = seq_len if cp == 1 or variant == "heads" else seq_len // cp
+    return b * queries * seq_len * itemsize
 
 
 def cp_collectives(

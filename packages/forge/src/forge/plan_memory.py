@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from forge_core import ForgeConfigError
-from forge_cp.costs import cp_attention_extra_bytes, cp_kept_once_bytes
+from forge_cp.costs import cp_attention_extra_bytes, cp_kept_once_bytes, document_mask_bytes
 from forge_moe_ep.costs import expert_skew, ffn_slot_activation_bytes, ffn_slot_op_bytes
 from forge_pp import bubble_fraction, pipeline_actions, replay_peak
 from forge_pp.split import balanced_blocks, stage_indices
@@ -204,6 +204,13 @@ def _activation_parts(
     # recomputed, under selective and op never (the attention inputs are recomputed).
     first = {mode: ids + vis[mode] for mode in ("none", *AC_KINDS)}
     first["none"] += cp_once
+    if cfg.data.packs_documents:
+        # one mask per micro-batch, alive with its documents whatever the AC mode; and each row's
+        # own rotary rows (float32 tables indexed by its positions) instead of cp's shared ones
+        mask = document_mask_bytes(b=b, seq_len=whole, cp=cp, itemsize=e, variant=cfg.cp.variant)
+        first = {mode: kept + mask for mode, kept in first.items()}
+        if e == 4:
+            first["none"] += 2 * (b - (cp > 1)) * s * m.head_dim * 4
     first_top = {mode: vis[f"{mode}_recompute"] for mode in AC_KINDS}
     return _ActivationParts(first, blocks, recompute, first_top, last)
 
