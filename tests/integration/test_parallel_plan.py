@@ -447,7 +447,16 @@ def test_plan_hooks_an_hf_model_only_when_told_sequences_are_not_packed(flash_ut
     assert seen == [True, True] and flash_utils._is_packed_sequence is original
     with pytest.raises(ForgeConfigError, match="packed_sequences=True"):
         ParallelPlan(None, packed_sequences=True, **fp32).parallelize(model)
+    # packed rows on the hooked model: refused in one line before any forward, not run with
+    # attention across the documents
+    from forge_core.training import forward_backward
+
+    packed_rows = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
+    for hooked in (model, model.model):  # the wrapper, and the Hugging Face model inside it
+        with pytest.raises(ForgeConfigError, match="cannot keep attention inside them: transf"):
+            forward_backward(hooked, torch.arange(8)[None], mesh=None, positions_BS=packed_rows)
     assert restore_packed_sequence_check(model)
+    forward_backward(model.model, torch.arange(8)[None], mesh=None, positions_BS=packed_rows)
     seen.clear()
     model(tokens).sum().backward()
     assert seen == [False, False]

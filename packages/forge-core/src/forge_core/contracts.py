@@ -57,6 +57,11 @@ mark. No registry, no global state: everything lives on the modules.
   through it and calls the model with the global positions of the kept tokens as
   ``positions=`` (RoPE must see them), summing the token count and the loss over the ``cp``
   ranks too.
+- **Packed documents.** An attention module's installed kernel whose class sets
+  ``forge_documents = True`` takes ``documents=`` (:mod:`forge_core.documents`);
+  :func:`causal_attention` refuses documents for any other kernel. A model marked by
+  :func:`refuse_documents` (a Hugging Face model hooked to skip transformers' packed-sequence
+  check) cannot mask them at all: the training step refuses packed positions for it.
 - **Left out of torch.compile.** A module class (or instance) with ``forge_no_compile = True`` cannot be traced
   as one graph (e.g. it reads split sizes on the host). Per-block compilation then compiles the
   block's other composite children and runs this module eagerly.
@@ -425,6 +430,23 @@ def causal_attention(
     return torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, enable_gqa=enable_gqa
     )
+
+
+NO_DOCUMENTS_ATTR = "forge_no_documents"
+
+
+def refuse_documents(model: nn.Module, reason: str | None) -> None:
+    """Mark ``model`` as unable to keep attention inside packed documents, saying why (None:
+    able again). The training step refuses packed positions for it in one line."""
+    if reason is None:
+        model.__dict__.pop(NO_DOCUMENTS_ATTR, None)
+    else:
+        model.__dict__[NO_DOCUMENTS_ATTR] = reason
+
+
+def documents_refused(model: nn.Module) -> str | None:
+    """Why ``model`` (under its DDP / compile wrappers) cannot mask packed documents, else None."""
+    return unwrap(model).__dict__.get(NO_DOCUMENTS_ATTR)
 
 
 SEQUENCE_SHARD_ATTR = "forge_sequence_shard"

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
-from .contracts import pipeline_step, pop_aux_losses, sequence_shard, unwrap
+from .contracts import documents_refused, pipeline_step, pop_aux_losses, sequence_shard, unwrap
 from .documents import Documents, position_problem
 from .errors import ForgeConfigError
 from .mesh_dims import DP_AXES, axis_size, dp_rank_and_size, has_axis, sub_mesh
@@ -319,6 +319,12 @@ def micro_batches(
     name = "positions" if "positions" in params else "position_ids"
     if positions_BS is None and shard is None:
         return [(x, y, {}) for x, y in pieces]
+    refused = documents_refused(model) if positions_BS is not None else None
+    if refused:
+        raise ForgeConfigError(
+            f"packed documents (positions_BS) on {type(unwrap(model)).__name__}, which cannot "
+            f"keep attention inside them: {refused}"
+        )
     if name not in params:
         raise ForgeConfigError(
             f"{type(unwrap(model)).__name__}.forward takes neither positions= nor position_ids=: "

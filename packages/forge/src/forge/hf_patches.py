@@ -37,6 +37,7 @@ from types import ModuleType
 from typing import Any
 
 import torch.nn as nn
+from forge_core.contracts import refuse_documents
 from torch.utils.hooks import RemovableHandle
 
 __all__ = [
@@ -150,6 +151,12 @@ def skip_packed_sequence_check(model: nn.Module) -> bool:
         handles.append(module.register_forward_pre_hook(enter))
         handles.append(module.register_forward_hook(leave, always_call=True))
     setattr(model, HOOKS_ATTR, handles)
+    reason = (
+        "transformers' packed-sequence check is skipped on it (packed_sequences=False, "
+        "forge.hf_patches.skip_packed_sequence_check; undo with restore_packed_sequence_check)"
+    )
+    for module in _hooked_models(model):  # NOTE: the hooks act on the models inside it too
+        refuse_documents(module, reason)
     return True
 
 
@@ -162,7 +169,14 @@ def restore_packed_sequence_check(model: nn.Module) -> bool:
     for handle in handles:
         handle.remove()
     delattr(model, HOOKS_ATTR)
+    for module in _hooked_models(model):
+        refuse_documents(module, None)
     return True
+
+
+def _hooked_models(model: nn.Module) -> list[nn.Module]:
+    """``model`` and the Hugging Face models inside it, whose attention the hooks reach."""
+    return [model, *(m for m in model.modules() if m is not model and is_hf_model(m))]
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
