@@ -69,7 +69,7 @@ METHOD = [
     "token of `1/cp` of the heads, attended with SDPA `is_causal=True` (no mask), and sends the "
     "output back. Its K/V held (`L x 2 x B x S x n_kv_heads x head_dim x 4 / cp`) is already "
     "in the ideal; the K/V excess is the copy each key/value head gets when there are fewer of "
-    "them than cp ranks (here 2 of them at cp=4: each goes to two ranks); masks none; smaller "
+    "them than cp ranks (e.g. 2 of them at cp=4: each goes to two ranks; the Settings give the model's); masks none; smaller "
     "as below (the output sent back is `wo`'s own copy).",
     "- **smaller**: the attention output saved twice per block (the two chunks' SDPA outputs, "
     "then their concatenation for `wo`: `L x B x S/cp x dim x 4`; cp=1's kernel writes its "
@@ -105,7 +105,7 @@ NOTES = [
     "now linear in S, so its ratio to cp=1 hardly moves with the sequence.",
     "- The gathered K and V do not shrink with cp (forge-cp's all-gather design): with the "
     "attention output's second copy and the gathered RoPE rows they make up the remaining excess. "
-    "With GQA (here 2 KV heads of 4) they are a small part of a block's saved bytes; the share "
+    "With GQA (the Settings give the model's KV heads) they are a small part of a block's saved bytes; the share "
     "depends on `n_kv_heads x head_dim / dim` and on what else a block saves, not on model size.",
     "- Step time: 2 cores. cp=4 runs 4 single-thread ranks on them (CPU share at most about 0.5), "
     "so its times say nothing about 4 devices; cp=2's ranks share the cores with the machine's "
@@ -496,6 +496,8 @@ def reading(rows: list[dict[str, Any]]) -> list[str]:
         )
         at = timed
         seqs = ", ".join(str(r["seq"]) for r in at)
+        if not at:  # memory only (--memory-only): nothing was timed
+            continue
         timing.append(
             f"- Step time at cp={cp} {variant}: {_span([r['speedup'] for r in at], '.2f')} x cp=1's speed "
             f"(seq {seqs}), CPU share per rank {_span([r['cpu_share'] for r in at], '.2f')}; the "
@@ -516,17 +518,21 @@ def reading(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def render_markdown(
-    info: dict[str, str], settings: Settings, rows: list[dict[str, Any]], wall_s: float
+    info: dict[str, str],
+    settings: Settings,
+    rows: list[dict[str, Any]],
+    wall_s: float,
+    command: str = "uv run python tools/bench_cp.py",
 ) -> str:
-    cfg = settings.model_config(max(settings.seqs))
+    cfg = settings.model_config(max((*settings.seqs, *settings.memory_seqs)))
     setup = [
         f"- Model: forge's reference `Transformer`, dim {cfg.dim}, {cfg.n_layers} blocks, "
         f"{cfg.n_heads} heads, {cfg.n_kv_heads} KV heads (GQA), head_dim {cfg.head_dim}, FFN "
         f"{cfg.ffn_dim}, vocabulary {cfg.vocab_size}; fp32.",
-        f"- Batch {settings.batch}, sequences {', '.join(map(str, settings.seqs))} tokens"
+        f"- Batch {settings.batch}, sequences {', '.join(map(str, settings.seqs)) or 'none'} "
+        "timed"
         + (
-            f" (and {', '.join(map(str, settings.memory_seqs))} for memory only: one step, no "
-            "timing)"
+            f" ({', '.join(map(str, settings.memory_seqs))} for memory only: one step, no timing)"
             if settings.memory_seqs
             else ""
         )
@@ -540,22 +546,30 @@ def render_markdown(
         "included.",
         "- A step: `forge_core.training.forward_backward` on the same full batch on every rank (it "
         "keeps the rank's two chunks of inputs, targets and positions; forward, loss, backward; no "
-        f"optimizer). Per (seq, cp): one memory step (also the warm-up), then {settings.rounds} "
-        f"timed steps; the whole sweep {settings.repeats} times. "
-        f"Wall time of this run: {wall_s / 60:.1f} min.",
+        "optimizer). "
+        + (
+            f"Per (seq, cp): one memory step (also the warm-up), then {settings.rounds} timed "
+            f"steps; the whole sweep {settings.repeats} times. "
+            if settings.seqs
+            else "Per (seq, cp): one memory step, no timing (`--memory-only`). "
+        )
+        + f"Wall time of this run: {wall_s / 60:.1f} min.",
     ]
     lines = [
         "# Context parallelism: activation memory and step time per rank\n",
-        "Written by `uv run python tools/bench_cp.py`; rerun it to refresh this page.",
+        f"Written by `{command}`; rerun it to refresh this page.",
     ]
-    for title, body in (
+    sections = [
         ("Machine", [f"- {k}: {v}" for k, v in info.items()]),
         ("Settings", setup),
         ("Method", METHOD),
         ("Activation memory per rank", memory_table(rows)),
         ("Step time", time_table(rows)),
         ("Reading", reading(rows) + NOTES),
-    ):
+    ]
+    if not settings.seqs:  # memory only
+        sections = [(title, body) for title, body in sections if title != "Step time"]
+    for title, body in sections:
         lines += ["", f"## {title}", "", *body]
     return "\n".join(lines) + "\n"
 
@@ -567,18 +581,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=OUT_MD)
     parser.add_argument("--rounds", type=int, default=None, help="timed steps per repeat")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument(
+        "--kv-heads", type=int, default=None, help="key/value heads of the model (default 2)"
+    )
+    parser.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="one memory step per (seq, cp), no timing (the sequences of --seqs or the sweep)",
+    )
+    parser.add_argument("--seqs", type=int, nargs="+", default=None, help="sequence lengths")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else FULL
+    seqs = tuple(args.seqs) if args.seqs else settings.seqs
     settings = dataclasses.replace(
-        settings, rounds=args.rounds or settings.rounds, repeats=args.repeats or settings.repeats
+        settings,
+        seqs=seqs,
+        rounds=args.rounds or settings.rounds,
+        repeats=args.repeats or settings.repeats,
+        n_kv_heads=args.kv_heads or settings.n_kv_heads,
     )
+    if args.memory_only:
+        memory = tuple(dict.fromkeys((*settings.seqs, *settings.memory_seqs)))
+        settings = dataclasses.replace(settings, seqs=(), memory_seqs=memory, repeats=1)
     rows, info, wall_s = measure_on_rank_pools(lambda run: measure(settings, run))
     print("\n" + "\n".join(memory_table(rows)))
-    print("\n" + "\n".join(time_table(rows)))
+    if settings.seqs:
+        print("\n" + "\n".join(time_table(rows)))
     print("\n" + "\n".join(reading(rows)))
     print(f"\nwall time {wall_s:.0f} s")
     if not args.no_write:
-        args.out.write_text(render_markdown(info, settings, rows, wall_s))
+        command = " ".join(["uv run python tools/bench_cp.py", *(argv or sys.argv[1:])])
+        args.out.write_text(render_markdown(info, settings, rows, wall_s, command))
         print(f"wrote {args.out}")
     return 0
 
