@@ -15,4 +15,4 @@ def test_cp_keeps_its_place_in_the_order_and_refuses_what_it_cannot_run(run_on_r
     assert "cannot apply 'tp' after ['cp']" in said["tp_after"]
     assert "Sequential has no attention module forge-cp can run" in said["no_attention"]
     assert "set parallelism.cp=1" in said["no_attention"]
-    assert said["hugging_face"].startswith("LlamaForCausalLM has no attention module forge-cp")
+    assert said["hugging_face"].startswith("parallelism.cp=2 with a Hugging Face 'qwen2' model")

@@ -29,15 +29,13 @@ benchmarks/cp.md). With GQA that is a small share.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from forge_core.documents import Documents
 
-from .sequence import KeyBounds
+from .kernel import CPKernel, KeyBounds
 
 __all__ = ["ContextParallelAttention"]
 
@@ -60,7 +58,7 @@ class _GatherKV(torch.autograd.Function):
         return mine, None, None
 
 
-class ContextParallelAttention:
+class ContextParallelAttention(CPKernel):
     """The attention kernel :func:`forge_cp.apply_context_parallel` installs on each attention
     module (``forge_core.contracts.set_attention_kernel``).
 
@@ -69,11 +67,8 @@ class ContextParallelAttention:
     the whole sequence. Runs eagerly under ``torch.compile`` (a graph break at the collective).
     """
 
-    #: keeps attention inside packed documents (``forge_core.contracts``' attention kernel)
-    forge_documents = True
-
     def __init__(self, group: dist.ProcessGroup, rank: int, cp: int) -> None:
-        self.group, self.rank, self.cp = group, rank, cp
+        super().__init__(group, rank, cp)
         self._masks: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
 
     def flipped_mask(self, chunk: int, end: int, like: torch.Tensor) -> torch.Tensor:
@@ -113,32 +108,10 @@ class ContextParallelAttention:
         )
         return out.flip(2)
 
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        enable_gqa: bool,
-        documents: Documents | None = None,
-        window: int | None = None,
-        scale: float | None = None,
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool, bounds: KeyBounds
     ) -> torch.Tensor:
-        """``documents``: keep attention inside packed documents; ``window``: a sliding window
-        of that many tokens (each sees itself and ``window - 1`` before it); ``scale``: the
-        softmax scale (default ``head_dim ** -0.5``)."""
-        bounds = KeyBounds(documents, window, scale)
-        return _eager_attend()(self, q, k, v, enable_gqa, bounds)
-
-
-@functools.cache
-def _eager_attend() -> Any:
-    """:func:`_attend` kept out of ``torch.compile``.
-
-    NOTE: wrapped at the first call, not at import: ``torch.compiler.disable`` imports dynamo,
-    which imports triton's language module (see :meth:`ContextParallelAttention.attend_chunk`).
-    """
-    return torch.compiler.disable(_attend)
+        return _attend(self, q, k, v, enable_gqa, bounds)
 
 
 def _attend(

@@ -20,16 +20,14 @@ do not grow with cp.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from forge_core.documents import Documents
 
 from .checks import head_split_problem, kv_head_copies
-from .sequence import KeyBounds
+from .kernel import CPKernel, KeyBounds
 
 __all__ = ["HeadParallelAttention"]
 
@@ -52,33 +50,17 @@ class _Exchange(torch.autograd.Function):
         return out, None
 
 
-class HeadParallelAttention:
+class HeadParallelAttention(CPKernel):
     """The attention kernel of the heads variant (``forge_core.contracts.set_attention_kernel``).
 
     ``kernel(q [B, H, s, D], k [B, Hkv, s, D], v, enable_gqa=...) -> [B, H, s, D]``: this
     rank's ``s = S / cp`` tokens (its two chunks) attending causally to the whole sequence.
     Runs eagerly under ``torch.compile`` (a graph break at the collectives)."""
 
-    #: keeps attention inside packed documents (``forge_core.contracts``' attention kernel)
-    forge_documents = True
-
-    def __init__(self, group: dist.ProcessGroup, rank: int, cp: int) -> None:
-        self.group, self.rank, self.cp = group, rank, cp
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        enable_gqa: bool,
-        documents: Documents | None = None,
-        window: int | None = None,
-        scale: float | None = None,
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool, bounds: KeyBounds
     ) -> torch.Tensor:
-        """``documents``, ``window``, ``scale``: as
-        :meth:`forge_cp.attention.ContextParallelAttention.__call__`."""
-        return _eager_attend()(self, q, k, v, KeyBounds(documents, window, scale))
+        return _attend(self, q, k, v, bounds)
 
 
 def _to_heads(x: torch.Tensor, kernel: HeadParallelAttention, ordered: bool) -> torch.Tensor:
@@ -107,13 +89,6 @@ def _to_tokens(x: torch.Tensor, kernel: HeadParallelAttention, ordered: bool) ->
         send = x.unflatten(2, (cp, x.shape[2] // cp)).movedim(2, 0)
     got = _Exchange.apply(send, kernel.group)  # got[j]: my tokens of rank j's heads
     return got.movedim(0, 1).flatten(1, 2)
-
-
-@functools.cache
-def _eager_attend() -> Any:
-    """:func:`_attend` kept out of ``torch.compile`` (wrapped at the first call: see
-    :func:`forge_cp.attention._eager_attend`)."""
-    return torch.compiler.disable(_attend)
 
 
 def _attend(

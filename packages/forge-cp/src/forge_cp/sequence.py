@@ -20,20 +20,13 @@ blocks per rank it deals exactly the fixed pairing above.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
 import torch
-from forge_core.documents import Documents
 
 __all__ = [
-    "KeyBounds",
     "balanced_order",
-    "check_document_order",
     "check_shardable",
     "chunk_order",
     "gather_sequence",
-    "row_documents",
     "shard_sequence",
     "sequence_positions",
 ]
@@ -102,52 +95,3 @@ def balanced_order(work: torch.Tensor, cp: int, blocks_per_rank: int = 2) -> tor
         load[rank] += block_work[block]
     starts = [b * size for r in range(cp) for b in sorted(owned[r])]
     return (torch.tensor(starts)[:, None] + torch.arange(size)).flatten()
-
-
-def check_document_order(documents: Documents, length: int) -> None:
-    """Refuse documents that do not cover the whole sequence of ``length`` tokens the cp ranks
-    hold together (e.g. a rank's own positions turned into documents, which would mask its
-    keys as if they were the whole row)."""
-    if documents.index.shape[0] != length:
-        raise ValueError(
-            f"context-parallel attention got documents of {documents.index.shape[0]} tokens for "
-            f"a sequence of {length}: pass the whole row's documents in the ranks' order "
-            "(forge_core.training.forward_backward does)"
-        )
-
-
-@functools.lru_cache(maxsize=8)
-def row_documents(length: int, cp: int, device: torch.device) -> Documents:
-    """A row of one document of ``length`` tokens in the order the ``cp`` ranks hold it (the
-    fixed pairing): what the kernels mask with when a sliding window asks for a mask and the
-    row has no packed documents. Kept per shape, so its masks are made once for every layer
-    and step."""
-    index = torch.cat([shard_sequence(torch.arange(length), cp, r, dim=0) for r in range(cp)])
-    starts = torch.zeros(1, length, dtype=torch.int64, device=device)
-    return Documents(index.to(device), starts)
-
-
-@dataclass(frozen=True)
-class KeyBounds:
-    """What limits the keys a query sees besides causality, and the softmax scale, as the
-    context-parallel kernels take them: packed ``documents``, a sliding ``window`` (each query
-    sees itself and ``window - 1`` tokens before it), ``scale`` (None: ``head_dim ** -0.5``)."""
-
-    documents: Documents | None = None
-    window: int | None = None
-    scale: float | None = None
-
-    @property
-    def masked(self) -> bool:
-        """Whether the keys need a mask beyond causality (else the kernels' mask-free path)."""
-        return self.documents is not None or self.window is not None
-
-    def mask(self, length: int, cp: int, queries: slice, like: torch.Tensor) -> torch.Tensor:
-        """The additive mask ``[B or 1, 1, q, length]`` (``like``'s dtype and device) of
-        ``queries`` over the whole row held in the ranks' order
-        (:meth:`forge_core.documents.Documents.mask`)."""
-        documents = self.documents
-        if documents is None:
-            documents = row_documents(length, cp, like.device)
-        check_document_order(documents, length)
-        return documents.mask(queries, self.window, like.dtype)
