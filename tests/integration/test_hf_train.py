@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from forge import load_config
 from forge.optim import warmup_cosine
-from forge.train import run_train
+from forge.train import TrainSummary, run_train
 
 from tests.hf_fixtures import WORDS, make_tokenizer
 
@@ -148,6 +148,15 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
+def _assert_steps_match(summary: TrainSummary, reference: list) -> None:
+    """forge's steps against the transformers loop's: loss and gradient norm, every step."""
+    forge_steps = [(s.loss, s.grad_norm) for s in summary.steps]
+    assert len(forge_steps) == STEPS
+    assert _rel(forge_steps[0][0], reference[0][0]) <= 1e-5
+    for (loss, norm), (ref_loss, ref_norm) in zip(forge_steps, reference, strict=True):
+        assert _rel(loss, ref_loss) <= 1e-4 and _rel(norm, ref_norm) <= 1e-4
+
+
 @pytest.mark.slow
 @needs_datasets
 def test_forge_train_on_an_hf_directory_matches_a_transformers_loop(run_on_ranks, hf_job):
@@ -156,11 +165,7 @@ def test_forge_train_on_an_hf_directory_matches_a_transformers_loop(run_on_ranks
     cfg["checkpoint"]["export_hf"] = True  # a Hugging Face directory at every checkpoint
     reference, validation, trained = _reference_steps(cfg)  # NOTE: first: fills the cache
     summary = run_on_ranks(4, run_train, cfg, "cpu")[0]
-    forge_steps = [(s.loss, s.grad_norm) for s in summary.steps]
-    assert len(forge_steps) == STEPS
-    assert _rel(forge_steps[0][0], reference[0][0]) <= 1e-5
-    for (loss, norm), (ref_loss, ref_norm) in zip(forge_steps, reference, strict=True):
-        assert _rel(loss, ref_loss) <= 1e-4 and _rel(norm, ref_norm) <= 1e-4
+    _assert_steps_match(summary, reference)
     assert reference[-1][0] < reference[0][0]  # it learns
     assert [step for step, _ in summary.validation] == [step for step, _ in validation] == [3, 6]
     for (_, loss), (_, ref_loss) in zip(summary.validation, validation, strict=True):
@@ -206,11 +211,7 @@ def test_forge_train_of_an_hf_directory_at_cp2_on_packed_text_matches_a_transfor
     cfg["checkpoint"] = {"save_at_end": False, "resume": "none"}
     reference, validation, _ = _reference_steps(cfg)
     summary = run_on_ranks(4, run_train, cfg, "cpu")[0]
-    forge_steps = [(s.loss, s.grad_norm) for s in summary.steps]
-    assert len(forge_steps) == STEPS
-    assert _rel(forge_steps[0][0], reference[0][0]) <= 1e-5
-    for (loss, norm), (ref_loss, ref_norm) in zip(forge_steps, reference, strict=True):
-        assert _rel(loss, ref_loss) <= 1e-4 and _rel(norm, ref_norm) <= 1e-4
+    _assert_steps_match(summary, reference)
     for (_, loss), (_, ref_loss) in zip(summary.validation, validation, strict=True):
         assert _rel(loss, ref_loss) <= 1e-4
 

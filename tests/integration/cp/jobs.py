@@ -66,13 +66,10 @@ def cp_parity(
     )
 
 
-def causal_logits(seq_len: int, changed: int, variant: str = "allgather") -> dict[str, Any]:
-    """Logits of a cp=2 model (``[cp] variant``) for a batch and for the same batch with token
-    ``changed`` replaced, gathered back into sequence order, next to the single-device model's
-    for the batch."""
-    import torch.distributed as dist
-    from forge_core.contracts import sequence_shard
-    from forge_cp import CPConfig, gather_sequence
+def _cp2_and_one_device(variant: str) -> tuple[Any, ModelConfig, torch.nn.Module, torch.nn.Module]:
+    """``(mesh, config, model, reference)``: forge's debug model at cp=2 (``[cp] variant``) and
+    the same model on one device, fp32, the same weights."""
+    from forge_cp import CPConfig
 
     mesh = build_device_mesh({"cp": 2}, "cpu")
     cfg = ModelConfig.preset("debug")
@@ -83,6 +80,18 @@ def causal_logits(seq_len: int, changed: int, variant: str = "allgather") -> dic
     reference = ParallelPlan(None, param_dtype=torch.float32).parallelize(
         reference, device="cpu", seed=0
     )
+    return mesh, cfg, model, reference
+
+
+def causal_logits(seq_len: int, changed: int, variant: str = "allgather") -> dict[str, Any]:
+    """Logits of a cp=2 model (``[cp] variant``) for a batch and for the same batch with token
+    ``changed`` replaced, gathered back into sequence order, next to the single-device model's
+    for the batch."""
+    import torch.distributed as dist
+    from forge_core.contracts import sequence_shard
+    from forge_cp import gather_sequence
+
+    mesh, cfg, model, reference = _cp2_and_one_device(variant)
     tokens = torch.randint(
         0, cfg.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(0)
     )
@@ -209,17 +218,8 @@ def document_logits(variant: str, lengths: list[int]) -> dict[str, Any]:
     import torch.distributed as dist
     from forge_core.contracts import sequence_shard
     from forge_core.documents import Documents
-    from forge_cp import CPConfig
 
-    mesh = build_device_mesh({"cp": 2}, "cpu")
-    cfg = ModelConfig.preset("debug")
-    with torch.device("meta"):
-        model, reference = Transformer(cfg), Transformer(cfg)
-    plan = ParallelPlan(mesh, param_dtype=torch.float32, cp=CPConfig(variant=variant))
-    model = plan.parallelize(model, device="cpu", seed=0)
-    reference = ParallelPlan(None, param_dtype=torch.float32).parallelize(
-        reference, device="cpu", seed=0
-    )
+    mesh, cfg, model, reference = _cp2_and_one_device(variant)
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     length = positions.shape[1]
     tokens = torch.randint(
