@@ -40,23 +40,7 @@ pytestmark = pytest.mark.zoo
 
 #: family -> (why it does not pass, the outcome it gives: a prefix of it, or
 #: {lowest transformers version: prefix} where the outcome changed between versions).
-EXPECTED_REFUSED: dict[str, tuple[str, str | dict[str, str]]] = {
-    # ---- dense
-    "doge": (
-        "transformers' plan splits q/k/v by head, but dt_proj (all value heads' features -> "
-        "one gate per kv head) gets 'rowwise', whose all-reduce hands every rank the gates of "
-        "all kv heads, and A (one per kv head) is not split: forge refuses the plan by class "
-        "(forge_tp_plans.hf_families.HF_PLAN_REFUSED) instead of crashing in the forward",
-        "refused: DogeForCausalLM's own tensor-parallel plan is refused",
-    ),
-    "granite_swa": (
-        "its attention sinks are a parameter of the attention module, split across heads; "
-        "transformers' plan names the parameter ('self_attn.sinks': 5.23 'local_params', 5.17 "
-        "colwise), and forge's styles split modules: forge refuses a pattern naming a parameter "
-        "(skipping it would leave every rank all heads' sinks beside half the heads)",
-        "refused: plan pattern 'model.layers.*.self_attn.sinks' names a parameter",
-    ),
-}
+EXPECTED_REFUSED: dict[str, tuple[str, str | dict[str, str]]] = {}
 
 
 def _expected_prefix(entry: str | dict[str, str], version: str) -> str | None:

@@ -67,3 +67,31 @@ def test_hf_moe_families_train_equal_under_dp2_ep2_x_tp2(run_on_ranks):
             # The HF plan's expert entries (where it has them: not GPT-OSS's, nor some of
             # transformers 5.17's) reached the converted blocks and were left whole.
             assert plan_names_experts == any(".experts" in n for n in left_whole), left_whole
+
+
+def _gpt_oss_attention_split() -> dict[str, object]:
+    """GPT-OSS's attention after forge's plan at tp=2 without data parallelism (2 ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    model = build_hf_moe("gpt_oss")
+    heads = model.config.num_attention_heads
+    mesh = build_device_mesh({"tp": 2, "data": "none"}, "cpu")
+    ParallelPlan(mesh, param_dtype=torch.float32).parallelize(model)
+    attention = model.model.layers[0].self_attn
+    sinks, q = attention.sinks, attention.q_proj.weight
+    return {
+        "heads": heads,
+        "sinks": (type(sinks).__name__, tuple(sinks.to_local().shape), str(sinks.placements)),
+        "q_rows": q.to_local().shape[0] if isinstance(q, DTensor) else None,
+        "q_rows_whole": q.shape[0],
+    }
+
+
+@pytest.mark.zoo
+def test_gpt_oss_attention_and_its_sinks_split_over_tp(run_on_ranks):
+    # transformers' plan for GPT-OSS splits only lm_head: forge's fix splits the attention by
+    # heads and the sinks (one per query head) with them (training parity: the test above, whose
+    # families include GPT-OSS at dp2(ep2) x tp2)
+    for out in run_on_ranks(2, _gpt_oss_attention_split):
+        assert out["sinks"] == ("DTensor", (out["heads"] // 2,), "(Shard(dim=0),)"), out
+        assert out["q_rows"] == out["q_rows_whole"] // 2, out

@@ -281,7 +281,7 @@ def _checked_plan(
     params = [n for n, _ in model.named_parameters()]
     for pattern in skipped:
         named = _matching(pattern, params)
-        if named:
+        if named and raw[pattern] is not None:  # NOTE: None: left out on purpose (a fix)
             # NOTE: transformers 5.17's granite_swa plan names its attention sinks this way;
             # skipping it would leave every rank all heads' sinks next to half the heads.
             moe = ".experts." in named[0]

@@ -32,7 +32,8 @@ from collections.abc import Callable
 
 from forge_core.errors import ForgeConfigError
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from .fused_styles import (
     ColwiseConv1D,
@@ -42,6 +43,7 @@ from .fused_styles import (
     RowwiseParallelInplaceSafe,
     SplitAttentionHeads,
 )
+from .head_params import ShardedHeadParams
 
 __all__ = [
     "FAMILY_HEAD_COUNTS",
@@ -275,9 +277,46 @@ def _embedding_gemma2_fix(model: nn.Module) -> dict[str, ParallelStyle | str | N
 
 _ATTENTION_WHOLE = ("q_proj", "k_proj", "v_proj", "o_proj")
 
+
+def _sinks_fix(model: nn.Module) -> dict[str, ParallelStyle | str | None]:
+    # The attention sinks (one logit per query head) are a parameter of the attention module;
+    # transformers' plan names the parameter itself ('colwise'; 5.23 adds 'local_params' on the
+    # module, which runs it on raw shards). They are split with the heads by the module's style.
+    return {
+        "model.layers.*.self_attn.sinks": None,
+        "model.layers.*.self_attn": ShardedHeadParams(("sinks",)),
+    }
+
+
+def _gpt_oss_fix(model: nn.Module) -> dict[str, ParallelStyle | str | None]:
+    # transformers' plan splits only the head (lm_head): the attention ran whole on every tp
+    # rank. Split it by heads, its sinks with them; the MoE blocks are forge's (converted).
+    return {
+        **_prefixed("model.layers.*.self_attn", {**_ATTENTION, "o_proj": "rowwise"}),
+        "model.layers.*.self_attn": ShardedHeadParams(("sinks",)),
+    }
+
+
+def _doge_fix(model: nn.Module) -> dict[str, ParallelStyle | str | None]:
+    # dt_proj turns ALL value heads' features into one gate per kv head: column-parallel over
+    # its input gathered from the rank's value heads (Shard(-1) -> the whole features), so each
+    # rank computes the gates of its own kv heads; A (one per kv head) is split with them.
+    # transformers' plan gives dt_proj 'rowwise' (every rank all kv heads' gates beside half of
+    # them) and leaves A whole. q_norm / k_norm are shared over heads: gradients summed over tp.
+    return {
+        "model.layers.*.self_attn.dt_proj": ColwiseParallel(input_layouts=Shard(-1)),
+        "model.layers.*.self_attn": ShardedHeadParams(("A",)),
+        "model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+        "model.layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+    }
+
+
 #: Entries appended to transformers' own plan, by model class name (see above).
 HF_PLAN_FIXES: dict[str, Callable[[nn.Module], dict[str, ParallelStyle | str | None]]] = {
     "ApertusForCausalLM": _apertus_fix,
+    "GraniteSWAForCausalLM": _sinks_fix,
+    "DogeForCausalLM": _doge_fix,
+    "GptOssForCausalLM": _gpt_oss_fix,
     "Gemma3nForCausalLM": _gemma3n_fix,
     "EmbeddingGemma2TextModel": _embedding_gemma2_fix,
     # q_norm / k_norm are LayerNorms over all heads' features, before the split into heads:
@@ -305,10 +344,4 @@ HF_PLAN_FIXES: dict[str, Callable[[nn.Module], dict[str, ParallelStyle | str | N
 }
 
 #: transformers' plans forge refuses, by model class name, with the reason (pass ``plan=``).
-HF_PLAN_REFUSED = {
-    "DogeForCausalLM": (
-        "transformers' plan splits q, k and v by head but gives dt_proj (one gate per kv head, "
-        "from all value heads) 'rowwise' and leaves A (one value per kv head) whole, so each "
-        "rank's attention would mix the gates of all kv heads with half of them"
-    ),
-}
+HF_PLAN_REFUSED: dict[str, str] = {}
