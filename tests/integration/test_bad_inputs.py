@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
-import sys
 import threading
 from array import array
 from pathlib import Path
@@ -25,7 +23,7 @@ from forge.config import load_config
 from forge.kinds import model_kind
 from forge_core import ForgeConfigError
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.child import cli_outcomes
 
 
 @pytest.fixture(autouse=True)
@@ -308,22 +306,10 @@ def test_a_good_token_file_passes_the_check(tmp_path):
 
 # --------------------------------------------------------------------------- before torch
 
+
 #: Runs ``forge.cli.main`` on each argument list (one per line of stdin, tab-separated) in one
 #: fresh interpreter, the launcher stubbed out; prints each status and stderr line count, then
 #: whether torch was imported.
-_MAIN_EACH = """\
-import contextlib, io, sys
-from forge import cli
-cli._launch_local = lambda *a, **k: sys.exit("launched")
-for line in sys.stdin.read().splitlines():
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        status = cli.main(line.split("\\t"))
-    print(status, err.getvalue().count("\\n"), "Traceback" in err.getvalue())
-print("torch imported:", "torch" in sys.modules)
-"""
-
-
 def test_refusals_without_a_token_file_come_before_torch_is_imported(tmp_path):
     (tmp_path / "latin.toml").write_bytes(b"[training]\nsteps = 3 # \xff\n")
     (tmp_path / "allow.toml").write_text('[tp]\nallow_import = ["os"]\n')
@@ -335,16 +321,6 @@ def test_refusals_without_a_token_file_come_before_torch_is_imported(tmp_path):
         *[["train", *_sets(*overrides)] for overrides, _ in VALUES],
         *[["train", *_sets(*make(tmp_path))] for _, make, _ in PATHS.values()],
     ]
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-c", _MAIN_EACH],
-        input="\n".join("\t".join(args) for args in cases),
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": path},
-        cwd=tmp_path,
-        timeout=120,
-    )
-    lines = proc.stdout.splitlines()
-    assert lines[:-1] == ["2 1 False"] * len(cases), proc.stdout + proc.stderr[-2000:]
+    lines, stderr = cli_outcomes(cases, tmp_path)
+    assert lines[:-1] == ["2 1 False"] * len(cases), lines + [stderr[-2000:]]
     assert lines[-1] == "torch imported: False"

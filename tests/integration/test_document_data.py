@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from array import array
 from pathlib import Path
 
@@ -28,6 +25,7 @@ from forge.kinds import DecoderKind, model_kind
 from forge.train import run_train
 from forge_core import ForgeConfigError
 
+from tests.child import cli_outcomes
 from tests.hf_fixtures import WORDS, make_tokenizer
 
 #: Text needs the optional ``datasets`` package (forge[data]), which the lent GPU machines'
@@ -37,7 +35,6 @@ needs_datasets = pytest.mark.skipif(
     reason="datasets is not installed (the forge[data] extra)",
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 RANK_PRELOAD = ["forge.text_data"]
 EOS = 2
 
@@ -197,36 +194,13 @@ def test_documents_are_refused_in_one_line_before_launch(no_launch, tmp_path, ca
 #: Runs ``forge.cli.main`` on each argument list (tab-separated lines of stdin) in one fresh
 #: interpreter, the launcher stubbed out; prints each status and stderr line count, then
 #: whether torch was imported.
-_MAIN_EACH = """\
-import contextlib, io, sys
-from forge import cli
-cli._launch_local = lambda *a, **k: sys.exit("launched")
-for line in sys.stdin.read().splitlines():
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        status = cli.main(line.split("\\t"))
-    print(status, err.getvalue().count("\\n"))
-print("torch imported:", "torch" in sys.modules)
-"""
-
-
 def test_the_document_refusals_come_before_torch_is_imported(tmp_path):
     cases = [
         ["train", "--nproc", "2", *(a for o in overrides for a in ("--set", o))]
         for overrides, _ in _refusals(tmp_path).values()
     ]
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-c", _MAIN_EACH],
-        input="\n".join("\t".join(args) for args in cases),
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": path},
-        cwd=tmp_path,
-        timeout=120,
-    )
-    lines = proc.stdout.splitlines()
-    assert lines == ["2 1"] * len(cases) + ["torch imported: False"], proc.stderr[-2000:]
+    lines, stderr = cli_outcomes(cases, tmp_path)
+    assert lines == ["2 1 False"] * len(cases) + ["torch imported: False"], stderr[-2000:]
 
 
 def test_context_parallelism_takes_documents(tmp_path):
