@@ -26,7 +26,19 @@ GLM4-MoE        correction bias (``e_score_correction_bias`` -> ``router.expert_
 GPT-OSS         a router bias, softmax over the top-k logits (= renormalised softmax),
                 experts with biases and the clamped SwiGLU
 Llama 4         sigmoid of the top-k logits applied to the experts' INPUT; shared expert
+Lfm2-MoE,       sigmoid, the choice's correction bias kept on the block (``expert_bias`` /
+MiniMax-M2      ``e_score_correction_bias``), renormalised; no shared expert
+AFMoE           the same with the router's Linear one module deeper (``router.gate``) and
+                its scale as ``route_scale``; shared experts
+HY-V3           the same with the scale as ``router_scaling_factor``; shared experts
+HunYuan-MoE     Mixtral's routing, the router's Linear at ``gate.wg`` (float32), an always-on
+                shared MLP (``shared_mlp``)
 ==============  =========================================================================
+
+Each family is one :data:`HF_MOE_BLOCKS` entry (``_Family``): where the router, its weight,
+its correction bias and its scale live, the experts' layout, the score, the shared expert and
+its gate, whether the top-k weights are renormalised. A new family built from these parts is
+an entry and a zoo row.
 
 The shared expert stays the Hugging Face module it was (same names inside). The choices that
 keep parity with the Hugging Face model's own training: no aux-loss-free bias updates
@@ -39,7 +51,6 @@ produce router logits for transformers to collect, and forge's router has no jit
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +59,7 @@ from forge_core.errors import ForgeConfigError
 from torch.distributed.tensor import DTensor
 
 from .config import MoEModelConfig
+from .hf_families import HF_MOE_BLOCKS, _Family, correction_bias, router_weights
 from .moe import MoE
 
 __all__ = [
@@ -67,109 +79,6 @@ _ACTIVATIONS = {
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_new": "gelu_tanh",
 }
-
-
-@dataclass(frozen=True)
-class _Family:
-    """How one family's MoE block is laid out.
-
-    ``router``: the block's attribute holding the router (its ``weight`` is ``[E, dim]``).
-    ``layout``: the experts' fused weights. ``"out_in"``: ``gate_up_proj [E, 2I, dim]`` (gate
-    rows then up rows) and ``down_proj [E, dim, I]``; ``"in_out"``: ``gate_up_proj [E, dim, 2I]``
-    (gate columns then up columns) and ``down_proj [E, I, dim]``; ``"interleaved"``: like
-    ``in_out`` but gate and up columns alternate, with biases. ``score``: the router's score.
-    ``shared`` / ``shared_gate``: attributes of the shared expert and its gate (None: none).
-    ``returns_tuple``: the block returns ``(hidden, router output)``; the decoder layer drops
-    the second. ``renormalize``: whether the top-k weights are renormalised (None: as the
-    router's ``norm_topk_prob`` says). ``group_top``: how many of a group's best scores make
-    its score, for a router with ``num_group`` groups (DeepSeek-V3: 2, V2: 1).
-    """
-
-    router: str
-    layout: str
-    score: str
-    shared: str | None = None
-    shared_gate: str | None = None
-    returns_tuple: bool = False
-    renormalize: bool | None = None
-    group_top: int = 2
-
-
-#: The Hugging Face MoE block classes :func:`convert_hf_moe` converts, by class name.
-HF_MOE_BLOCKS: dict[str, _Family] = {
-    "Qwen3MoeSparseMoeBlock": _Family("gate", "out_in", "softmax"),
-    "OlmoeSparseMoeBlock": _Family("gate", "out_in", "softmax"),
-    "Qwen2MoeSparseMoeBlock": _Family(
-        "gate", "out_in", "softmax", shared="shared_expert", shared_gate="shared_expert_gate"
-    ),
-    "MixtralSparseMoeBlock": _Family("gate", "out_in", "softmax", renormalize=True),
-    "DeepseekV2Moe": _Family(
-        "gate", "out_in", "softmax", shared="shared_experts", renormalize=False, group_top=1
-    ),
-    "DeepseekV3MoE": _Family("gate", "out_in", "sigmoid", shared="shared_experts"),
-    "Glm4MoeMoE": _Family("gate", "out_in", "sigmoid", shared="shared_experts"),
-    "GptOssMLP": _Family("router", "interleaved", "softmax", returns_tuple=True, renormalize=True),
-    "Llama4TextMoe": _Family(
-        "router", "in_out", "sigmoid", shared="shared_expert", returns_tuple=True, renormalize=False
-    ),
-}
-
-# Blocks built like one of the above (transformers copies them between families); each entry is
-# checked by the zoo (tests/zoo/hf_zoo.py: EP=2 x FSDP2 against the unconverted model).
-_SAME_AS = {
-    "DeepseekV3MoE": (
-        "BailingHybridMoE",
-        "Dots1MoE",
-        "KimiLinearMoE",
-        "ExaoneMoeSparseMoEBlock",
-    ),
-    "Glm4MoeMoE": (
-        "DeepseekV32MoE",
-        "Glm4MoeLiteMoE",
-        "GlmMoeDsaMoE",
-        "SolarOpenMoE",
-        "Glm4vMoeTextMoE",
-        "Dots3NoteTextMoE",
-    ),
-    "OlmoeSparseMoeBlock": ("FlexOlmoSparseMoeBlock",),
-    "MixtralSparseMoeBlock": ("MiniMaxSparseMoeBlock",),
-    "Qwen3MoeSparseMoeBlock": ("MellumSparseMoeBlock",),
-    "Qwen2MoeSparseMoeBlock": ("Qwen3NextSparseMoeBlock", "Qwen4ExpTextSparseMoeBlock"),
-}
-HF_MOE_BLOCKS.update(
-    {alias: HF_MOE_BLOCKS[base] for base, names in _SAME_AS.items() for alias in names}
-)
-HF_MOE_BLOCKS.update(
-    {
-        # the same layouts, with a fixed choice where the router has no norm_topk_prob, or
-        # another router attribute / score
-        "MiMoV2FlashMoE": _Family("gate", "out_in", "sigmoid"),
-        "Mistral4MoE": _Family("gate", "out_in", "softmax", shared="shared_experts"),
-        "MistralLarge4TextMoE": _Family(
-            "gate", "out_in", "softmax", shared="shared_experts", renormalize=True
-        ),
-        "Qwen3_5MoeSparseMoeBlock": _Family(
-            "gate",
-            "out_in",
-            "softmax",
-            shared="shared_expert",
-            shared_gate="shared_expert_gate",
-            renormalize=True,
-        ),
-        "Qwen3VLMoeTextSparseMoeBlock": _Family("gate", "out_in", "softmax", renormalize=True),
-        "JambaSparseMoeBlock": _Family("router", "out_in", "softmax", renormalize=False),
-        "FlintSparseMoeBlock": _Family("gate", "out_in", "sigmoid", shared="shared_expert"),
-        **{
-            name: _Family("router", "out_in", "softmax", renormalize=True)
-            for name in (
-                "GraniteMoeMoE",
-                "GraniteMoeSWAMoE",
-                "GraniteMoeHybridMoE",
-                "GraniteMoeSharedMoE",
-            )
-        },
-    }
-)
 
 
 class HFMoE(MoE):
@@ -252,7 +161,7 @@ def _top_k(block: nn.Module, router: Any) -> int:
 def _moe_config(block: nn.Module, family: _Family, config: Any, layer_id: int) -> MoEModelConfig:
     router: Any = getattr(block, family.router)
     experts = _experts_of(block)
-    num_experts, dim = router.weight.shape
+    num_experts, dim = router_weights(block, family).weight.shape
     down = experts.down_proj
     hidden = down.shape[-1] if family.layout == "out_in" else down.shape[1]
     act = "clamped_swiglu" if family.layout == "interleaved" else None
@@ -280,11 +189,11 @@ def _moe_config(block: nn.Module, family: _Family, config: Any, layer_id: int) -
         router_renormalize=(
             bool(router.norm_topk_prob) if family.renormalize is None else family.renormalize
         ),
-        router_scale=float(getattr(router, "routed_scaling_factor", 1.0)),
+        router_scale=float(getattr(router, family.scale, 1.0)),
         router_groups=groups,
         router_topk_groups=int(getattr(router, "topk_group", 1) or 1) if groups > 1 else 1,
         router_group_top=family.group_top,
-        router_bias=getattr(router, "bias", None) is not None,
+        router_bias=getattr(router_weights(block, family), "bias", None) is not None,
         router_weights_on_input=family.layout == "in_out",
         expert_act=act,
         expert_act_alpha=float(getattr(experts, "alpha", 1.702)),
@@ -328,9 +237,11 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def _convert(block: nn.Module, family: _Family, config: Any, layer_id: int) -> HFMoE:
-    router: Any = getattr(block, family.router)
+    router = router_weights(block, family)
     experts = _experts_of(block)
-    param = router.weight
+    # NOTE: the experts' dtype, not the router's: some families keep a float32 router in a
+    # low-precision model (HunYuan-MoE's gate.wg)
+    param = experts.gate_up_proj
     with torch.device(param.device):
         moe = HFMoE(
             _moe_config(block, family, config, layer_id), layer_id, family, type(block), config
@@ -339,7 +250,7 @@ def _convert(block: nn.Module, family: _Family, config: Any, layer_id: int) -> H
     _copy(moe.router.gate.weight, router.weight)
     if moe.router.gate.bias is not None:
         _copy(moe.router.gate.bias, router.bias)
-    correction = getattr(router, "e_score_correction_bias", None)
+    correction = correction_bias(block, family)
     if correction is not None:
         _copy(moe.router.expert_bias, correction)
     fused = _to_forge(experts.gate_up_proj, family.layout)
@@ -387,13 +298,14 @@ def _restore(moe: HFMoE) -> nn.Module:
     with torch.device(param.device):
         block = moe.hf_class(moe.hf_config)
     block.to(param.dtype)
-    router: Any = getattr(block, family.router)
+    router = router_weights(block, family)
     hf_experts = _experts_of(block)
     _copy(router.weight, moe.router.gate.weight)
     if moe.router.gate.bias is not None:
         _copy(router.bias, moe.router.gate.bias)
-    if hasattr(router, "e_score_correction_bias"):
-        _copy(router.e_score_correction_bias, moe.router.expert_bias)
+    correction = correction_bias(block, family)
+    if correction is not None:
+        _copy(correction, moe.router.expert_bias)
     _copy(hf_experts.gate_up_proj, _from_forge(experts.w1, experts.w3, family.layout))
     w2 = experts.w2
     _copy(hf_experts.down_proj, w2.transpose(1, 2) if family.layout == "out_in" else w2)

@@ -16,8 +16,11 @@ What transformers 5.23 writes, by what this module recognises in the stored name
 - fused experts, ``experts.gate_up_proj`` and ``experts.down_proj`` in the block's own layout
   (GPT-OSS: interleaved gate / up columns and biases; Llama 4: gate columns then up columns):
   sliced into ``w1`` / ``w3`` (and ``b1`` / ``b3``);
-- the router ``{gate,router}.weight`` (and ``bias``) -> ``router.gate.*``; DeepSeek-V3's
-  ``e_score_correction_bias`` -> ``router.expert_bias`` (zero for a family without one);
+- the router's weight (and ``bias``) where its family keeps it (``gate.weight``,
+  ``router.weight``, ``router.gate.weight``, ``gate.wg.weight``) -> ``router.gate.*``; the
+  choice's correction bias where its family keeps it (DeepSeek-V3's
+  ``gate.e_score_correction_bias``, or on the block) -> ``router.expert_bias`` (zero for a
+  family without one);
 - a shared expert ``shared_experts.*`` -> ``shared_expert.*`` (the module is kept as it is);
 - a block transformers names ``mlp`` in memory and ``block_sparse_moe`` on disk (Mixtral).
 """
@@ -30,7 +33,7 @@ import torch
 import torch.nn as nn
 from forge_core.tensor_source import TensorSource
 
-from .hf import HFMoE
+from .hf import HFMoE, correction_bias
 
 __all__ = ["hf_checkpoint_sources"]
 
@@ -51,11 +54,11 @@ def _stored_prefix(prefix: str, router: str, stored: Mapping[str, tuple[int, ...
 
 
 def _has_correction_bias(moe: HFMoE) -> bool:
-    """Whether the Hugging Face block ``moe`` stands for has a router correction bias (built on
-    the meta device: no memory, no values)."""
+    """Whether the Hugging Face block ``moe`` stands for has a choice correction bias where its
+    family keeps it (built on the meta device: no memory, no values)."""
     with torch.device("meta"):
         block = moe.hf_class(moe.hf_config)
-    return hasattr(getattr(block, moe.family.router), "e_score_correction_bias")
+    return correction_bias(block, moe.family) is not None
 
 
 def _expert_sources(
@@ -96,13 +99,13 @@ def _block_sources(
 ) -> dict[str, TensorSource]:
     """Every tensor of the converted block at ``prefix`` -> its source (renames included)."""
     family = moe.family
-    src = _stored_prefix(prefix, family.router, stored)
-    router = f"{src}.{family.router}"
+    src = _stored_prefix(prefix, family.weight_path, stored)
+    router = f"{src}.{family.weight_path}"
     sources = {"router.gate.weight": TensorSource((f"{router}.weight",))}
     if moe.router.gate.bias is not None:
         sources["router.gate.bias"] = TensorSource((f"{router}.bias",))
     if _has_correction_bias(moe):
-        sources["router.expert_bias"] = TensorSource((f"{router}.e_score_correction_bias",))
+        sources["router.expert_bias"] = TensorSource((f"{src}.{family.correction_path}",))
     else:
         sources["router.expert_bias"] = TensorSource((), constant=0.0)
     sources.update({f"experts.{n}": s for n, s in _expert_sources(moe, src, stored).items()})

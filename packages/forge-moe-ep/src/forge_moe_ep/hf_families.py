@@ -1,0 +1,194 @@
+"""The Hugging Face MoE blocks forge converts, as data: one :class:`_Family` entry per block
+class (by name, no transformers import) saying where its router, the router's weight, its
+correction bias and its scale live, how its experts are laid out, its score and shared expert.
+:mod:`forge_moe_ep.hf` converts and restores by these entries, :mod:`forge_moe_ep.hf_sources`
+reads checkpoints by them; a new family built from these parts is one entry and a zoo row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from forge_core.errors import ForgeConfigError
+
+__all__ = ["HF_MOE_BLOCKS", "correction_bias", "router_weights"]
+
+
+@dataclass(frozen=True)
+class _Family:
+    """How one family's MoE block is laid out.
+
+    ``router``: the block's attribute holding the router (its ``weight`` is ``[E, dim]``).
+    ``layout``: the experts' fused weights. ``"out_in"``: ``gate_up_proj [E, 2I, dim]`` (gate
+    rows then up rows) and ``down_proj [E, dim, I]``; ``"in_out"``: ``gate_up_proj [E, dim, 2I]``
+    (gate columns then up columns) and ``down_proj [E, I, dim]``; ``"interleaved"``: like
+    ``in_out`` but gate and up columns alternate, with biases. ``score``: the router's score.
+    ``shared`` / ``shared_gate``: attributes of the shared expert and its gate (None: none).
+    ``returns_tuple``: the block returns ``(hidden, router output)``; the decoder layer drops
+    the second. ``renormalize``: whether the top-k weights are renormalised (None: as the
+    router's ``norm_topk_prob`` says). ``group_top``: how many of a group's best scores make
+    its score, for a router with ``num_group`` groups (DeepSeek-V3: 2, V2: 1). ``correction``:
+    where the choice's correction bias lives, a dotted path from the block (None: the router's
+    ``e_score_correction_bias``, where DeepSeek-V3 keeps it); absent on a block: none (zero).
+    ``weight``: the module holding the router's ``weight`` (and ``bias``), a dotted path from
+    the block (None: the router itself). ``scale``: the router's attribute holding the factor
+    the top-k weights are multiplied by (absent: 1).
+    """
+
+    router: str
+    layout: str
+    score: str
+    shared: str | None = None
+    shared_gate: str | None = None
+    returns_tuple: bool = False
+    renormalize: bool | None = None
+    group_top: int = 2
+    correction: str | None = None
+    weight: str | None = None
+    scale: str = "routed_scaling_factor"
+
+    @property
+    def weight_path(self) -> str:
+        """The dotted path from the block to the module holding the router's weight."""
+        return self.weight or self.router
+
+    @property
+    def correction_path(self) -> str:
+        """The correction bias's dotted path from the block."""
+        return self.correction or f"{self.router}.e_score_correction_bias"
+
+
+def _at(block: nn.Module, path: str) -> Any:
+    """The attribute at dotted ``path`` from ``block`` (None where the path ends early)."""
+    value: Any = block
+    for name in path.split("."):
+        value = getattr(value, name, None)
+        if value is None:
+            return None
+    return value
+
+
+def correction_bias(block: nn.Module, family: _Family) -> torch.Tensor | None:
+    """The block's choice correction bias (``family.correction_path``), None when it has none."""
+    value = _at(block, family.correction_path)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def router_weights(block: nn.Module, family: _Family) -> Any:
+    """The module holding the block's router ``weight`` (and ``bias``): ``family.weight_path``."""
+    holder = _at(block, family.weight_path)
+    if not isinstance(getattr(holder, "weight", None), torch.Tensor):
+        raise ForgeConfigError(
+            f"{type(block).__name__}.{family.weight_path} holds no router weight: this "
+            "transformers version lays the block out differently from the one forge knows"
+        )
+    return holder
+
+
+#: The Hugging Face MoE block classes :func:`convert_hf_moe` converts, by class name.
+HF_MOE_BLOCKS: dict[str, _Family] = {
+    "Qwen3MoeSparseMoeBlock": _Family("gate", "out_in", "softmax"),
+    "OlmoeSparseMoeBlock": _Family("gate", "out_in", "softmax"),
+    "Qwen2MoeSparseMoeBlock": _Family(
+        "gate", "out_in", "softmax", shared="shared_expert", shared_gate="shared_expert_gate"
+    ),
+    "MixtralSparseMoeBlock": _Family("gate", "out_in", "softmax", renormalize=True),
+    "DeepseekV2Moe": _Family(
+        "gate", "out_in", "softmax", shared="shared_experts", renormalize=False, group_top=1
+    ),
+    "DeepseekV3MoE": _Family("gate", "out_in", "sigmoid", shared="shared_experts"),
+    "Glm4MoeMoE": _Family("gate", "out_in", "sigmoid", shared="shared_experts"),
+    "GptOssMLP": _Family("router", "interleaved", "softmax", returns_tuple=True, renormalize=True),
+    "Llama4TextMoe": _Family(
+        "router", "in_out", "sigmoid", shared="shared_expert", returns_tuple=True, renormalize=False
+    ),
+}
+
+# Blocks built like one of the above (transformers copies them between families); each entry is
+# checked by the zoo (tests/zoo/hf_zoo.py: EP=2 x FSDP2 against the unconverted model).
+_SAME_AS = {
+    "DeepseekV3MoE": (
+        "BailingHybridMoE",
+        "Dots1MoE",
+        "KimiLinearMoE",
+        "ExaoneMoeSparseMoEBlock",
+    ),
+    "Glm4MoeMoE": (
+        "DeepseekV32MoE",
+        "Glm4MoeLiteMoE",
+        "GlmMoeDsaMoE",
+        "SolarOpenMoE",
+        "Glm4vMoeTextMoE",
+        "Dots3NoteTextMoE",
+    ),
+    "OlmoeSparseMoeBlock": ("FlexOlmoSparseMoeBlock",),
+    "MixtralSparseMoeBlock": ("MiniMaxSparseMoeBlock",),
+    "Qwen3MoeSparseMoeBlock": ("MellumSparseMoeBlock",),
+    "Qwen2MoeSparseMoeBlock": ("Qwen3NextSparseMoeBlock", "Qwen4ExpTextSparseMoeBlock"),
+}
+HF_MOE_BLOCKS.update(
+    {alias: HF_MOE_BLOCKS[base] for base, names in _SAME_AS.items() for alias in names}
+)
+HF_MOE_BLOCKS.update(
+    {
+        # the same layouts, with a fixed choice where the router has no norm_topk_prob, or
+        # another router attribute / score
+        "MiMoV2FlashMoE": _Family("gate", "out_in", "sigmoid"),
+        "Mistral4MoE": _Family("gate", "out_in", "softmax", shared="shared_experts"),
+        "MistralLarge4TextMoE": _Family(
+            "gate", "out_in", "softmax", shared="shared_experts", renormalize=True
+        ),
+        "Qwen3_5MoeSparseMoeBlock": _Family(
+            "gate",
+            "out_in",
+            "softmax",
+            shared="shared_expert",
+            shared_gate="shared_expert_gate",
+            renormalize=True,
+        ),
+        "Qwen3VLMoeTextSparseMoeBlock": _Family("gate", "out_in", "softmax", renormalize=True),
+        "JambaSparseMoeBlock": _Family("router", "out_in", "softmax", renormalize=False),
+        # sigmoid choice with the correction bias on the block, not on its router
+        "Lfm2MoeSparseMoeBlock": _Family("gate", "out_in", "sigmoid", correction="expert_bias"),
+        "MiniMaxM2SparseMoeBlock": _Family(
+            "gate", "out_in", "sigmoid", renormalize=True, correction="e_score_correction_bias"
+        ),
+        "HYV3MoE": _Family(
+            "gate",
+            "out_in",
+            "sigmoid",
+            shared="shared_experts",
+            renormalize=True,
+            correction="e_score_correction_bias",
+            scale="router_scaling_factor",
+        ),
+        # Mixtral's routing with the router's Linear one module deeper, an always-on shared MLP
+        "HunYuanMoEV1Moe": _Family(
+            "gate", "out_in", "softmax", shared="shared_mlp", renormalize=True, weight="gate.wg"
+        ),
+        # the router's weight one module deeper (router.gate), its scale under its own name
+        "AfmoeSparseMoeBlock": _Family(
+            "router",
+            "out_in",
+            "sigmoid",
+            shared="shared_experts",
+            renormalize=True,
+            correction="expert_bias",
+            weight="router.gate",
+            scale="route_scale",
+        ),
+        "FlintSparseMoeBlock": _Family("gate", "out_in", "sigmoid", shared="shared_expert"),
+        **{
+            name: _Family("router", "out_in", "softmax", renormalize=True)
+            for name in (
+                "GraniteMoeMoE",
+                "GraniteMoeSWAMoE",
+                "GraniteMoeHybridMoE",
+                "GraniteMoeSharedMoE",
+            )
+        },
+    }
+)
