@@ -28,13 +28,24 @@ TABLE_FAMILIES = {
     "afmoe": "AfmoeSparseMoeBlock",
     "hy_v3": "HYV3MoE",
     "hunyuan_v1_moe": "HunYuanMoEV1Moe",
+    "beam": "BeamMoE",
+    "laguna": "LagunaSparseMoeBlock",
 }
+#: config fields holding the routed output's scale, set to 1.7 where a config has one (so a
+#: scale read from the wrong place changes the logits)
+SCALES = (
+    "routed_scaling_factor",
+    "moe_routed_scaling_factor",
+    "route_scale",
+    "router_scaling_factor",
+)
 
 
 #: families whose files transformers writes under other names than the modules' (HY-V3:
 #: ``gate.weight`` -> ``router.gate.weight``, ``e_score_correction_bias`` -> ``expert_bias``,
-#: ``shared_experts`` -> ``shared_mlp``): trainable from their config, not read from a directory
-RENAMED_ON_SAVE = {"hy_v3"}
+#: ``shared_experts`` -> ``shared_mlp``; Laguna: ``shared_experts`` -> ``shared_expert``, the
+#: correction bias elsewhere): trainable from their config, not read from a directory
+RENAMED_ON_SAVE = {"hy_v3", "laguna"}
 
 
 def _model(model_type: str) -> torch.nn.Module:
@@ -44,6 +55,9 @@ def _model(model_type: str) -> torch.nn.Module:
     config = hf_zoo.tiny_config(model_type, moe=True)
     if hasattr(config, "use_expert_bias"):
         config.use_expert_bias = True  # Lfm2-MoE: the block's correction bias, read and stored
+    for name in SCALES:
+        if name in config.to_dict():
+            setattr(config, name, 1.7)
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).float()
     g = torch.Generator().manual_seed(2)
@@ -98,3 +112,17 @@ def test_table_family_converts_restores_and_reads_back(model_type, tmp_path):
     assert all(torch.equal(restored[k], v) for k, v in original.items())
     reloaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path).float().train()
     torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_router_logit_soft_capping_is_refused_by_name():
+    import transformers as tf
+    from forge_core import ForgeConfigError
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if "laguna" not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {tf.__version__} has no laguna")
+    config = hf_zoo.tiny_config("laguna", moe=True)
+    config.moe_router_logit_softcapping = 30.0
+    model = tf.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ForgeConfigError, match="router logit soft-capping"):
+        convert_hf_moe(model)

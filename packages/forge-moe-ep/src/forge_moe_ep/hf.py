@@ -33,6 +33,8 @@ AFMoE           the same with the router's Linear one module deeper (``router.ga
 HY-V3           the same with the scale as ``router_scaling_factor``; shared experts
 HunYuan-MoE     Mixtral's routing, the router's Linear at ``gate.wg`` (float32), an always-on
                 shared MLP (``shared_mlp``)
+Beam, Laguna    DeepSeek-V3's sigmoid router, the routed output scaled by the block;
+                Laguna: no groups, always renormalised, shared experts
 ==============  =========================================================================
 
 Each family is one :data:`HF_MOE_BLOCKS` entry (``_Family``): where the router, its weight,
@@ -59,7 +61,7 @@ from forge_core.errors import ForgeConfigError
 from torch.distributed.tensor import DTensor
 
 from .config import MoEModelConfig
-from .hf_families import HF_MOE_BLOCKS, _Family, correction_bias, router_weights
+from .hf_families import HF_MOE_BLOCKS, _Family, at_path, correction_bias, router_weights
 from .moe import MoE
 
 __all__ = [
@@ -160,6 +162,12 @@ def _top_k(block: nn.Module, router: Any) -> int:
 
 def _moe_config(block: nn.Module, family: _Family, config: Any, layer_id: int) -> MoEModelConfig:
     router: Any = getattr(block, family.router)
+    softcap = getattr(router, "router_logit_softcapping", None) or 0.0
+    if softcap > 0:
+        raise ForgeConfigError(
+            f"{type(block).__name__}: router logit soft-capping ({softcap}) is not in forge's "
+            "router; set it to 0 in config.json (moe_router_logit_softcapping) to convert"
+        )
     experts = _experts_of(block)
     num_experts, dim = router_weights(block, family).weight.shape
     down = experts.down_proj
@@ -189,7 +197,7 @@ def _moe_config(block: nn.Module, family: _Family, config: Any, layer_id: int) -
         router_renormalize=(
             bool(router.norm_topk_prob) if family.renormalize is None else family.renormalize
         ),
-        router_scale=float(getattr(router, family.scale, 1.0)),
+        router_scale=float(at_path(block, family.scale_path) or 1.0),
         router_groups=groups,
         router_topk_groups=int(getattr(router, "topk_group", 1) or 1) if groups > 1 else 1,
         router_group_top=family.group_top,

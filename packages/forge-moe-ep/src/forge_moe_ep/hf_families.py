@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from forge_core.errors import ForgeConfigError
 
-__all__ = ["HF_MOE_BLOCKS", "correction_bias", "router_weights"]
+__all__ = ["HF_MOE_BLOCKS", "at_path", "correction_bias", "router_weights"]
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,10 @@ class _Family:
     where the choice's correction bias lives, a dotted path from the block (None: the router's
     ``e_score_correction_bias``, where DeepSeek-V3 keeps it); absent on a block: none (zero).
     ``weight``: the module holding the router's ``weight`` (and ``bias``), a dotted path from
-    the block (None: the router itself). ``scale``: the router's attribute holding the factor
-    the top-k weights are multiplied by (absent: 1).
+    the block (None: the router itself). ``scale``: the factor the routed output is multiplied
+    by, a dotted path from the block (None: the router's ``routed_scaling_factor``); absent: 1.
+    Scaling the routed experts' output or their top-k weights is the same (the output is
+    linear in the weights), so a block that scales its output maps onto forge's router scale.
     """
 
     router: str
@@ -48,7 +50,12 @@ class _Family:
     group_top: int = 2
     correction: str | None = None
     weight: str | None = None
-    scale: str = "routed_scaling_factor"
+    scale: str | None = None
+
+    @property
+    def scale_path(self) -> str:
+        """The dotted path from the block to the routed output's scale."""
+        return self.scale or f"{self.router}.routed_scaling_factor"
 
     @property
     def weight_path(self) -> str:
@@ -61,7 +68,7 @@ class _Family:
         return self.correction or f"{self.router}.e_score_correction_bias"
 
 
-def _at(block: nn.Module, path: str) -> Any:
+def at_path(block: nn.Module, path: str) -> Any:
     """The attribute at dotted ``path`` from ``block`` (None where the path ends early)."""
     value: Any = block
     for name in path.split("."):
@@ -73,13 +80,13 @@ def _at(block: nn.Module, path: str) -> Any:
 
 def correction_bias(block: nn.Module, family: _Family) -> torch.Tensor | None:
     """The block's choice correction bias (``family.correction_path``), None when it has none."""
-    value = _at(block, family.correction_path)
+    value = at_path(block, family.correction_path)
     return value if isinstance(value, torch.Tensor) else None
 
 
 def router_weights(block: nn.Module, family: _Family) -> Any:
     """The module holding the block's router ``weight`` (and ``bias``): ``family.weight_path``."""
-    holder = _at(block, family.weight_path)
+    holder = at_path(block, family.weight_path)
     if not isinstance(getattr(holder, "weight", None), torch.Tensor):
         raise ForgeConfigError(
             f"{type(block).__name__}.{family.weight_path} holds no router weight: this "
@@ -163,7 +170,7 @@ HF_MOE_BLOCKS.update(
             shared="shared_experts",
             renormalize=True,
             correction="e_score_correction_bias",
-            scale="router_scaling_factor",
+            scale="gate.router_scaling_factor",
         ),
         # Mixtral's routing with the router's Linear one module deeper, an always-on shared MLP
         "HunYuanMoEV1Moe": _Family(
@@ -178,7 +185,17 @@ HF_MOE_BLOCKS.update(
             renormalize=True,
             correction="expert_bias",
             weight="router.gate",
-            scale="route_scale",
+            scale="router.route_scale",
+        ),
+        # DeepSeek-V3's router without its scale: the block scales the routed output
+        "BeamMoE": _Family("gate", "out_in", "sigmoid", scale="routed_scaling_factor"),
+        "LagunaSparseMoeBlock": _Family(
+            "gate",
+            "out_in",
+            "sigmoid",
+            shared="shared_experts",
+            renormalize=True,
+            scale="routed_scaling_factor",
         ),
         "FlintSparseMoeBlock": _Family("gate", "out_in", "sigmoid", shared="shared_expert"),
         **{
