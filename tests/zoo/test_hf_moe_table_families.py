@@ -30,6 +30,7 @@ TABLE_FAMILIES = {
     "hunyuan_v1_moe": "HunYuanMoEV1Moe",
     "beam": "BeamMoE",
     "laguna": "LagunaSparseMoeBlock",
+    "hy_v4": "HYV4MoE",
 }
 #: config fields holding the routed output's scale, set to 1.7 where a config has one (so a
 #: scale read from the wrong place changes the logits)
@@ -43,9 +44,10 @@ SCALES = (
 
 #: families whose files transformers writes under other names than the modules' (HY-V3:
 #: ``gate.weight`` -> ``router.gate.weight``, ``e_score_correction_bias`` -> ``expert_bias``,
-#: ``shared_experts`` -> ``shared_mlp``; Laguna: ``shared_experts`` -> ``shared_expert``, the
-#: correction bias elsewhere): trainable from their config, not read from a directory
-RENAMED_ON_SAVE = {"hy_v3", "laguna"}
+#: ``shared_experts`` -> ``shared_mlp``; HY-V4 likewise; Laguna: ``shared_experts`` ->
+#: ``shared_expert``, the correction bias elsewhere): trainable from their config, not read
+#: from a directory
+RENAMED_ON_SAVE = {"hy_v3", "hy_v4", "laguna"}
 
 
 def _model(model_type: str) -> torch.nn.Module:
@@ -58,6 +60,8 @@ def _model(model_type: str) -> torch.nn.Module:
     for name in SCALES:
         if name in config.to_dict():
             setattr(config, name, 1.7)
+    if "swiglu_limit" in config.to_dict():
+        config.swiglu_limit = 0.05  # HY-V4: the experts' clamps bite (their inputs exceed it)
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).float()
     g = torch.Generator().manual_seed(2)

@@ -40,8 +40,10 @@ MOE_ROUTERS = ("softmax", "sigmoid")
 #: The experts' gated activation ``act(x w1) * (x w3)``: ``silu`` (SwiGLU), ``gelu``,
 #: ``gelu_tanh`` (GeGLU, exact or tanh-approximated GELU), and ``clamped_swiglu`` (GPT-OSS:
 #: gate clamped above at ``expert_act_limit``, up clamped to +-limit,
-#: ``(up + 1) * gate * sigmoid(alpha * gate)`` with ``alpha = expert_act_alpha``).
-EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
+#: ``(up + 1) * gate * sigmoid(alpha * gate)`` with ``alpha = expert_act_alpha``), and
+#: ``clamped_silu`` (a SwiGLU whose gate is clamped above at ``expert_act_limit`` and up to
+#: +-limit: HY-V4, GLM-5-next).
+EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "clamped_swiglu", "clamped_silu")
 #: ``dropless``: exact, every routed token is computed (EP exchanges split sizes: one host wait
 #: per MoE layer per forward). ``capacity``: each sequence sends at most a fixed number of tokens
 #: to each expert (``capacity_factor``), the rest are dropped and counted; no host sync at all.

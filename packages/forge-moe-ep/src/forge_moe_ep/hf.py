@@ -35,6 +35,8 @@ HunYuan-MoE     Mixtral's routing, the router's Linear at ``gate.wg`` (float32),
                 shared MLP (``shared_mlp``)
 Beam, Laguna    DeepSeek-V3's sigmoid router, the routed output scaled by the block;
                 Laguna: no groups, always renormalised, shared experts
+HY-V4,          GLM4-MoE's block and router; the experts' SwiGLU clamped at
+GLM-5-next      ``swiglu_limit`` (``clamped_silu``)
 ==============  =========================================================================
 
 Each family is one :data:`HF_MOE_BLOCKS` entry (``_Family``): where the router, its weight,
@@ -172,7 +174,7 @@ def _moe_config(block: nn.Module, family: _Family, config: Any, layer_id: int) -
     num_experts, dim = router_weights(block, family).weight.shape
     down = experts.down_proj
     hidden = down.shape[-1] if family.layout == "out_in" else down.shape[1]
-    act = "clamped_swiglu" if family.layout == "interleaved" else None
+    act = family.act or ("clamped_swiglu" if family.layout == "interleaved" else None)
     if act is None:
         name = getattr(config, "hidden_act", "silu")
         act = _ACTIVATIONS.get(name)
@@ -205,7 +207,7 @@ def _moe_config(block: nn.Module, family: _Family, config: Any, layer_id: int) -
         router_weights_on_input=family.layout == "in_out",
         expert_act=act,
         expert_act_alpha=float(getattr(experts, "alpha", 1.702)),
-        expert_act_limit=float(getattr(experts, "limit", 7.0)),
+        expert_act_limit=float(getattr(experts, family.limit, 7.0)),
         expert_linear_bias=family.layout == "interleaved",
         shared_expert_gate=family.shared_gate is not None,
         num_shared_experts=0,  # the block's own shared expert is moved in as it is

@@ -38,6 +38,9 @@ class _Family:
     by, a dotted path from the block (None: the router's ``routed_scaling_factor``); absent: 1.
     Scaling the routed experts' output or their top-k weights is the same (the output is
     linear in the weights), so a block that scales its output maps onto forge's router scale.
+    ``act``: the experts' activation (``MoEModelConfig.expert_act``; None: from the layout and
+    the config's ``hidden_act``); ``limit``: the experts' attribute holding a clamped
+    activation's limit.
     """
 
     router: str
@@ -51,6 +54,8 @@ class _Family:
     correction: str | None = None
     weight: str | None = None
     scale: str | None = None
+    act: str | None = None
+    limit: str = "limit"
 
     @property
     def scale_path(self) -> str:
@@ -187,6 +192,18 @@ HF_MOE_BLOCKS.update(
             weight="router.gate",
             scale="router.route_scale",
         ),
+        # GLM4-MoE's block and router, the experts' SwiGLU clamped at swiglu_limit
+        **{
+            name: _Family(
+                "gate",
+                "out_in",
+                "sigmoid",
+                shared="shared_experts",
+                act="clamped_silu",
+                limit="swiglu_limit",
+            )
+            for name in ("HYV4MoE", "Glm5NextTextMoE")
+        },
         # DeepSeek-V3's router without its scale: the block scales the routed output
         "BeamMoE": _Family("gate", "out_in", "sigmoid", scale="routed_scaling_factor"),
         "LagunaSparseMoeBlock": _Family(

@@ -136,6 +136,8 @@ def _gated(
     if act == "clamped_swiglu":
         gate, up = h1.clamp(max=limit), h3.clamp(-limit, limit)
         return (up + 1) * gate * torch.sigmoid(alpha * gate)
+    if act == "clamped_silu":
+        return F.silu(h1.clamp(max=limit)) * h3.clamp(-limit, limit)
     return F.gelu(h1, approximate="tanh" if act == "gelu_tanh" else "none") * h3
 
 
