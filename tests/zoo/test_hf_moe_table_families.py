@@ -50,11 +50,13 @@ SCALES = (
 RENAMED_ON_SAVE = {"hy_v3", "hy_v4", "laguna"}
 
 
-def _model(model_type: str) -> torch.nn.Module:
+def _model(model_type: str, **overrides: object) -> torch.nn.Module:
     """The zoo's tiny model, every zero-initialised tensor (routers, correction biases) random."""
     import transformers as tf
 
     config = hf_zoo.tiny_config(model_type, moe=True)
+    for name, value in overrides.items():
+        setattr(config, name, value)
     if hasattr(config, "use_expert_bias"):
         config.use_expert_bias = True  # Lfm2-MoE: the block's correction bias, read and stored
     for name in SCALES:
@@ -129,4 +131,45 @@ def test_router_logit_soft_capping_is_refused_by_name():
     config.moe_router_logit_softcapping = 30.0
     model = tf.AutoModelForCausalLM.from_config(config)
     with pytest.raises(ForgeConfigError, match="router logit soft-capping"):
+        convert_hf_moe(model)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # the default: softmax of the top-k logits, no shared experts
+        {
+            "expert_selection_fn": "sigmoid",
+            "norm_topk_prob": True,
+            "num_shared_experts": 1,
+            "shared_expert_combination_strategy": "sum",
+        },
+        {"expert_selection_fn": "sigmoid", "norm_topk_prob": False},
+    ],
+    ids=["softmax", "sigmoid-renormalised-shared", "sigmoid"],
+)
+def test_cohere2_moe_routes_as_its_config_says(overrides):
+    import transformers as tf
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if "cohere2_moe" not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {tf.__version__} has no cohere2_moe")
+    model = _model("cohere2_moe", **overrides)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator())
+    expected = model(tokens).logits
+    assert convert_hf_moe(model)
+    torch.testing.assert_close(model(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cohere2_moe_averaging_its_shared_expert_is_refused():
+    import transformers as tf
+    from forge_core import ForgeConfigError
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if "cohere2_moe" not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {tf.__version__} has no cohere2_moe")
+    model = _model(
+        "cohere2_moe", num_shared_experts=1, shared_expert_combination_strategy="average"
+    )
+    with pytest.raises(ForgeConfigError, match="shared_expert_combination_strategy='average'"):
         convert_hf_moe(model)

@@ -37,6 +37,8 @@ Beam, Laguna    DeepSeek-V3's sigmoid router, the routed output scaled by the bl
                 Laguna: no groups, always renormalised, shared experts
 HY-V4,          GLM4-MoE's block and router; the experts' SwiGLU clamped at
 GLM-5-next      ``swiglu_limit`` (``clamped_silu``)
+Cohere2-MoE     softmax or sigmoid of the top-k logits (``expert_selection_fn``); shared
+                experts added ("average" refused)
 ==============  =========================================================================
 
 Each family is one :data:`HF_MOE_BLOCKS` entry (``_Family``): where the router, its weight,
@@ -162,8 +164,29 @@ def _top_k(block: nn.Module, router: Any) -> int:
     )
 
 
+def _score(router: Any, family: _Family) -> tuple[str, bool]:
+    """``(score, renormalise)`` of the block's router: the family's, or, for a family whose
+    router says it (``selection``), the router's: a softmax over the top-k logits is a
+    renormalised softmax; a sigmoid of the top-k logits chooses as the sigmoid scores do
+    (monotone), renormalised when ``norm_topk_prob``."""
+    score = getattr(router, family.selection) if family.selection else family.score
+    if score not in ("softmax", "sigmoid"):
+        raise ForgeConfigError(f"router score {score!r}: forge's router is softmax or sigmoid")
+    if family.selection and score == "softmax":
+        return score, True
+    norm = family.renormalize
+    return score, bool(router.norm_topk_prob) if norm is None else norm
+
+
 def _moe_config(block: nn.Module, family: _Family, config: Any, layer_id: int) -> MoEModelConfig:
     router: Any = getattr(block, family.router)
+    score, renormalize = _score(router, family)
+    combine = getattr(block, "shared_expert_combination_strategy", "sum")
+    if combine != "sum" and getattr(block, family.shared or "", None) is not None:
+        raise ForgeConfigError(
+            f"{type(block).__name__}: shared_expert_combination_strategy={combine!r}: forge adds "
+            "the shared expert to the routed output; set it to 'sum' to convert"
+        )
     softcap = getattr(router, "router_logit_softcapping", None) or 0.0
     if softcap > 0:
         raise ForgeConfigError(
@@ -195,10 +218,8 @@ def _moe_config(block: nn.Module, family: _Family, config: Any, layer_id: int) -
         moe_every=1,
         num_experts=num_experts,
         top_k=_top_k(block, router),
-        router=family.score,
-        router_renormalize=(
-            bool(router.norm_topk_prob) if family.renormalize is None else family.renormalize
-        ),
+        router=score,
+        router_renormalize=renormalize,
         router_scale=float(at_path(block, family.scale_path) or 1.0),
         router_groups=groups,
         router_topk_groups=int(getattr(router, "topk_group", 1) or 1) if groups > 1 else 1,
@@ -272,8 +293,9 @@ def _convert(block: nn.Module, family: _Family, config: Any, layer_id: int) -> H
         fused["b2"] = experts.down_proj_bias
     for name, value in fused.items():
         _copy(getattr(moe.experts, name), value)
-    if family.shared is not None:
-        moe.shared_expert = getattr(block, family.shared)
+    shared = getattr(block, family.shared, None) if family.shared is not None else None
+    if shared is not None:  # NOTE: a config may have none (Cohere2-MoE's num_shared_experts=0)
+        moe.shared_expert = shared
     if family.shared_gate is not None:
         assert moe.shared_expert_gate is not None  # config.shared_expert_gate
         _copy(moe.shared_expert_gate.weight, getattr(block, family.shared_gate).weight)
@@ -323,7 +345,7 @@ def _restore(moe: HFMoE) -> nn.Module:
         assert experts.b1 is not None and experts.b3 is not None and experts.b2 is not None
         _copy(hf_experts.gate_up_proj_bias, _from_forge(experts.b1, experts.b3, "interleaved"))
         _copy(hf_experts.down_proj_bias, experts.b2)
-    if family.shared is not None:
+    if family.shared is not None and moe.shared_expert is not None:
         setattr(block, family.shared, moe.shared_expert)
     if family.shared_gate is not None:
         assert moe.shared_expert_gate is not None

@@ -40,7 +40,8 @@ class _Family:
     linear in the weights), so a block that scales its output maps onto forge's router scale.
     ``act``: the experts' activation (``MoEModelConfig.expert_act``; None: from the layout and
     the config's ``hidden_act``); ``limit``: the experts' attribute holding a clamped
-    activation's limit.
+    activation's limit. ``selection``: the router's attribute naming its score per config
+    (``"softmax"`` or ``"sigmoid"`` of the top-k logits), which then overrides ``score``.
     """
 
     router: str
@@ -56,6 +57,7 @@ class _Family:
     scale: str | None = None
     act: str | None = None
     limit: str = "limit"
+    selection: str | None = None
 
     @property
     def scale_path(self) -> str:
@@ -191,6 +193,11 @@ HF_MOE_BLOCKS.update(
             correction="expert_bias",
             weight="router.gate",
             scale="router.route_scale",
+        ),
+        # the top-k logits' softmax or sigmoid, as the config's expert_selection_fn says;
+        # shared experts only when num_shared_experts > 0, added ("sum"; "average" refused)
+        "Cohere2MoeSparseMoeBlock": _Family(
+            "gate", "out_in", "softmax", shared="shared_experts", selection="expert_selection_fn"
         ),
         # GLM4-MoE's block and router, the experts' SwiGLU clamped at swiglu_limit
         **{
