@@ -31,6 +31,7 @@ TABLE_FAMILIES = {
     "beam": "BeamMoE",
     "laguna": "LagunaSparseMoeBlock",
     "hy_v4": "HYV4MoE",
+    "minimax_m3_vl_text": "MiniMaxM3VLSparseMoeBlock",
 }
 #: config fields holding the routed output's scale, set to 1.7 where a config has one (so a
 #: scale read from the wrong place changes the logits)
@@ -63,7 +64,9 @@ def _model(model_type: str, **overrides: object) -> torch.nn.Module:
         if name in config.to_dict():
             setattr(config, name, 1.7)
     if "swiglu_limit" in config.to_dict():
-        config.swiglu_limit = 0.05  # HY-V4: the experts' clamps bite (their inputs exceed it)
+        config.swiglu_limit = 0.05  # the experts' clamps bite (their inputs exceed it)
+    if "swiglu_alpha" in config.to_dict():
+        config.swiglu_alpha = 1.3  # not GPT-OSS's default 1.702: read from the experts
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).float()
     g = torch.Generator().manual_seed(2)

@@ -39,6 +39,8 @@ HY-V4,          GLM4-MoE's block and router; the experts' SwiGLU clamped at
 GLM-5-next      ``swiglu_limit`` (``clamped_silu``)
 Cohere2-MoE     softmax or sigmoid of the top-k logits (``expert_selection_fn``); shared
                 experts added ("average" refused)
+MiniMax-M3-VL   sigmoid + correction bias, the block's scale, a dense shared MLP; GPT-OSS's
+                clamped SwiGLU on (gate | up) halves (``swiglu_alpha``, ``swiglu_limit``)
 ==============  =========================================================================
 
 Each family is one :data:`HF_MOE_BLOCKS` entry (``_Family``): where the router, its weight,
@@ -227,7 +229,7 @@ def _moe_config(block: nn.Module, family: _Family, config: Any, layer_id: int) -
         router_bias=getattr(router_weights(block, family), "bias", None) is not None,
         router_weights_on_input=family.layout == "in_out",
         expert_act=act,
-        expert_act_alpha=float(getattr(experts, "alpha", 1.702)),
+        expert_act_alpha=float(getattr(experts, family.alpha, 1.702)),
         expert_act_limit=float(getattr(experts, family.limit, 7.0)),
         expert_linear_bias=family.layout == "interleaved",
         shared_expert_gate=family.shared_gate is not None,

@@ -39,8 +39,8 @@ class _Family:
     Scaling the routed experts' output or their top-k weights is the same (the output is
     linear in the weights), so a block that scales its output maps onto forge's router scale.
     ``act``: the experts' activation (``MoEModelConfig.expert_act``; None: from the layout and
-    the config's ``hidden_act``); ``limit``: the experts' attribute holding a clamped
-    activation's limit. ``selection``: the router's attribute naming its score per config
+    the config's ``hidden_act``); ``limit`` / ``alpha``: the experts' attributes holding a
+    clamped activation's limit and GPT-OSS's ``alpha``. ``selection``: the router's attribute naming its score per config
     (``"softmax"`` or ``"sigmoid"`` of the top-k logits), which then overrides ``score``.
     """
 
@@ -57,6 +57,7 @@ class _Family:
     scale: str | None = None
     act: str | None = None
     limit: str = "limit"
+    alpha: str = "alpha"
     selection: str | None = None
 
     @property
@@ -198,6 +199,19 @@ HF_MOE_BLOCKS.update(
         # shared experts only when num_shared_experts > 0, added ("sum"; "average" refused)
         "Cohere2MoeSparseMoeBlock": _Family(
             "gate", "out_in", "softmax", shared="shared_experts", selection="expert_selection_fn"
+        ),
+        # sigmoid + correction bias, renormalised, the block scaling the routed output, a
+        # dense shared MLP; experts with GPT-OSS's clamped SwiGLU on (gate | up) halves
+        "MiniMaxM3VLSparseMoeBlock": _Family(
+            "gate",
+            "out_in",
+            "sigmoid",
+            shared="shared_experts",
+            renormalize=True,
+            scale="routed_scaling_factor",
+            act="clamped_swiglu",
+            limit="swiglu_limit",
+            alpha="swiglu_alpha",
         ),
         # GLM4-MoE's block and router, the experts' SwiGLU clamped at swiglu_limit
         **{
