@@ -7,7 +7,7 @@ reads checkpoints by them; a new family built from these parts is one entry and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -147,6 +147,16 @@ _SAME_AS = {
 HF_MOE_BLOCKS.update(
     {alias: HF_MOE_BLOCKS[base] for base, names in _SAME_AS.items() for alias in names}
 )
+#: sigmoid with the router's correction bias, renormalised, the routed output scaled by the
+#: block, shared experts (Laguna)
+_SCALED_BY_BLOCK = _Family(
+    "gate",
+    "out_in",
+    "sigmoid",
+    shared="shared_experts",
+    renormalize=True,
+    scale="routed_scaling_factor",
+)
 HF_MOE_BLOCKS.update(
     {
         # the same layouts, with a fixed choice where the router has no norm_topk_prob, or
@@ -200,18 +210,9 @@ HF_MOE_BLOCKS.update(
         "Cohere2MoeSparseMoeBlock": _Family(
             "gate", "out_in", "softmax", shared="shared_experts", selection="expert_selection_fn"
         ),
-        # sigmoid + correction bias, renormalised, the block scaling the routed output, a
-        # dense shared MLP; experts with GPT-OSS's clamped SwiGLU on (gate | up) halves
-        "MiniMaxM3VLSparseMoeBlock": _Family(
-            "gate",
-            "out_in",
-            "sigmoid",
-            shared="shared_experts",
-            renormalize=True,
-            scale="routed_scaling_factor",
-            act="clamped_swiglu",
-            limit="swiglu_limit",
-            alpha="swiglu_alpha",
+        # Laguna's routing (below); experts with GPT-OSS's clamped SwiGLU on (gate | up) halves
+        "MiniMaxM3VLSparseMoeBlock": replace(
+            _SCALED_BY_BLOCK, act="clamped_swiglu", limit="swiglu_limit", alpha="swiglu_alpha"
         ),
         # GLM4-MoE's block and router, the experts' SwiGLU clamped at swiglu_limit
         **{
@@ -227,14 +228,7 @@ HF_MOE_BLOCKS.update(
         },
         # DeepSeek-V3's router without its scale: the block scales the routed output
         "BeamMoE": _Family("gate", "out_in", "sigmoid", scale="routed_scaling_factor"),
-        "LagunaSparseMoeBlock": _Family(
-            "gate",
-            "out_in",
-            "sigmoid",
-            shared="shared_experts",
-            renormalize=True,
-            scale="routed_scaling_factor",
-        ),
+        "LagunaSparseMoeBlock": _SCALED_BY_BLOCK,
         "FlintSparseMoeBlock": _Family("gate", "out_in", "sigmoid", shared="shared_expert"),
         **{
             name: _Family("router", "out_in", "softmax", renormalize=True)
