@@ -935,11 +935,6 @@ MOE_LAYOUT_NOTES: dict[str, str] = {
         "ungated shared expert: _Family('gate', 'out_in', 'sigmoid', shared='shared_expert') "
         "(checked)"
     ),
-    "Cohere2MoeSparseMoeBlock": (
-        "with the default config (expert_selection_fn='softmax', no shared experts) Mixtral's "
-        "routing and experts: MixtralSparseMoeBlock's entry (checked); its sigmoid selection "
-        "and 'average' shared-expert combination would need refusing"
-    ),
     "Mistral4MoE": (
         "DeepSeek-V3's block and experts with softmax scores (groups scored by their top-2 sum, "
         f"no correction bias): {_DSV3} with score='softmax' (checked, grouped and not)"
@@ -947,11 +942,6 @@ MOE_LAYOUT_NOTES: dict[str, str] = {
     "MistralLarge4TextMoE": (
         "Mistral-4's, always renormalised: DeepseekV3MoE's entry with score='softmax', "
         "renormalize=True (checked, grouped and not)"
-    ),
-    "AfmoeSparseMoeBlock": (
-        "DeepSeek-V3-like sigmoid routing without groups (always renormalised, x route_scale), "
-        "but the router weight is router.gate.weight and the correction bias the block's "
-        "expert_bias: needs an entry reading those names"
     ),
     "AriaTextMoELayer": (
         "Mixtral's routing (router at .router) with Llama 4's in_out expert layout, the weights "
@@ -962,10 +952,6 @@ MOE_LAYOUT_NOTES: dict[str, str] = {
         "DeepSeek-V3's router and experts, then an RMSNorm of the (routed + shared) output "
         "(post_mlp_layernorm), which the converted block would drop"
     ),
-    "BeamMoE": (
-        "DeepSeek-V3's router and experts, no shared experts, routed_scaling_factor applied by "
-        "the block, not the router: needs the scale read from the block"
-    ),
     "DeepseekV4SparseMoeBlock": (
         "hash-routed layers (a token id -> experts table, tid2eid): not forge's router"
     ),
@@ -973,19 +959,6 @@ MOE_LAYOUT_NOTES: dict[str, str] = {
         "softmax routing whose choice adds a correction bias (gate.moe_statics) to the "
         "probabilities, renormalised with a clamp, shared experts: forge's softmax router has "
         "no choice bias"
-    ),
-    "HunYuanMoEV1Moe": (
-        "Mixtral's routing and experts plus an always-on shared MLP (shared_mlp), router weight "
-        "at gate.wg.weight, counts possibly per layer: needs an entry reading those names"
-    ),
-    "HYV3MoE": (
-        "DeepSeek-V3-like sigmoid without groups, always renormalised, x router_scaling_factor, "
-        "correction bias on the block: needs an entry reading those names"
-    ),
-    **dict.fromkeys(
-        ("HYV4MoE", "Glm5NextTextMoE"),
-        "GLM4-MoE's block and router; the experts' SwiGLU clamps gate (max) and up "
-        "(+-swiglu_limit): needs that activation in forge's experts",
     ),
     "Inkling2SparseMoeBlock": (
         "scoring_func top-k with a correction bias, always renormalised x routed_scaling_factor;"
@@ -1005,25 +978,8 @@ MOE_LAYOUT_NOTES: dict[str, str] = {
         "chooses differently from DeepSeek-V3 (bias added to sigmoid scores) when the bias is "
         "not zero"
     ),
-    "LagunaSparseMoeBlock": (
-        "DeepSeek-V3-like sigmoid with a correction bias, no groups, always renormalised, "
-        "optional logit soft-capping, the scale applied by the block, shared experts: needs the "
-        "scale read from the block"
-    ),
-    "Lfm2MoeSparseMoeBlock": (
-        "sigmoid with an optional correction bias on the block (expert_bias), renormalised x "
-        "routed_scaling_factor, no shared experts: needs the bias read from the block"
-    ),
     "LongcatFlashMoE": (
         "zero-computation (identity) experts beside the routed ones: not supported"
-    ),
-    "MiniMaxM2SparseMoeBlock": (
-        "sigmoid + correction bias (on the block) choice, always renormalised, Mixtral's "
-        "experts: needs the bias read from the block"
-    ),
-    "MiniMaxM3VLSparseMoeBlock": (
-        "sigmoid + correction bias, always renormalised, the scale applied by the block, a dense "
-        "shared MLP; experts with GPT-OSS's clamped SwiGLU on chunked (gate | up) weights"
     ),
     "NemotronHMoE": (
         "non-gated experts (up_proj only, relu2) between optional latent projections: needs a "
