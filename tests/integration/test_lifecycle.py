@@ -271,6 +271,27 @@ def test_sigterm_to_the_forkserver_saves_and_ends_the_run_cleanly(tmp_path, runs
     _stopped_cleanly(run, marker, "SIGTERM", "SIGTERM on rank 1")
 
 
+@pytest.mark.lifecycle
+def test_a_signal_after_the_last_step_leaves_the_finished_run_alone(tmp_path, runs):
+    """A SIGTERM that reaches a rank after its loop ended (here rank 0, writing its report) has
+    nothing left to stop: the run ends as finished, exit 0. Before, the rank had put back the
+    default handler and died of it, and the run failed ("rank 0 exited with code 255" when the
+    signal was a rank's watcher noticing, late, that the forkserver had been stopped)."""
+    marker = tmp_path / "slow-rank-0"
+    runs.append(run := _Run(tmp_path / "run", steps=6, slow=marker))
+    run.wait_for_step(1)
+    rank_0 = run.ranks()[0]
+    deadline = time.monotonic() + 240
+    while not marker.exists() and run.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), "".join(run.err)[-3000:]  # rank 0 is in its report: the loop ended
+    os.kill(rank_0, signal.SIGTERM)
+    code, err = run.finish()
+    assert code == 0, err
+    end = _metrics(run.out)[-1]
+    assert end["event"] == "end" and end["step"] == 6 and end["stopped_by"] is None, end
+
+
 @pytest.fixture
 def full_disk(tmp_path):
     """A 1 MiB tmpfs (root: CI and the development machines run as root)."""

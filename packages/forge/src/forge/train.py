@@ -305,12 +305,15 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
         if (summary.stopped_by or ck.save_at_end) and last_saved != finished:
             save(finished)
         checkpointer.wait()
-    hooks.remove()
-    if log is not None:
-        end = {"run_id": run_id, "step": finished, "stopped_by": summary.stopped_by}
-        log.close({**end, "checkpoint": summary.last_checkpoint})
-        tp_text = tp_description(model, par) if par.tp > 1 else None
-        summary.text = _report(cfg, par, world_size, device_type, summary, finished, tp_text)
+        # NOTE: still under the stop flag: a signal from here on (a late one: a rank's watcher
+        # noticing the stopped forkserver after the vote) has nothing left to stop, and under
+        # the default handler it would kill a rank whose run has finished.
+        hooks.remove()
+        if log is not None:
+            end = {"run_id": run_id, "step": finished, "stopped_by": summary.stopped_by}
+            log.close({**end, "checkpoint": summary.last_checkpoint})
+            tp_text = tp_description(model, par) if par.tp > 1 else None
+            summary.text = _report(cfg, par, world_size, device_type, summary, finished, tp_text)
     return summary
 
 
