@@ -743,7 +743,9 @@ MOE_LAYOUT: dict[str, Any] = {"dp_shard": 2, "ep": 2}
 def _randomize_zeros(model: Any) -> None:
     """Random values (N(0, 0.1^2), fixed seed) for every floating parameter or buffer that
     transformers initialises to zero (routers, biases, correction biases) or that is a bias, so
-    that routing and biases matter (as ``packages/forge-moe-ep/tests/test_hf_moe.py`` does)."""
+    that routing and biases matter (as ``packages/forge-moe-ep/tests/test_hf_moe.py`` does);
+    a hash-routed layer's token -> experts table (DeepSeek-V4's ``tid2eid``, zeros: every token
+    to expert 0) gets distinct random experts per token."""
     import torch
 
     g = torch.Generator().manual_seed(2)
@@ -751,6 +753,10 @@ def _randomize_zeros(model: Any) -> None:
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             if t.is_floating_point() and ("bias" in name or not t.abs().sum()):
                 t.copy_(torch.randn(t.shape, generator=g) * 0.1)
+            elif name.endswith("tid2eid"):  # hash routing: distinct random experts per token
+                experts = model.config.get_text_config().num_local_experts
+                order = torch.rand(t.shape[0], experts, generator=g).argsort(-1)
+                t.copy_(order[:, : t.shape[1]])
 
 
 def moe_block_classes(model: Any) -> list[str]:
@@ -892,11 +898,6 @@ MOE_LAYOUT_NOTES: dict[str, str] = {
     "Dots1MoE": f"same code as DeepSeek-V3: {_DSV3} (checked)",
     "KimiLinearMoE": f"same code as DeepSeek-V3: {_DSV3} (checked)",
     "ExaoneMoeSparseMoEBlock": f"same code as DeepSeek-V3 (other config names): {_DSV3} (checked)",
-    "AXK2MoE": (
-        "DeepSeek-V3 layout; its router groups only when n_group is set and masks the groups "
-        "left out with 0.0, not -inf (differs only when a kept score + correction bias is "
-        f"negative): {_DSV3} (checked, grouped and not)"
-    ),
     "MiMoV2FlashMoE": f"DeepSeek-V3 without shared experts: {_DSV3} with shared=None (checked)",
     "DeepseekV32MoE": f"same code as GLM4-MoE: {_GLM4} (checked)",
     "Glm4MoeLiteMoE": f"same code as GLM4-MoE: {_GLM4} (checked)",
@@ -943,27 +944,6 @@ MOE_LAYOUT_NOTES: dict[str, str] = {
         "Mistral-4's, always renormalised: DeepseekV3MoE's entry with score='softmax', "
         "renormalize=True (checked, grouped and not)"
     ),
-    "AriaTextMoELayer": (
-        "Mixtral's routing (router at .router) with Llama 4's in_out expert layout, the weights "
-        "applied to the experts' output, plus shared experts: forge ties weights-on-input to "
-        "the in_out layout"
-    ),
-    "AXK1MoE": (
-        "DeepSeek-V3's router and experts, then an RMSNorm of the (routed + shared) output "
-        "(post_mlp_layernorm), which the converted block would drop"
-    ),
-    "DeepseekV4SparseMoeBlock": (
-        "hash-routed layers (a token id -> experts table, tid2eid): not forge's router"
-    ),
-    "Ernie4_5_MoeSparseMoeBlock": (
-        "softmax routing whose choice adds a correction bias (gate.moe_statics) to the "
-        "probabilities, renormalised with a clamp, shared experts: forge's softmax router has "
-        "no choice bias"
-    ),
-    "Inkling2SparseMoeBlock": (
-        "scoring_func top-k with a correction bias, always renormalised x routed_scaling_factor;"
-        " experts with a soft-capped SwiGLU: needs that activation"
-    ),
     "InklingMoE": (
         "shared experts take part in the routing normalisation (log-sigmoid over routed + "
         "shared, a learned global_scale): not forge's router"
@@ -973,17 +953,8 @@ MOE_LAYOUT_NOTES: dict[str, str] = {
         "a mixture of attention heads (MoA) and an MLP MoE of ParallelExperts (input_linear / "
         "output_linear): another structure",
     ),
-    "Kolibri1SparseMoeBlock": (
-        "top-k of raw logits + correction bias, weights the sigmoid of the chosen logits: "
-        "chooses differently from DeepSeek-V3 (bias added to sigmoid scores) when the bias is "
-        "not zero"
-    ),
     "LongcatFlashMoE": (
         "zero-computation (identity) experts beside the routed ones: not supported"
-    ),
-    "NemotronHMoE": (
-        "non-gated experts (up_proj only, relu2) between optional latent projections: needs a "
-        "non-gated expert"
     ),
     "PhimoeSparseMoeBlock": "SparseMixer routing: not forge's router",
     "ZayaSparseMoeBlock": (

@@ -32,6 +32,14 @@ TABLE_FAMILIES = {
     "laguna": "LagunaSparseMoeBlock",
     "hy_v4": "HYV4MoE",
     "minimax_m3_vl_text": "MiniMaxM3VLSparseMoeBlock",
+    "axk2": "AXK2MoE",
+    "axk1": "AXK1MoE",
+    "kolibri1": "Kolibri1SparseMoeBlock",
+    "ernie4_5_moe": "Ernie4_5_MoeSparseMoeBlock",
+    "aria_text": "AriaTextMoELayer",
+    "inkling2_text": "Inkling2SparseMoeBlock",
+    "nemotron_h": "NemotronHMoE",
+    "deepseek_v4": "DeepseekV4SparseMoeBlock",
 }
 #: config fields holding the routed output's scale, set to 1.7 where a config has one (so a
 #: scale read from the wrong place changes the logits)
@@ -49,11 +57,20 @@ SCALES = (
 #: ``shared_expert``, the correction bias elsewhere): trainable from their config, not read
 #: from a directory
 RENAMED_ON_SAVE = {"hy_v3", "hy_v4", "laguna"}
+# transformers 5.23 likewise renames these on save: A.X-K1 keeps post_mlp_layernorm on the
+# decoder layer, Kolibri and ERNIE 4.5 their correction bias elsewhere, Inkling 2 and
+# DeepSeek-V4 most tensors, Nemotron-H its whole prefix (backbone.)
+RENAMED_ON_SAVE |= {"axk1", "kolibri1", "ernie4_5_moe", "inkling2_text", "nemotron_h"}
+RENAMED_ON_SAVE |= {"deepseek_v4", "aria_text"}  # Aria: experts.fc1 / fc2
+#: families without a choice correction bias (DeepSeek-V4's hash-routed layers have none either)
+NO_CORRECTION = {"hunyuan_v1_moe", "aria_text"}
 
 
 def _model(model_type: str, **overrides: object) -> torch.nn.Module:
     """The zoo's tiny model, every zero-initialised tensor (routers, correction biases) random."""
     import transformers as tf
+
+    from tests.zoo.hf_zoo import _randomize_zeros
 
     config = hf_zoo.tiny_config(model_type, moe=True)
     for name, value in overrides.items():
@@ -69,11 +86,7 @@ def _model(model_type: str, **overrides: object) -> torch.nn.Module:
         config.swiglu_alpha = 1.3  # not GPT-OSS's default 1.702: read from the experts
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).float()
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for _, t in [*model.named_parameters(), *model.named_buffers()]:
-            if t.is_floating_point() and not t.abs().sum():
-                t.copy_(torch.randn(t.shape, generator=g) * 0.1)
+    _randomize_zeros(model)
     return model.train()
 
 
@@ -94,9 +107,9 @@ def test_table_family_converts_restores_and_reads_back(model_type, tmp_path):
     converted = convert_hf_moe(model)
     assert converted and all(isinstance(model.get_submodule(n), HFMoE) for n in converted)
     torch.testing.assert_close(model(tokens).logits, expected, rtol=1e-5, atol=1e-5)
-    bias = [m.router.expert_bias for m in model.modules() if isinstance(m, HFMoE)]
-    if model_type != "hunyuan_v1_moe":  # a choice correction bias, read from where it lives
-        assert all(b.abs().sum() > 0 for b in bias)
+    moes = [m for m in model.modules() if isinstance(m, HFMoE)]
+    if model_type not in NO_CORRECTION:  # a choice correction bias, read from where it lives
+        assert all(m.router.expert_bias.abs().sum() > 0 for m in moes if m.expert_table is None)
 
     stored = load_file(tmp_path / "model.safetensors")
     sources = hf_checkpoint_sources(model, {n: tuple(t.shape) for n, t in stored.items()})
@@ -176,3 +189,57 @@ def test_cohere2_moe_averaging_its_shared_expert_is_refused():
     )
     with pytest.raises(ForgeConfigError, match="shared_expert_combination_strategy='average'"):
         convert_hf_moe(model)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "mutation"),
+    [
+        ("axk2", {"n_group": 2, "topk_group": 1}, {"group_mask": "exclude"}),
+        ("axk1", {}, {"post_norm": None}),
+        ("kolibri1", {}, {"choice": "scores"}),
+        ("ernie4_5_moe", {}, {"correction": None}),
+        ("aria_text", {}, {"weights_on_input": None}),
+        ("inkling2_text", {"mlp_gate_softcap": 0.3, "mlp_up_softcap": 0.05}, {"up_limit": None}),
+        ("deepseek_v4", {}, {"hash_table": None}),
+        ("nemotron_h", {"moe_latent_size": 8}, None),
+    ],
+    ids=["axk2-groups", "axk1", "kolibri1", "ernie", "aria", "inkling2", "deepseek_v4", "nemotron"],
+)
+def test_each_variant_is_what_makes_its_family_equal(model_type, overrides, mutation, monkeypatch):
+    """Each new entry's logits equal the Hugging Face model's, and the entry without its
+    variant (the mutation) gives other logits: the check sees the variant. Then restored, the
+    Hugging Face state dict again. A.X-K2 with groups, its correction biases large enough that
+    a kept expert's biased score can be negative (where its 0.0 mask differs from -inf);
+    Nemotron-H with latent projections."""
+    import dataclasses
+
+    import transformers as tf
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {tf.__version__} has no {model_type}")
+
+    def built() -> torch.nn.Module:
+        model = _model(model_type, **overrides)
+        if model_type == "axk2":  # group 0 is kept; its experts 1-3 lose to group 1's zeros
+            with torch.no_grad():
+                for name, t in model.named_buffers():
+                    if name.endswith("e_score_correction_bias"):
+                        t.copy_(torch.tensor([0.5, -3.0, -3.0, -3.0, -5.0, -5.0, -5.0, -5.0]))
+        return model
+
+    model = built()
+    tokens = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator())
+    expected = model(tokens).logits
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    assert convert_hf_moe(model)
+    torch.testing.assert_close(model(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+    restore_hf_moe(model)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in original.items())
+    if mutation is None:
+        return
+    block = TABLE_FAMILIES[model_type]
+    monkeypatch.setitem(HF_MOE_BLOCKS, block, dataclasses.replace(HF_MOE_BLOCKS[block], **mutation))
+    mutated = built()
+    assert convert_hf_moe(mutated)
+    assert not torch.allclose(mutated(tokens).logits, expected, rtol=1e-5, atol=1e-5)

@@ -31,19 +31,43 @@ __all__ = [
     "MOE_FIELDS",
     "MOE_PRESETS",
     "MOE_ROUTERS",
+    "ROUTER_CHOICES",
+    "ROUTER_GROUP_MASKS",
     "MoEConfig",
     "MoEModelConfig",
     "split_moe_fields",
 ]
 
-MOE_ROUTERS = ("softmax", "sigmoid")
+#: The router's score of the logits: ``softmax``, ``sigmoid`` or ``sqrtsoftplus``
+#: (``sqrt(softplus(x))``: DeepSeek-V4).
+MOE_ROUTERS = ("softmax", "sigmoid", "sqrtsoftplus")
+#: What the router chooses by: ``scores`` (the scores plus the expert bias) or ``logits`` (the
+#: raw logits plus the expert bias: Kolibri, whose weights are still the chosen scores).
+ROUTER_CHOICES = ("scores", "logits")
+#: How a group-limited choice leaves out the experts of the groups not chosen: ``exclude`` (never
+#: chosen) or ``zero`` (their choice value becomes 0.0, so they still beat a kept expert whose
+#: biased score is negative: A.X-K2's router).
+ROUTER_GROUP_MASKS = ("exclude", "zero")
 #: The experts' gated activation ``act(x w1) * (x w3)``: ``silu`` (SwiGLU), ``gelu``,
 #: ``gelu_tanh`` (GeGLU, exact or tanh-approximated GELU), and ``clamped_swiglu`` (GPT-OSS:
 #: gate clamped above at ``expert_act_limit``, up clamped to +-limit,
 #: ``(up + 1) * gate * sigmoid(alpha * gate)`` with ``alpha = expert_act_alpha``), and
 #: ``clamped_silu`` (a SwiGLU whose gate is clamped above at ``expert_act_limit`` and up to
-#: +-limit: HY-V4, GLM-5-next).
-EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "clamped_swiglu", "clamped_silu")
+#: +-limit: HY-V4, GLM-5-next), ``softcapped_swiglu`` (``c_g tanh(g / c_g) * sigmoid(g) *
+#: c_u tanh(u / c_u)`` in float32, ``c_g = expert_act_limit``, ``c_u = expert_act_up_limit``:
+#: Inkling 2) and ``relu2`` (``relu(x)^2``; with ``expert_gated = False``: Nemotron-H). Experts
+#: that are not gated compute ``act(x w1) w2`` (no ``w3``): only the activations of one input.
+EXPERT_ACTIVATIONS = (
+    "silu",
+    "gelu",
+    "gelu_tanh",
+    "clamped_swiglu",
+    "clamped_silu",
+    "softcapped_swiglu",
+    "relu2",
+)
+#: The activations that read the up projection too: only for gated experts.
+GATED_ONLY_ACTIVATIONS = ("clamped_swiglu", "clamped_silu", "softcapped_swiglu")
 #: ``dropless``: exact, every routed token is computed (EP exchanges split sizes: one host wait
 #: per MoE layer per forward). ``capacity``: each sequence sends at most a fixed number of tokens
 #: to each expert (``capacity_factor``), the rest are dropped and counted; no host sync at all.
@@ -75,10 +99,15 @@ class MoEConfig:
       best (biased) scores (V3: 2, V2: 1, its maximum), and each token chooses only within its
       ``router_topk_groups`` best groups.
     - ``router_bias``: the router's linear layer has a bias (GPT-OSS).
+    - ``router_choice`` (see ``ROUTER_CHOICES``), ``router_group_mask`` (see
+      ``ROUTER_GROUP_MASKS``); ``router_renormalize_min``: the renormalising sum is clamped
+      below at this value (ERNIE 4.5: 1e-12; 0: plain division).
     - ``router_weights_on_input``: scale each expert's INPUT rows by the routing weight instead
       of its output (Llama 4); the outputs are then summed unweighted.
     - ``expert_act`` (see ``EXPERT_ACTIVATIONS``), ``expert_act_alpha``, ``expert_act_limit``,
-      ``expert_linear_bias`` (biases on the experts' three projections: GPT-OSS).
+      ``expert_linear_bias`` (biases on the experts' three projections: GPT-OSS),
+      ``expert_act_up_limit`` (the up half's cap of ``softcapped_swiglu``; None: the limit),
+      ``expert_gated`` (False: ``act(x w1) w2``, no ``w3``: Nemotron-H).
     - ``shared_expert_gate``: the shared expert's output is scaled by ``sigmoid(x g)``, with a
       learned ``g [dim, 1]`` (Qwen2-MoE).
     """
@@ -105,6 +134,11 @@ class MoEConfig:
     expert_act_limit: float = 7.0
     expert_linear_bias: bool = False
     shared_expert_gate: bool = False
+    router_choice: str = "scores"
+    router_group_mask: str = "exclude"
+    router_renormalize_min: float = 0.0
+    expert_act_up_limit: float | None = None
+    expert_gated: bool = True
 
     def __post_init__(self) -> None:
         check_field_types(self, "moe")
@@ -125,6 +159,8 @@ class MoEConfig:
             ("router", MOE_ROUTERS),
             ("moe_dispatch", MOE_DISPATCH_MODES),
             ("expert_act", EXPERT_ACTIVATIONS),
+            ("router_choice", ROUTER_CHOICES),
+            ("router_group_mask", ROUTER_GROUP_MASKS),
         ):
             v = getattr(self, name)
             if v not in allowed:
@@ -132,6 +168,12 @@ class MoEConfig:
                     f"moe.{name}={v!r} is invalid: choose one of {list(allowed)}"
                     + did_you_mean(str(v), allowed)
                 )
+        if not self.expert_gated and self.expert_act in GATED_ONLY_ACTIVATIONS:
+            raise ForgeConfigError(
+                f"moe.expert_act={self.expert_act!r} reads the experts' up projection, which "
+                "experts with moe.expert_gated=false do not have; choose one of "
+                f"{[a for a in EXPERT_ACTIVATIONS if a not in GATED_ONLY_ACTIVATIONS]}"
+            )
         if self.moe_every:
             self._check_moe_shape()
         self._check_numbers()
@@ -166,6 +208,9 @@ class MoEConfig:
         )
         for name in ("router_scale", "expert_act_alpha", "expert_act_limit"):
             check_number(f"moe.{name}", getattr(self, name), 0)
+        check_number("moe.router_renormalize_min", self.router_renormalize_min, 0, 1)
+        if self.expert_act_up_limit is not None:
+            check_number("moe.expert_act_up_limit", self.expert_act_up_limit, 0, lo_open=True)
 
     def _check_moe_shape(self) -> None:
         """The MoE blocks' shape: experts, top-k and the router groups fit together."""
@@ -260,8 +305,10 @@ class MoEModelConfig(MoEConfig, ModelConfig):
         router, experts and shared expert in place of its dense FFN."""
         assert self.moe_ffn_dim
         d, h, e, n_moe = self.dim, self.moe_ffn_dim, self.num_experts, len(self.moe_layers)
-        moe_ffn = d * e + 3 * d * h * (e + self.num_shared_experts)
-        moe_ffn += e * self.router_bias + e * (2 * h + d) * self.expert_linear_bias
+        projections = 3 if self.expert_gated else 2
+        moe_ffn = d * e + projections * d * h * e + 3 * d * h * self.num_shared_experts
+        moe_ffn += e * self.router_bias + e * (projections - 1) * h * self.expert_linear_bias
+        moe_ffn += e * d * self.expert_linear_bias
         moe_ffn += d * (self.shared_expert_gate and self.num_shared_experts > 0)
         return super().num_params() + n_moe * (moe_ffn - self.dense_ffn_params())
 

@@ -41,6 +41,14 @@ Cohere2-MoE     softmax or sigmoid of the top-k logits (``expert_selection_fn``)
                 experts added ("average" refused)
 MiniMax-M3-VL   sigmoid + correction bias, the block's scale, a dense shared MLP; GPT-OSS's
                 clamped SwiGLU on (gate | up) halves (``swiglu_alpha``, ``swiglu_limit``)
+A.X-K2, A.X-K1  DeepSeek-V3's; K2's groups leave experts out at 0.0; K1 norms its output
+Kolibri         the choice on the raw logits + correction bias, sigmoid weights
+ERNIE 4.5       softmax, a [1, E] correction bias in the choice, the sum clamped below
+Aria            Mixtral's routing, Llama 4's in_out experts weighted on their output
+Inkling 2       the config's score + correction bias; a soft-capped SwiGLU
+Nemotron-H      DeepSeek-V3's router; relu2 experts, not gated, between latent projections
+DeepSeek-V4     sqrtsoftplus + correction bias, or a token id -> experts table (hash);
+                the experts' SwiGLU clamped at ``swiglu_limit``
 ==============  =========================================================================
 
 Each family is one :data:`HF_MOE_BLOCKS` entry (``_Family``): where the router, its weight,
@@ -58,6 +66,7 @@ produce router logits for transformers to collect, and forge's router has no jit
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +76,8 @@ from forge_core.errors import ForgeConfigError
 from torch.distributed.tensor import DTensor
 
 from .config import MoEModelConfig
+from .experts import GroupedExperts, grouped_experts
+from .hf_config import expert_shape, experts_of, moe_config, refuse_unsupported, text_config
 from .hf_families import HF_MOE_BLOCKS, _Family, at_path, correction_bias, router_weights
 from .moe import MoE
 
@@ -79,23 +90,19 @@ __all__ = [
     "restore_hf_moe",
 ]
 
-#: Hugging Face ``hidden_act`` names -> ``MoEModelConfig.expert_act``.
-_ACTIVATIONS = {
-    "silu": "silu",
-    "swish": "silu",
-    "gelu": "gelu",
-    "gelu_pytorch_tanh": "gelu_tanh",
-    "gelu_new": "gelu_tanh",
-}
-
 
 class HFMoE(MoE):
     """A forge :class:`MoE` standing in for a Hugging Face MoE block (:func:`convert_hf_moe`).
 
-    Takes ``[B, S, dim]`` or ``[T, dim]`` and answers as the block did (a tuple whose second
-    item is None for the families whose decoder layer unpacks one). Remembers the block's class
-    and config so :func:`restore_hf_moe` can rebuild it.
+    Takes ``[B, S, dim]`` or ``[T, dim]`` (and the tokens' ``input_ids`` for a hash-routed
+    block) and answers as the block did (a tuple whose second item is None for the families
+    whose decoder layer unpacks one). Remembers the block's class and config so
+    :func:`restore_hf_moe` can rebuild it. Beside :class:`MoE`'s parts it may hold the block's
+    norm of its output (``post_norm``) and a hash table of experts per token id
+    (``expert_table``, ``[vocab, K]``: the router then only weights the experts it names).
     """
+
+    expert_table: torch.Tensor | None
 
     def __init__(
         self,
@@ -104,139 +111,45 @@ class HFMoE(MoE):
         family: _Family,
         hf_class: type[nn.Module],
         hf_config: Any,
+        width: int | None = None,
     ) -> None:
         super().__init__(config, layer_id)
         self.family, self.hf_class, self.hf_config = family, hf_class, hf_config
+        if width is not None and width != config.dim:
+            self.experts = grouped_experts(config, width)  # between latent projections
+        self.post_norm: nn.Module | None = None
+        self.register_buffer("expert_table", None)
 
-    def forward(self, x: torch.Tensor) -> Any:
+    def new_block(self) -> nn.Module:
+        """A new Hugging Face block of the class and config this layer replaced (on the current
+        default device; some classes take their layer's index: DeepSeek-V4's)."""
+        takes_layer = "layer_idx" in inspect.signature(self.hf_class.__init__).parameters
+        if takes_layer:
+            return self.hf_class(self.hf_config, layer_idx=self.layer_id)
+        return self.hf_class(self.hf_config)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> Any:
+        ids = None
+        if self.expert_table is not None:
+            if input_ids is None:
+                raise ValueError(
+                    f"{self.hf_class.__name__} (layer {self.layer_id}) routes by token id: its "
+                    "decoder layer must pass input_ids (a model fed inputs_embeds cannot)"
+                )
+            ids = self.expert_table[input_ids.reshape(-1)].long()
+        out = super().forward(x.unsqueeze(0) if x.dim() == 2 else x, ids)
+        if self.post_norm is not None:
+            out = self.post_norm(out)
         # NOTE: a copy, not a view of the combine's output: the decoder layer may add into it
         # in place, which on a view would drop the pre-backward hook FSDP2 puts on the output
         # of a unit (this layer is one under expert parallelism).
-        out = super().forward(x.unsqueeze(0) if x.dim() == 2 else x).reshape(x.shape).clone()
+        out = out.reshape(x.shape).clone()
         return (out, None) if self.family.returns_tuple else out
 
 
 def hf_moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, block)`` of every Hugging Face MoE block of a known family in ``model``."""
     return [(n, m) for n, m in model.named_modules() if type(m).__name__ in HF_MOE_BLOCKS]
-
-
-def _text_config(model: nn.Module) -> Any:
-    config = getattr(model, "config", None)
-    if config is None:
-        raise ForgeConfigError(f"{type(model).__name__} has no Hugging Face config")
-    get_text = getattr(config, "get_text_config", None)
-    return get_text() if callable(get_text) else config
-
-
-def _refuse_unsupported(config: Any) -> None:
-    if getattr(config, "output_router_logits", False):
-        raise ForgeConfigError(
-            "config.output_router_logits=True: transformers would add its router aux loss from "
-            "router logits the converted MoE blocks do not produce; set it to False (forge's "
-            "balancing: moe_bias_update_rate / moe_aux_loss_coef)"
-        )
-    jitter = getattr(config, "router_jitter_noise", 0.0) or 0.0
-    if jitter > 0:
-        raise ForgeConfigError(
-            f"config.router_jitter_noise={jitter}: forge's router has no jitter; set it to 0"
-        )
-
-
-def _experts_of(block: nn.Module) -> Any:  # NOTE: Any: a transformers module, duck-typed
-    experts = getattr(block, "experts", None)
-    if not isinstance(experts, nn.Module) or not hasattr(experts, "gate_up_proj"):
-        raise ForgeConfigError(
-            f"{type(block).__name__}.experts has no fused gate_up_proj: this transformers "
-            "version lays the experts out differently from the one forge knows (5.x)"
-        )
-    return experts
-
-
-def _top_k(block: nn.Module, router: Any) -> int:
-    """Experts per token: the router's ``top_k`` (transformers 5.23) or the block's (5.17's
-    Jamba routes in the block with a plain Linear router)."""
-    for holder in (router, block):
-        top_k = getattr(holder, "top_k", None)
-        if isinstance(top_k, int):
-            return top_k
-    raise ForgeConfigError(
-        f"{type(block).__name__}: no top_k on its router or on the block; this transformers "
-        "version routes differently from the ones forge knows"
-    )
-
-
-def _score(router: Any, family: _Family) -> tuple[str, bool]:
-    """``(score, renormalise)`` of the block's router: the family's, or, for a family whose
-    router says it (``selection``), the router's: a softmax over the top-k logits is a
-    renormalised softmax; a sigmoid of the top-k logits chooses as the sigmoid scores do
-    (monotone), renormalised when ``norm_topk_prob``."""
-    score = getattr(router, family.selection) if family.selection else family.score
-    if score not in ("softmax", "sigmoid"):
-        raise ForgeConfigError(f"router score {score!r}: forge's router is softmax or sigmoid")
-    if family.selection and score == "softmax":
-        return score, True
-    norm = family.renormalize
-    return score, bool(router.norm_topk_prob) if norm is None else norm
-
-
-def _moe_config(block: nn.Module, family: _Family, config: Any, layer_id: int) -> MoEModelConfig:
-    router: Any = getattr(block, family.router)
-    score, renormalize = _score(router, family)
-    combine = getattr(block, "shared_expert_combination_strategy", "sum")
-    if combine != "sum" and getattr(block, family.shared or "", None) is not None:
-        raise ForgeConfigError(
-            f"{type(block).__name__}: shared_expert_combination_strategy={combine!r}: forge adds "
-            "the shared expert to the routed output; set it to 'sum' to convert"
-        )
-    softcap = getattr(router, "router_logit_softcapping", None) or 0.0
-    if softcap > 0:
-        raise ForgeConfigError(
-            f"{type(block).__name__}: router logit soft-capping ({softcap}) is not in forge's "
-            "router; set it to 0 in config.json (moe_router_logit_softcapping) to convert"
-        )
-    experts = _experts_of(block)
-    num_experts, dim = router_weights(block, family).weight.shape
-    down = experts.down_proj
-    hidden = down.shape[-1] if family.layout == "out_in" else down.shape[1]
-    act = family.act or ("clamped_swiglu" if family.layout == "interleaved" else None)
-    if act is None:
-        name = getattr(config, "hidden_act", "silu")
-        act = _ACTIVATIONS.get(name)
-        if act is None:
-            raise ForgeConfigError(
-                f"hidden_act={name!r}: forge's experts support {sorted(_ACTIVATIONS)}"
-            )
-    # Group-limited routing: DeepSeek-V3 / GLM4-MoE always (n_group may be 1), V2 unless its
-    # topk_method is "greedy".
-    grouped = getattr(router, "topk_method", "group_limited_greedy") != "greedy"
-    groups = int(getattr(router, "num_group", 1) or 1) if grouped else 1
-    return MoEModelConfig(
-        dim=dim,
-        n_layers=int(getattr(config, "num_hidden_layers", layer_id + 1)),
-        n_heads=1,
-        vocab_size=1,
-        ffn_dim=hidden,
-        moe_every=1,
-        num_experts=num_experts,
-        top_k=_top_k(block, router),
-        router=score,
-        router_renormalize=renormalize,
-        router_scale=float(at_path(block, family.scale_path) or 1.0),
-        router_groups=groups,
-        router_topk_groups=int(getattr(router, "topk_group", 1) or 1) if groups > 1 else 1,
-        router_group_top=family.group_top,
-        router_bias=getattr(router_weights(block, family), "bias", None) is not None,
-        router_weights_on_input=family.layout == "in_out",
-        expert_act=act,
-        expert_act_alpha=float(getattr(experts, family.alpha, 1.702)),
-        expert_act_limit=float(getattr(experts, family.limit, 7.0)),
-        expert_linear_bias=family.layout == "interleaved",
-        shared_expert_gate=family.shared_gate is not None,
-        num_shared_experts=0,  # the block's own shared expert is moved in as it is
-        moe_bias_update_rate=0.0,
-        moe_aux_loss_coef=0.0,
-    )
 
 
 def _to_forge(hf: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
@@ -269,38 +182,76 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+def _out_in(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """A stored ``[E, out, in]`` projection as forge's ``[E, in, out]`` (and back)."""
+    return t.transpose(1, 2) if layout == "out_in" else t
+
+
+def _expert_weights(experts: Any, family: _Family) -> dict[str, torch.Tensor]:
+    """The block's experts' tensors under forge's names (``w1``, ``w3``, ``w2``, biases)."""
+    layout = family.layout
+    if family.gated:
+        weights = _to_forge(experts.gate_up_proj, layout)
+    else:
+        weights = {"w1": _out_in(experts.up_proj, layout)}
+    weights["w2"] = _out_in(experts.down_proj, layout)
+    if layout == "interleaved":
+        weights["b1"] = experts.gate_up_proj_bias[..., 0::2]
+        weights["b3"] = experts.gate_up_proj_bias[..., 1::2]
+        weights["b2"] = experts.down_proj_bias
+    return weights
+
+
+def kept_paths(family: _Family) -> dict[str, str]:
+    """The layer's attributes that hold block modules kept as they are -> their paths in the
+    block (shared expert, output norm, latent projections)."""
+    paths = {"shared_expert": family.shared, "post_norm": family.post_norm}
+    if family.latent is not None:
+        paths.update(expert_in=family.latent[0], expert_out=family.latent[1])
+    return {attr: path for attr, path in paths.items() if path}
+
+
+def _kept_modules(block: nn.Module, family: _Family) -> dict[str, nn.Module]:
+    """:func:`_kept_paths`' modules of ``block``; an absent or ``nn.Identity`` one (Nemotron-H
+    without a latent size) is left out."""
+    kept = {}
+    for attr, path in kept_paths(family).items():
+        module = at_path(block, path)
+        if isinstance(module, nn.Module) and not isinstance(module, nn.Identity):
+            kept[attr] = module
+    return kept
+
+
 def _convert(block: nn.Module, family: _Family, config: Any, layer_id: int) -> HFMoE:
     router = router_weights(block, family)
-    experts = _experts_of(block)
+    experts = experts_of(block, family)
     # NOTE: the experts' dtype, not the router's: some families keep a float32 router in a
     # low-precision model (HunYuan-MoE's gate.wg)
-    param = experts.gate_up_proj
+    param = experts.down_proj
+    cfg = moe_config(block, family, config, layer_id)
     with torch.device(param.device):
-        moe = HFMoE(
-            _moe_config(block, family, config, layer_id), layer_id, family, type(block), config
-        )
+        width = expert_shape(block, family)[0]
+        moe = HFMoE(cfg, layer_id, family, type(block), config, width)
     moe.to(param.dtype)
     _copy(moe.router.gate.weight, router.weight)
     if moe.router.gate.bias is not None:
         _copy(moe.router.gate.bias, router.bias)
     correction = correction_bias(block, family)
     if correction is not None:
+        # NOTE: in the block's own shape (ERNIE 4.5 keeps [1, E]): it broadcasts over tokens
+        # the same, and checkpoints keep their shape
+        moe.router.register_buffer("expert_bias", torch.zeros_like(correction, dtype=torch.float32))
         _copy(moe.router.expert_bias, correction)
-    fused = _to_forge(experts.gate_up_proj, family.layout)
-    down = experts.down_proj
-    fused["w2"] = down.transpose(1, 2) if family.layout == "out_in" else down
-    if family.layout == "interleaved":
-        fused["b1"] = experts.gate_up_proj_bias[..., 0::2]
-        fused["b3"] = experts.gate_up_proj_bias[..., 1::2]
-        fused["b2"] = experts.down_proj_bias
-    for name, value in fused.items():
+    for name, value in _expert_weights(experts, family).items():
         _copy(getattr(moe.experts, name), value)
-    shared = getattr(block, family.shared, None) if family.shared is not None else None
-    if shared is not None:  # NOTE: a config may have none (Cohere2-MoE's num_shared_experts=0)
-        moe.shared_expert = shared
+    for attr, module in _kept_modules(block, family).items():
+        setattr(moe, attr, module)
     if family.shared_gate is not None:
         assert moe.shared_expert_gate is not None  # config.shared_expert_gate
         _copy(moe.shared_expert_gate.weight, getattr(block, family.shared_gate).weight)
+    table = at_path(block, family.hash_table) if family.hash_table else None
+    if isinstance(table, torch.Tensor):
+        moe.expert_table = table.detach().clone()
     moe.train(block.training)
     return moe
 
@@ -316,8 +267,8 @@ def convert_hf_moe(model: nn.Module) -> list[str]:
     blocks = hf_moe_blocks(model)
     if not blocks:
         return []
-    config = _text_config(model)
-    _refuse_unsupported(config)
+    config = text_config(model)
+    refuse_unsupported(config)
     for index, (name, block) in enumerate(blocks):
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -326,32 +277,47 @@ def convert_hf_moe(model: nn.Module) -> list[str]:
     return [name for name, _ in blocks]
 
 
+def _restore_experts(hf_experts: Any, experts: GroupedExperts, family: _Family) -> None:
+    """:func:`_expert_weights`' inverse: forge's expert tensors into the block's experts."""
+    layout = family.layout
+    if family.gated:
+        assert experts.w3 is not None
+        _copy(hf_experts.gate_up_proj, _from_forge(experts.w1, experts.w3, layout))
+    else:
+        _copy(hf_experts.up_proj, _out_in(experts.w1, layout))
+    _copy(hf_experts.down_proj, _out_in(experts.w2, layout))
+    if layout == "interleaved":
+        assert experts.b1 is not None and experts.b3 is not None and experts.b2 is not None
+        _copy(hf_experts.gate_up_proj_bias, _from_forge(experts.b1, experts.b3, "interleaved"))
+        _copy(hf_experts.down_proj_bias, experts.b2)
+
+
 def _restore(moe: HFMoE) -> nn.Module:
-    family, experts = moe.family, moe.experts
-    param = experts.w1
+    family = moe.family
+    param = moe.experts.w2
     with torch.device(param.device):
-        block = moe.hf_class(moe.hf_config)
+        block = moe.new_block()
     block.to(param.dtype)
     router = router_weights(block, family)
-    hf_experts = _experts_of(block)
     _copy(router.weight, moe.router.gate.weight)
     if moe.router.gate.bias is not None:
         _copy(router.bias, moe.router.gate.bias)
     correction = correction_bias(block, family)
     if correction is not None:
         _copy(correction, moe.router.expert_bias)
-    _copy(hf_experts.gate_up_proj, _from_forge(experts.w1, experts.w3, family.layout))
-    w2 = experts.w2
-    _copy(hf_experts.down_proj, w2.transpose(1, 2) if family.layout == "out_in" else w2)
-    if family.layout == "interleaved":
-        assert experts.b1 is not None and experts.b3 is not None and experts.b2 is not None
-        _copy(hf_experts.gate_up_proj_bias, _from_forge(experts.b1, experts.b3, "interleaved"))
-        _copy(hf_experts.down_proj_bias, experts.b2)
-    if family.shared is not None and moe.shared_expert is not None:
-        setattr(block, family.shared, moe.shared_expert)
+    assert isinstance(moe.experts, GroupedExperts)
+    _restore_experts(experts_of(block, family), moe.experts, family)
+    for attr, path in kept_paths(family).items():
+        kept = getattr(moe, attr)
+        if kept is not None:
+            parent, _, leaf = path.rpartition(".")
+            setattr(block.get_submodule(parent) if parent else block, leaf, kept)
     if family.shared_gate is not None:
         assert moe.shared_expert_gate is not None
         _copy(getattr(block, family.shared_gate).weight, moe.shared_expert_gate.weight)
+    table = at_path(block, family.hash_table) if family.hash_table else None
+    if isinstance(table, torch.Tensor) and moe.expert_table is not None:
+        _copy(table, moe.expert_table)
     block.train(moe.training)
     return block
 
@@ -378,7 +344,7 @@ def hf_block_values(moe: HFMoE, init: Callable[[nn.Module], None]) -> dict[str, 
     """
     dtype = next(moe.parameters()).dtype
     with torch.device("cpu"):
-        block = moe.hf_class(moe.hf_config)
+        block = moe.new_block()
     block.to(dtype)
     init(block)
     converted = _convert(block, moe.family, moe.hf_config, moe.layer_id)

@@ -40,8 +40,19 @@ class _Family:
     linear in the weights), so a block that scales its output maps onto forge's router scale.
     ``act``: the experts' activation (``MoEModelConfig.expert_act``; None: from the layout and
     the config's ``hidden_act``); ``limit`` / ``alpha``: the experts' attributes holding a
-    clamped activation's limit and GPT-OSS's ``alpha``. ``selection``: the router's attribute naming its score per config
-    (``"softmax"`` or ``"sigmoid"`` of the top-k logits), which then overrides ``score``.
+    clamped activation's limit and GPT-OSS's ``alpha`` (``limit`` and ``up_limit``, the up
+    half's own cap, are dotted paths from the experts). ``selection``: the router's attribute
+    naming its score per config (``"softmax"`` or ``"sigmoid"`` of the top-k logits), which then
+    overrides ``score``; ``score_from``: the model config's attribute naming the score itself;
+    ``act_from``: the config attribute naming the experts' activation.
+
+    ``gated``: False for experts with ``up_proj`` and ``down_proj`` only (``act(x up) down``).
+    ``weights_on_input``: the routing weights scale the experts' input (None: as the layout
+    says: ``in_out`` does). ``choice`` / ``group_mask``: ``MoEConfig.router_choice`` /
+    ``router_group_mask``. ``renormalize_min``: the block's path to the clamp of the
+    renormalising sum. ``post_norm``: the block's norm of its output; ``latent``: the block's
+    projections into and out of the experts' width; ``hash_table``: the path to a hash-routed
+    block's ``[vocab, K]`` experts per token id (absent on a block: routed by scores).
     """
 
     router: str
@@ -59,6 +70,17 @@ class _Family:
     limit: str = "limit"
     alpha: str = "alpha"
     selection: str | None = None
+    score_from: str | None = None
+    act_from: str = "hidden_act"
+    up_limit: str | None = None
+    gated: bool = True
+    weights_on_input: bool | None = None
+    choice: str = "scores"
+    group_mask: str = "exclude"
+    renormalize_min: str | None = None
+    post_norm: str | None = None
+    latent: tuple[str, str] | None = None
+    hash_table: str | None = None
 
     @property
     def scale_path(self) -> str:
@@ -228,6 +250,66 @@ HF_MOE_BLOCKS.update(
         },
         # DeepSeek-V3's router without its scale: the block scales the routed output
         "BeamMoE": _Family("gate", "out_in", "sigmoid", scale="routed_scaling_factor"),
+        # DeepSeek-V3's; groups (when n_group is set) leave experts out at 0.0, not -inf
+        "AXK2MoE": replace(HF_MOE_BLOCKS["DeepseekV3MoE"], group_mask="zero"),
+        # DeepSeek-V3's, then an RMSNorm of the routed + shared output
+        "AXK1MoE": replace(HF_MOE_BLOCKS["DeepseekV3MoE"], post_norm="post_mlp_layernorm"),
+        # choice on the raw logits + correction bias, weights the sigmoid of the chosen logits
+        "Kolibri1SparseMoeBlock": _Family(
+            "gate", "out_in", "sigmoid", shared="shared_experts", choice="logits"
+        ),
+        # softmax with the correction bias ([1, E], on gate.moe_statics) in the choice, the sum
+        # clamped below at moe_norm_min; shared experts when moe_num_shared_experts > 0
+        "Ernie4_5_MoeSparseMoeBlock": _Family(
+            "gate",
+            "out_in",
+            "softmax",
+            shared="shared_experts",
+            renormalize=True,
+            correction="gate.moe_statics.e_score_correction_bias",
+            renormalize_min="gate.norm_min",
+        ),
+        # Mixtral's routing, Llama 4's in_out experts weighted on their output, shared experts
+        "AriaTextMoELayer": _Family(
+            "router",
+            "in_out",
+            "softmax",
+            shared="shared_experts",
+            renormalize=True,
+            act="silu",
+            weights_on_input=False,
+        ),
+        # the config's score + correction bias, renormalised, x routed_scaling_factor; a
+        # SwiGLU whose gate factor and up are soft-capped
+        "Inkling2SparseMoeBlock": _Family(
+            "gate",
+            "out_in",
+            "sigmoid",
+            renormalize=True,
+            score_from="scoring_func",
+            act="softcapped_swiglu",
+            limit="act_fn.gate_softcap.softcap",
+            up_limit="act_fn.up_softcap.softcap",
+        ),
+        # DeepSeek-V3's router; experts not gated (relu2) between optional latent projections
+        "NemotronHMoE": replace(
+            HF_MOE_BLOCKS["DeepseekV3MoE"],
+            gated=False,
+            act_from="mlp_hidden_act",
+            latent=("fc1_latent_proj", "fc2_latent_proj"),
+        ),
+        # the config's score (sqrtsoftplus) + correction bias, renormalised; the first layers
+        # route by a token id -> experts table; the experts' SwiGLU clamped at swiglu_limit
+        "DeepseekV4SparseMoeBlock": _Family(
+            "gate",
+            "out_in",
+            "sigmoid",
+            shared="shared_experts",
+            renormalize=True,
+            score_from="scoring_func",
+            act="clamped_silu",
+            hash_table="gate.tid2eid",
+        ),
         "LagunaSparseMoeBlock": _SCALED_BY_BLOCK,
         "FlintSparseMoeBlock": _Family("gate", "out_in", "sigmoid", shared="shared_expert"),
         **{

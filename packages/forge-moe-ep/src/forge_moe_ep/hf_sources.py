@@ -21,7 +21,11 @@ What transformers 5.23 writes, by what this module recognises in the stored name
   choice's correction bias where its family keeps it (DeepSeek-V3's
   ``gate.e_score_correction_bias``, or on the block) -> ``router.expert_bias`` (zero for a
   family without one);
-- a shared expert ``shared_experts.*`` -> ``shared_expert.*`` (the module is kept as it is);
+- experts that are not gated (Nemotron-H): ``experts.up_proj`` (or ``experts.E.up_proj.weight``)
+  -> ``w1``, and ``down_proj`` -> ``w2``;
+- a shared expert ``shared_experts.*`` -> ``shared_expert.*``, an output norm -> ``post_norm.*``,
+  latent projections -> ``expert_in.*`` / ``expert_out.*`` (the modules are kept as they are);
+  a hash-routed block's table (``gate.tid2eid``) -> ``expert_table``;
 - a block transformers names ``mlp`` in memory and ``block_sparse_moe`` on disk (Mixtral).
 """
 
@@ -33,7 +37,8 @@ import torch
 import torch.nn as nn
 from forge_core.tensor_source import TensorSource
 
-from .hf import HFMoE, correction_bias
+from .hf import HFMoE, correction_bias, kept_paths
+from .hf_families import _Family
 
 __all__ = ["hf_checkpoint_sources"]
 
@@ -57,8 +62,26 @@ def _has_correction_bias(moe: HFMoE) -> bool:
     """Whether the Hugging Face block ``moe`` stands for has a choice correction bias where its
     family keeps it (built on the meta device: no memory, no values)."""
     with torch.device("meta"):
-        block = moe.hf_class(moe.hf_config)
+        block = moe.new_block()
     return correction_bias(block, moe.family) is not None
+
+
+def _ungated_sources(
+    moe: HFMoE, src: str, stored: Mapping[str, tuple[int, ...]]
+) -> dict[str, TensorSource]:
+    """``w1`` / ``w2`` of experts that are not gated, fused or one by one on disk."""
+    if f"{src}.experts.up_proj" in stored:
+        return {
+            w: TensorSource((f"{src}.experts.{name}",), transpose=True)
+            for w, name in (("w1", "up_proj"), ("w2", "down_proj"))
+        }
+    experts = range(moe.num_experts)
+    return {
+        w: TensorSource(
+            tuple(f"{src}.experts.{e}.{name}.weight" for e in experts), stacked=True, transpose=True
+        )
+        for w, name in (("w1", "up_proj"), ("w2", "down_proj"))
+    }
 
 
 def _expert_sources(
@@ -66,6 +89,8 @@ def _expert_sources(
 ) -> dict[str, TensorSource]:
     """``experts.*`` of ``moe`` (by their names inside the block) from the block ``src`` on disk."""
     layout = moe.family.layout
+    if not moe.family.gated:
+        return _ungated_sources(moe, src, stored)
     if f"{src}.experts.gate_up_proj" in stored or layout != "out_in":
         fused = f"{src}.experts.gate_up_proj"
         interleaved = layout == "interleaved"
@@ -109,13 +134,25 @@ def _block_sources(
     else:
         sources["router.expert_bias"] = TensorSource((), constant=0.0)
     sources.update({f"experts.{n}": s for n, s in _expert_sources(moe, src, stored).items()})
-    if family.shared is not None and moe.shared_expert is not None:
-        for name in moe.shared_expert.state_dict():
-            sources[f"shared_expert.{name}"] = TensorSource((f"{src}.{family.shared}.{name}",))
+    sources.update(_kept_sources(moe, family, src))
     if family.shared_gate is not None:
         gate = TensorSource((f"{src}.{family.shared_gate}.weight",))
         sources["shared_expert_gate.weight"] = gate
     return {f"{prefix}.{name}" if prefix else name: s for name, s in sources.items()}
+
+
+def _kept_sources(moe: HFMoE, family: _Family, src: str) -> dict[str, TensorSource]:
+    """The tensors of the block's modules the layer keeps as they are (shared expert, output
+    norm, latent projections) and of its hash table, from their names in the block on disk."""
+    sources = {}
+    for attr, path in kept_paths(family).items():
+        module = getattr(moe, attr, None)
+        if isinstance(module, nn.Module):
+            for name in module.state_dict():
+                sources[f"{attr}.{name}"] = TensorSource((f"{src}.{path}.{name}",))
+    if family.hash_table and moe.expert_table is not None:
+        sources["expert_table"] = TensorSource((f"{src}.{family.hash_table}",))
+    return sources
 
 
 def hf_checkpoint_sources(

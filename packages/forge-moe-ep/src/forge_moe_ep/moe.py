@@ -1,7 +1,8 @@
 """The MoE layer for the reference Transformer's FFN slot.
 
 Provides :class:`MoE` (router + grouped SwiGLU experts + optional shared expert),
-:class:`Router`, :class:`GroupedExperts`, :func:`moe_transformer` and :func:`moe_metrics`.
+:func:`moe_transformer` and :func:`moe_metrics`; its parts :class:`Router`
+(:mod:`forge_moe_ep.router`) and :class:`GroupedExperts` (:mod:`forge_moe_ep.experts`).
 
 Module names (stable; plans and wrappers refer to them)::
 
@@ -41,169 +42,19 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from forge_core.init import fill_param_
 from forge_core.model import FeedForward, ModelConfig, Transformer
 from forge_core.torch_compat import in_backward_pass
-from forge_kernels.grouped_gemm import grouped_gemm
 from forge_kernels.permute import RoutingLayout, combine, permute, routing_layout
-from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from .checks import dispatch_cp_problems
 from .config import MoEModelConfig
 from .dispatch import capacity_layout, capacity_per_sequence
+from .experts import GroupedExperts, grouped_experts
+from .router import Router
 
 __all__ = ["GroupedExperts", "MoE", "Router", "moe_metrics", "moe_transformer"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-class Router(nn.Module):
-    """Top-k token-choice router, float32, with an expert bias used only for choosing.
-
-    ``score``: ``softmax`` or ``sigmoid`` of the logits. The variants (``MoEModelConfig``'s
-    ``router_*`` fields): ``renormalize`` the chosen weights to sum to one (None: for sigmoid
-    with ``top_k > 1``), multiply them by ``scale``, choose only within the ``topk_groups`` best
-    of ``groups`` equal expert groups (a group scores the sum of its ``group_top`` best biased
-    scores), and a ``bias`` on the linear layer.
-    """
-
-    expert_bias: torch.Tensor  # buffers (typed for checkers: register_buffer sets them)
-    tokens_per_expert: torch.Tensor
-
-    def __init__(
-        self,
-        dim: int,
-        num_experts: int,
-        top_k: int,
-        score: str,
-        *,
-        renormalize: bool | None = None,
-        scale: float = 1.0,
-        groups: int = 1,
-        topk_groups: int = 1,
-        group_top: int = 2,
-        bias: bool = False,
-    ) -> None:
-        super().__init__()
-        self.num_experts, self.top_k, self.score = num_experts, top_k, score
-        self.renormalize = score == "sigmoid" and top_k > 1 if renormalize is None else renormalize
-        self.scale, self.groups, self.topk_groups = scale, groups, topk_groups
-        self.group_top = group_top
-        self.gate = nn.Linear(dim, num_experts, bias=bias)
-        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
-        self.register_buffer(
-            "tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False
-        )
-
-    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x [T, D] -> (weights [T, K] fp32, expert ids [T, K] int64, scores [T, E] fp32)``."""
-        bias = self.gate.bias
-        with torch.autocast(x_TD.device.type, enabled=False):
-            logits = F.linear(
-                x_TD.float(), self.gate.weight.float(), None if bias is None else bias.float()
-            )
-        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
-        choice = scores.detach() + self.expert_bias.float()
-        if self.groups > 1:
-            choice = self._within_best_groups(choice)
-        ids = torch.topk(choice, self.top_k, dim=-1).indices
-        weights = scores.gather(-1, ids)
-        if self.renormalize:
-            weights = weights / weights.sum(-1, keepdim=True)
-        if self.scale != 1.0:
-            weights = weights * self.scale
-        return weights, ids, scores
-
-    def _within_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
-        """``choice`` with every expert outside each token's ``topk_groups`` best groups at -inf."""
-        grouped = choice.view(choice.shape[0], self.groups, -1)
-        group_scores = grouped.topk(min(self.group_top, grouped.shape[-1]), dim=-1).values.sum(-1)
-        keep = torch.zeros_like(group_scores, dtype=torch.bool)
-        keep.scatter_(1, group_scores.topk(self.topk_groups, dim=-1).indices, True)
-        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
-
-
-def _gated(
-    h1: torch.Tensor, h3: torch.Tensor, act: str, alpha: float, limit: float
-) -> torch.Tensor:
-    """The experts' gated activation of gate rows ``h1`` and up rows ``h3`` (EXPERT_ACTIVATIONS)."""
-    if act == "silu":
-        return F.silu(h1) * h3
-    if act == "clamped_swiglu":
-        gate, up = h1.clamp(max=limit), h3.clamp(-limit, limit)
-        return (up + 1) * gate * torch.sigmoid(alpha * gate)
-    if act == "clamped_silu":
-        return F.silu(h1.clamp(max=limit)) * h3.clamp(-limit, limit)
-    return F.gelu(h1, approximate="tanh" if act == "gelu_tanh" else "none") * h3
-
-
-class GroupedExperts(nn.Module):
-    """``E`` gated experts as stacked weights; ``forward(rows, offs)`` runs grouped GEMMs.
-
-    Each expert computes ``(act(x w1 + b1) * (x w3 + b3)) w2 + b2`` (``act`` and the optional
-    biases: ``MoEModelConfig.expert_act`` / ``expert_linear_bias``; default SwiGLU, no bias).
-    ``rows`` are expert-major; ``offs`` holds each expert's cumulative end row and ``offs[-1]``
-    must equal the number of rows (every row in an expert's group), as forge's dispatch modes
-    guarantee; ``offs=None`` means equal groups (``rows / E`` each). See ``dispatch.ExpertsFn``.
-
-    Under expert parallelism (applied from outside) the weights are DTensors sharded
-    ``Shard(0)`` over ``ep``, each rank computes with its local ``E / ep`` experts, and forward
-    hooks bring the rows of every rank's tokens routed to them in and send the results back.
-    """
-
-    def __init__(
-        self,
-        num_experts: int,
-        dim: int,
-        hidden: int,
-        *,
-        act: str = "silu",
-        bias: bool = False,
-        alpha: float = 1.702,
-        limit: float = 7.0,
-    ) -> None:
-        super().__init__()
-        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
-        self.b1 = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
-        self.b2 = nn.Parameter(torch.empty(num_experts, dim)) if bias else None
-        self.b3 = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
-        self.act, self.alpha, self.limit = act, alpha, limit
-
-    def forward(self, x: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor:
-        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
-        experts = w1.shape[0]
-        if offs is None:
-            if x.shape[0] % experts:
-                raise ValueError(
-                    f"GroupedExperts: {x.shape[0]} rows do not form {experts} equal groups"
-                )
-            offs = torch.arange(1, experts + 1, device=x.device, dtype=torch.int32)
-            offs = offs * (x.shape[0] // experts)
-        if torch.is_autocast_enabled(x.device.type):
-            # grouped_gemm is outside autocast's op lists: cast by hand to the autocast dtype.
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
-        elif x.dtype != w1.dtype:
-            x = x.to(w1.dtype)
-        # NOTE: dense: forge's dispatch puts every row in a group (offs[-1] == rows), so no
-        # masked pass over rows past offs[-1] is needed (dispatch.ExpertsFn).
-        h1, h3 = grouped_gemm(x, w1, offs, dense=True), grouped_gemm(x, w3, offs, dense=True)
-        if self.b1 is None:
-            h = _gated(h1, h3, self.act, self.alpha, self.limit)
-            return grouped_gemm(h, w2, offs, dense=True)
-        # Each row's expert, from the group ends (no host sync): the row's bias is its expert's.
-        rows = torch.arange(x.shape[0], device=x.device, dtype=offs.dtype)
-        expert = torch.searchsorted(offs, rows, right=True).clamp_(max=experts - 1)
-        assert self.b2 is not None and self.b3 is not None  # all three or none (__init__)
-        b1, b2, b3 = (_local(b).to(h1.dtype)[expert] for b in (self.b1, self.b2, self.b3))
-        h = _gated(h1 + b1, h3 + b3, self.act, self.alpha, self.limit)
-        return grouped_gemm(h, w2, offs, dense=True) + b2
 
 
 class MoE(nn.Module):
@@ -245,16 +96,11 @@ class MoE(nn.Module):
             topk_groups=c.router_topk_groups,
             group_top=c.router_group_top,
             bias=c.router_bias,
+            choice=c.router_choice,
+            group_mask=c.router_group_mask,
+            renormalize_min=c.router_renormalize_min,
         )
-        self.experts = GroupedExperts(
-            c.num_experts,
-            c.dim,
-            c.moe_ffn_dim,  # type: ignore[arg-type]  # NOTE: __post_init__ fills it
-            act=c.expert_act,
-            bias=c.expert_linear_bias,
-            alpha=c.expert_act_alpha,
-            limit=c.expert_act_limit,
-        )
+        self.experts = grouped_experts(c, c.dim)
         #: Any module ``[T, dim] -> [T, dim]`` (a converted Hugging Face block keeps its own).
         self.shared_expert: nn.Module | None = (
             FeedForward(c.dim, c.num_shared_experts * c.moe_ffn_dim)  # type: ignore[operator]
@@ -262,6 +108,10 @@ class MoE(nn.Module):
             else None
         )
         self.shared_expert_gate = nn.Linear(c.dim, 1, bias=False) if c.shared_expert_gate else None
+        #: Modules ``[T, dim] -> [T, d]`` and back around the routed experts, which then work
+        #: at width ``d`` (a converted Hugging Face block's latent projections; None: none).
+        self.expert_in: nn.Module | None = None
+        self.expert_out: nn.Module | None = None
         # Training-forward counters of routed and dropped (token, expert) slots (see moe_metrics).
         self.register_buffer("tokens_routed", torch.zeros((), dtype=torch.int64), persistent=False)
         self.register_buffer("tokens_dropped", torch.zeros((), dtype=torch.int64), persistent=False)
@@ -279,13 +129,17 @@ class MoE(nn.Module):
         return cls(config, layer_id)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Route, lay the tokens out per expert, run ``self.experts``, combine, add the shared
         expert. Module calls in order: ``router``, then ``shared_expert``, then ``experts`` (hooks
-        installed from outside rely on it: see ``forge_moe_ep.parallel``)."""
+        installed from outside rely on it: see ``forge_moe_ep.parallel``). ``ids``: each token's
+        experts ``[B, S, K]`` chosen already (hash routing), which the router then weights."""
         batch, seq_len, dim = x_BSD.shape
         x_TD = x_BSD.reshape(-1, dim)
-        weights, ids, scores = self.router(x_TD)
+        if ids is None:
+            weights, ids, scores = self.router(x_TD)
+        else:
+            weights, ids, scores = self.router(x_TD, ids.reshape(-1, self.top_k))
         # NOTE: a forward without autograd (an evaluation, torch's pipeline shape inference on
         # zeros) never reaches an optimizer step: it does not count toward load balancing.
         record = self.training and torch.is_grad_enabled() and not in_backward_pass()
@@ -301,7 +155,7 @@ class MoE(nn.Module):
         else:
             # Exactly the routed rows, variable groups: permute / combine are permutations.
             layout = routing_layout(ids, self.num_experts)
-            x_rows = permute(x_TD, layout, self.top_k, dense=True)
+            x_rows = permute(self._expert_input(x_TD), layout, self.top_k, dense=True)
             if self.config.router_weights_on_input:
                 x_rows, weights = self._weighted_rows(x_rows, layout, weights, dense=True)
             # NOTE: the shared expert runs between the permute and the experts call: under
@@ -309,10 +163,16 @@ class MoE(nn.Module):
             # after the router), and this device work hides it before the host waits.
             shared_out = self._shared(x_TD)
             y_rows = self.experts(x_rows, layout.offs)
-            routed = combine(y_rows, layout, weights, dense=True)
+            routed = self._expert_output(combine(y_rows, layout, weights, dense=True))
             if shared_out is not None:
                 routed = routed + shared_out
         return routed.view(batch, seq_len, dim)
+
+    def _expert_input(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return x_TD if self.expert_in is None else self.expert_in(x_TD)
+
+    def _expert_output(self, routed: torch.Tensor) -> torch.Tensor:
+        return routed if self.expert_out is None else self.expert_out(routed)
 
     def _shared(self, x_TD: torch.Tensor) -> torch.Tensor | None:
         if self.shared_expert is None:
@@ -346,7 +206,7 @@ class MoE(nn.Module):
         if batch == 0:
             # No sequences (on every rank alike, as equal splits require): the experts run on
             # zero rows so their gradients are zeros, not None.
-            empty = self.experts(x_TD[:0], None)
+            empty = self._expert_output(self.experts(self._expert_input(x_TD[:0]), None))
             routed = empty.sum(0, keepdim=True).expand(0, -1)
         else:
             capacity = capacity_per_sequence(
@@ -355,13 +215,13 @@ class MoE(nn.Module):
             layout, dropped = capacity_layout(ids, self.num_experts, batch, capacity)
             if record:
                 self.tokens_dropped += dropped
-            x_rows = permute(x_TD, layout, self.top_k)  # [E * batch * capacity, D]
+            x_rows = permute(self._expert_input(x_TD), layout, self.top_k)  # [E*batch*cap, D]
             if self.config.router_weights_on_input:
                 x_rows, weights = self._weighted_rows(x_rows, layout, weights)
             # NOTE: offs=None (equal groups) rather than layout.offs: the group sizes are then
             # known from shapes, so an expert-parallel dispatch moves the rows with equal splits
             # and no host sync.
-            routed = combine(self.experts(x_rows, None), layout, weights)
+            routed = self._expert_output(combine(self.experts(x_rows, None), layout, weights))
         return routed if shared_out is None else routed + shared_out
 
     def _load_balancing_loss(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
