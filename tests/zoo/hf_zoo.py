@@ -960,10 +960,6 @@ MOE_LAYOUT_NOTES: dict[str, str] = {
     "ZayaSparseMoeBlock": (
         "an MLP router carrying state across layers and a skip class: not forge's router"
     ),
-    "MuseSparkMoE": (
-        "experts at their own width between pre/post projections and a centred RMSNorm, router "
-        "logits scaled: not forge's MoE"
-    ),
 }
 
 #: The refusal of a model whose MoE blocks forge does not convert (the beginning of it).

@@ -40,6 +40,7 @@ TABLE_FAMILIES = {
     "inkling2_text": "Inkling2SparseMoeBlock",
     "nemotron_h": "NemotronHMoE",
     "deepseek_v4": "DeepseekV4SparseMoeBlock",
+    "muse_spark_text": "MuseSparkMoE",
 }
 #: config fields holding the routed output's scale, set to 1.7 where a config has one (so a
 #: scale read from the wrong place changes the logits)
@@ -85,9 +86,17 @@ def _model(model_type: str, **overrides: object) -> torch.nn.Module:
     if "swiglu_alpha" in config.to_dict():
         config.swiglu_alpha = 1.3  # not GPT-OSS's default 1.702: read from the experts
     torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config).float()
+    causal = type(config) in tf.AutoModelForCausalLM._model_mapping
+    auto = tf.AutoModelForCausalLM if causal else tf.AutoModel  # MuseSpark's text model: base
+    model = auto.from_config(config).float()
     _randomize_zeros(model)
     return model.train()
+
+
+def _out(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The model's logits, or a base model's last hidden states."""
+    out = model(tokens)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
 @pytest.mark.parametrize("model_type", list(TABLE_FAMILIES))
@@ -101,12 +110,12 @@ def test_table_family_converts_restores_and_reads_back(model_type, tmp_path):
     assert TABLE_FAMILIES[model_type] in HF_MOE_BLOCKS
     model = _model(model_type)
     tokens = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator())
-    expected = model(tokens).logits
+    expected = _out(model, tokens)
     original = {k: v.clone() for k, v in model.state_dict().items()}
     model.save_pretrained(tmp_path)
     converted = convert_hf_moe(model)
     assert converted and all(isinstance(model.get_submodule(n), HFMoE) for n in converted)
-    torch.testing.assert_close(model(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_out(model, tokens), expected, rtol=1e-5, atol=1e-5)
     moes = [m for m in model.modules() if isinstance(m, HFMoE)]
     if model_type not in NO_CORRECTION:  # a choice correction bias, read from where it lives
         assert all(m.router.expert_bias.abs().sum() > 0 for m in moes if m.expert_table is None)
@@ -132,8 +141,8 @@ def test_table_family_converts_restores_and_reads_back(model_type, tmp_path):
     restored = model.state_dict()
     assert restored.keys() == original.keys()
     assert all(torch.equal(restored[k], v) for k, v in original.items())
-    reloaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path).float().train()
-    torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+    reloaded = type(model).from_pretrained(tmp_path).float().train()
+    torch.testing.assert_close(_out(reloaded, tokens), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_router_logit_soft_capping_is_refused_by_name():
@@ -202,8 +211,21 @@ def test_cohere2_moe_averaging_its_shared_expert_is_refused():
         ("inkling2_text", {"mlp_gate_softcap": 0.3, "mlp_up_softcap": 0.05}, {"up_limit": None}),
         ("deepseek_v4", {}, {"hash_table": None}),
         ("nemotron_h", {"moe_latent_size": 8}, None),
+        ("muse_spark_text", {"output_multiplier": 2.5}, {"logit_scale": None}),
+        ("muse_spark_text", {}, {"expert_norm": None}),
     ],
-    ids=["axk2-groups", "axk1", "kolibri1", "ernie", "aria", "inkling2", "deepseek_v4", "nemotron"],
+    ids=[
+        "axk2-groups",
+        "axk1",
+        "kolibri1",
+        "ernie",
+        "aria",
+        "inkling2",
+        "deepseek_v4",
+        "nemotron",
+        "muse-spark-logit-scale",
+        "muse-spark-expert-norm",
+    ],
 )
 def test_each_variant_is_what_makes_its_family_equal(model_type, overrides, mutation, monkeypatch):
     """Each new entry's logits equal the Hugging Face model's, and the entry without its
@@ -230,10 +252,10 @@ def test_each_variant_is_what_makes_its_family_equal(model_type, overrides, muta
 
     model = built()
     tokens = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator())
-    expected = model(tokens).logits
+    expected = _out(model, tokens)
     original = {k: v.clone() for k, v in model.state_dict().items()}
     assert convert_hf_moe(model)
-    torch.testing.assert_close(model(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_out(model, tokens), expected, rtol=1e-5, atol=1e-5)
     restore_hf_moe(model)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in original.items())
     if mutation is None:
@@ -242,4 +264,4 @@ def test_each_variant_is_what_makes_its_family_equal(model_type, overrides, muta
     monkeypatch.setitem(HF_MOE_BLOCKS, block, dataclasses.replace(HF_MOE_BLOCKS[block], **mutation))
     mutated = built()
     assert convert_hf_moe(mutated)
-    assert not torch.allclose(mutated(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(_out(mutated, tokens), expected, rtol=1e-5, atol=1e-5)

@@ -101,7 +101,8 @@ class MoEConfig:
     - ``router_bias``: the router's linear layer has a bias (GPT-OSS).
     - ``router_choice`` (see ``ROUTER_CHOICES``), ``router_group_mask`` (see
       ``ROUTER_GROUP_MASKS``); ``router_renormalize_min``: the renormalising sum is clamped
-      below at this value (ERNIE 4.5: 1e-12; 0: plain division).
+      below at this value (ERNIE 4.5: 1e-12; 0: plain division); ``router_logit_scale``: the
+      logits are multiplied by this before scoring (MuseSpark's ``output_multiplier``).
     - ``router_weights_on_input``: scale each expert's INPUT rows by the routing weight instead
       of its output (Llama 4); the outputs are then summed unweighted.
     - ``expert_act`` (see ``EXPERT_ACTIVATIONS``), ``expert_act_alpha``, ``expert_act_limit``,
@@ -137,6 +138,7 @@ class MoEConfig:
     router_choice: str = "scores"
     router_group_mask: str = "exclude"
     router_renormalize_min: float = 0.0
+    router_logit_scale: float = 1.0
     expert_act_up_limit: float | None = None
     expert_gated: bool = True
 
@@ -206,7 +208,7 @@ class MoEConfig:
             "tokens; at num_experts every expert has room for all of them, more only adds "
             "empty rows",
         )
-        for name in ("router_scale", "expert_act_alpha", "expert_act_limit"):
+        for name in ("router_scale", "router_logit_scale", "expert_act_alpha", "expert_act_limit"):
             check_number(f"moe.{name}", getattr(self, name), 0)
         check_number("moe.router_renormalize_min", self.router_renormalize_min, 0, 1)
         if self.expert_act_up_limit is not None:

@@ -49,6 +49,8 @@ Inkling 2       the config's score + correction bias; a soft-capped SwiGLU
 Nemotron-H      DeepSeek-V3's router; relu2 experts, not gated, between latent projections
 DeepSeek-V4     sqrtsoftplus + correction bias, or a token id -> experts table (hash);
                 the experts' SwiGLU clamped at ``swiglu_limit``
+MuseSpark       sigmoid of scaled logits + correction bias; experts at their own width
+                between projections, each expert's output row normed before weighting
 ==============  =========================================================================
 
 Each family is one :data:`HF_MOE_BLOCKS` entry (``_Family``): where the router, its weight,
@@ -203,23 +205,42 @@ def _expert_weights(experts: Any, family: _Family) -> dict[str, torch.Tensor]:
 
 
 def kept_paths(family: _Family) -> dict[str, str]:
-    """The layer's attributes that hold block modules kept as they are -> their paths in the
-    block (shared expert, output norm, latent projections)."""
-    paths = {"shared_expert": family.shared, "post_norm": family.post_norm}
-    if family.latent is not None:
-        paths.update(expert_in=family.latent[0], expert_out=family.latent[1])
+    """The layer's module paths that hold block modules kept as they are -> their paths in the
+    block: shared expert, output norm, experts' row norm, latent projections (several in or
+    out: an ``nn.Sequential``, ``expert_in.0``, ``expert_in.1``, ...)."""
+    paths = {
+        "shared_expert": family.shared,
+        "post_norm": family.post_norm,
+        "expert_norm": family.expert_norm,
+    }
+    for attr, group in (("expert_in", family.latent_in), ("expert_out", family.latent_out)):
+        if len(group) == 1:
+            paths[attr] = group[0]
+        else:
+            paths.update({f"{attr}.{i}": path for i, path in enumerate(group)})
     return {attr: path for attr, path in paths.items() if path}
 
 
-def _kept_modules(block: nn.Module, family: _Family) -> dict[str, nn.Module]:
-    """:func:`_kept_paths`' modules of ``block``; an absent or ``nn.Identity`` one (Nemotron-H
+def kept_module(moe: nn.Module, attr: str) -> nn.Module | None:
+    """The module at the layer's path ``attr`` (:func:`kept_paths`), None when it has none."""
+    try:
+        module = moe.get_submodule(attr)
+    except AttributeError:
+        return None
+    return module if isinstance(module, nn.Module) else None
+
+
+def _keep(moe: HFMoE, block: nn.Module, family: _Family) -> None:
+    """Move the block's kept modules into the layer; an absent or ``nn.Identity`` one (Nemotron-H
     without a latent size) is left out."""
-    kept = {}
     for attr, path in kept_paths(family).items():
         module = at_path(block, path)
-        if isinstance(module, nn.Module) and not isinstance(module, nn.Identity):
-            kept[attr] = module
-    return kept
+        if not isinstance(module, nn.Module) or isinstance(module, nn.Identity):
+            continue
+        parent, _, leaf = attr.rpartition(".")
+        if parent and getattr(moe, parent) is None:
+            setattr(moe, parent, nn.Sequential())
+        setattr(moe.get_submodule(parent) if parent else moe, leaf, module)
 
 
 def _convert(block: nn.Module, family: _Family, config: Any, layer_id: int) -> HFMoE:
@@ -244,8 +265,7 @@ def _convert(block: nn.Module, family: _Family, config: Any, layer_id: int) -> H
         _copy(moe.router.expert_bias, correction)
     for name, value in _expert_weights(experts, family).items():
         _copy(getattr(moe.experts, name), value)
-    for attr, module in _kept_modules(block, family).items():
-        setattr(moe, attr, module)
+    _keep(moe, block, family)
     if family.shared_gate is not None:
         assert moe.shared_expert_gate is not None  # config.shared_expert_gate
         _copy(moe.shared_expert_gate.weight, getattr(block, family.shared_gate).weight)
@@ -308,7 +328,7 @@ def _restore(moe: HFMoE) -> nn.Module:
     assert isinstance(moe.experts, GroupedExperts)
     _restore_experts(experts_of(block, family), moe.experts, family)
     for attr, path in kept_paths(family).items():
-        kept = getattr(moe, attr)
+        kept = kept_module(moe, attr)
         if kept is not None:
             parent, _, leaf = path.rpartition(".")
             setattr(block.get_submodule(parent) if parent else block, leaf, kept)

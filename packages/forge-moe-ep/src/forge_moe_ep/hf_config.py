@@ -159,6 +159,7 @@ def moe_config(block: nn.Module, family: _Family, config: Any, layer_id: int) ->
         family.layout == "in_out" if family.weights_on_input is None else family.weights_on_input
     )
     norm_min = at_path(block, family.renormalize_min) if family.renormalize_min else None
+    logit_scale = at_path(block, family.logit_scale) if family.logit_scale else None
     return MoEModelConfig(
         dim=dim,  # NOTE: the router's; experts at another (latent) width: hf._convert
         n_layers=int(getattr(config, "num_hidden_layers", layer_id + 1)),
@@ -179,6 +180,7 @@ def moe_config(block: nn.Module, family: _Family, config: Any, layer_id: int) ->
         router_choice=family.choice,
         router_group_mask=family.group_mask,
         router_renormalize_min=float(norm_min or 0.0),
+        router_logit_scale=float(1.0 if logit_scale is None else logit_scale),
         expert_act=_activation(family, config),
         expert_act_alpha=float(getattr(experts, family.alpha, 1.702)),
         expert_act_limit=limit,

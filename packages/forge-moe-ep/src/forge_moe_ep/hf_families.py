@@ -50,8 +50,10 @@ class _Family:
     ``weights_on_input``: the routing weights scale the experts' input (None: as the layout
     says: ``in_out`` does). ``choice`` / ``group_mask``: ``MoEConfig.router_choice`` /
     ``router_group_mask``. ``renormalize_min``: the block's path to the clamp of the
-    renormalising sum. ``post_norm``: the block's norm of its output; ``latent``: the block's
-    projections into and out of the experts' width; ``hash_table``: the path to a hash-routed
+    renormalising sum; ``logit_scale``: the path to a factor on the router's logits.
+    ``post_norm``: the block's norm of its output; ``latent_in`` / ``latent_out``: the block's
+    modules into and out of the experts' width, in order; ``expert_norm``: its row-wise norm
+    of each expert's output (a path from the block); ``hash_table``: the path to a hash-routed
     block's ``[vocab, K]`` experts per token id (absent on a block: routed by scores).
     """
 
@@ -78,8 +80,11 @@ class _Family:
     choice: str = "scores"
     group_mask: str = "exclude"
     renormalize_min: str | None = None
+    logit_scale: str | None = None
     post_norm: str | None = None
-    latent: tuple[str, str] | None = None
+    latent_in: tuple[str, ...] = ()
+    latent_out: tuple[str, ...] = ()
+    expert_norm: str | None = None
     hash_table: str | None = None
 
     @property
@@ -296,7 +301,21 @@ HF_MOE_BLOCKS.update(
             HF_MOE_BLOCKS["DeepseekV3MoE"],
             gated=False,
             act_from="mlp_hidden_act",
-            latent=("fc1_latent_proj", "fc2_latent_proj"),
+            latent_in=("fc1_latent_proj",),
+            latent_out=("fc2_latent_proj",),
+        ),
+        # sigmoid of scaled logits + correction bias, renormalised, x routed_scaling_factor;
+        # the experts at their own width between a projection and a centred RMSNorm and a
+        # projection back, each expert's output normed before it is weighted; no shared expert
+        "MuseSparkMoE": _Family(
+            "gate",
+            "out_in",
+            "sigmoid",
+            renormalize=True,
+            logit_scale="gate.output_multiplier",
+            latent_in=("pre_expert_proj", "pre_expert_norm"),
+            latent_out=("post_expert_proj",),
+            expert_norm="experts.post_expert_norm",
         ),
         # the config's score (sqrtsoftplus) + correction bias, renormalised; the first layers
         # route by a token id -> experts table; the experts' SwiGLU clamped at swiglu_limit

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 from forge_core.tensor_source import TensorSource
 
-from .hf import HFMoE, correction_bias, kept_paths
+from .hf import HFMoE, correction_bias, kept_module, kept_paths
 from .hf_families import _Family
 
 __all__ = ["hf_checkpoint_sources"]
@@ -146,8 +146,8 @@ def _kept_sources(moe: HFMoE, family: _Family, src: str) -> dict[str, TensorSour
     norm, latent projections) and of its hash table, from their names in the block on disk."""
     sources = {}
     for attr, path in kept_paths(family).items():
-        module = getattr(moe, attr, None)
-        if isinstance(module, nn.Module):
+        module = kept_module(moe, attr)
+        if module is not None:
             for name in module.state_dict():
                 sources[f"{attr}.{name}"] = TensorSource((f"{src}.{path}.{name}",))
     if family.hash_table and moe.expert_table is not None:

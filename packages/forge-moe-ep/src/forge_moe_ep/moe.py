@@ -99,6 +99,7 @@ class MoE(nn.Module):
             choice=c.router_choice,
             group_mask=c.router_group_mask,
             renormalize_min=c.router_renormalize_min,
+            logit_scale=c.router_logit_scale,
         )
         self.experts = grouped_experts(c, c.dim)
         #: Any module ``[T, dim] -> [T, dim]`` (a converted Hugging Face block keeps its own).
@@ -109,9 +110,12 @@ class MoE(nn.Module):
         )
         self.shared_expert_gate = nn.Linear(c.dim, 1, bias=False) if c.shared_expert_gate else None
         #: Modules ``[T, dim] -> [T, d]`` and back around the routed experts, which then work
-        #: at width ``d`` (a converted Hugging Face block's latent projections; None: none).
+        #: at width ``d`` (a converted Hugging Face block's latent projections; None: none),
+        #: and a row-wise module applied to each expert output row before it is weighted (a
+        #: block's norm of its experts' outputs).
         self.expert_in: nn.Module | None = None
         self.expert_out: nn.Module | None = None
+        self.expert_norm: nn.Module | None = None
         # Training-forward counters of routed and dropped (token, expert) slots (see moe_metrics).
         self.register_buffer("tokens_routed", torch.zeros((), dtype=torch.int64), persistent=False)
         self.register_buffer("tokens_dropped", torch.zeros((), dtype=torch.int64), persistent=False)
@@ -162,11 +166,15 @@ class MoE(nn.Module):
             # expert parallelism a split-size copy to the host is in flight there (started
             # after the router), and this device work hides it before the host waits.
             shared_out = self._shared(x_TD)
-            y_rows = self.experts(x_rows, layout.offs)
+            y_rows = self._expert_rows(x_rows, layout.offs)
             routed = self._expert_output(combine(y_rows, layout, weights, dense=True))
             if shared_out is not None:
                 routed = routed + shared_out
         return routed.view(batch, seq_len, dim)
+
+    def _expert_rows(self, x_rows: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+        y_rows = self.experts(x_rows, offs)
+        return y_rows if self.expert_norm is None else self.expert_norm(y_rows)
 
     def _expert_input(self, x_TD: torch.Tensor) -> torch.Tensor:
         return x_TD if self.expert_in is None else self.expert_in(x_TD)
@@ -206,7 +214,7 @@ class MoE(nn.Module):
         if batch == 0:
             # No sequences (on every rank alike, as equal splits require): the experts run on
             # zero rows so their gradients are zeros, not None.
-            empty = self._expert_output(self.experts(self._expert_input(x_TD[:0]), None))
+            empty = self._expert_output(self._expert_rows(self._expert_input(x_TD[:0]), None))
             routed = empty.sum(0, keepdim=True).expand(0, -1)
         else:
             capacity = capacity_per_sequence(
@@ -221,7 +229,7 @@ class MoE(nn.Module):
             # NOTE: offs=None (equal groups) rather than layout.offs: the group sizes are then
             # known from shapes, so an expert-parallel dispatch moves the rows with equal splits
             # and no host sync.
-            routed = self._expert_output(combine(self.experts(x_rows, None), layout, weights))
+            routed = self._expert_output(combine(self._expert_rows(x_rows, None), layout, weights))
         return routed if shared_out is None else routed + shared_out
 
     def _load_balancing_loss(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ class Router(nn.Module):
     multiply them by ``scale``, choose only within the ``topk_groups`` best of ``groups`` equal
     expert groups (a group scores the sum of its ``group_top`` best biased scores; the others
     are left out as ``group_mask`` says), choose on the biased scores or the biased raw logits
-    (``choice``), and a ``bias`` on the linear layer.
+    (``choice``), a ``bias`` on the linear layer, and a factor on the logits (``logit_scale``).
     """
 
     expert_bias: torch.Tensor  # buffers (typed for checkers: register_buffer sets them)
@@ -56,13 +56,14 @@ class Router(nn.Module):
         choice: str = "scores",
         group_mask: str = "exclude",
         renormalize_min: float = 0.0,
+        logit_scale: float = 1.0,
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.score = num_experts, top_k, score
         self.renormalize = score == "sigmoid" and top_k > 1 if renormalize is None else renormalize
         self.scale, self.groups, self.topk_groups = scale, groups, topk_groups
         self.group_top, self.choice, self.group_mask = group_top, choice, group_mask
-        self.renormalize_min = renormalize_min
+        self.renormalize_min, self.logit_scale = renormalize_min, logit_scale
         self.gate = nn.Linear(dim, num_experts, bias=bias)
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.register_buffer(
@@ -82,6 +83,8 @@ class Router(nn.Module):
             logits = F.linear(
                 x_TD.float(), self.gate.weight.float(), None if bias is None else bias.float()
             )
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
         scores = _score(logits, self.score)
         if ids is None:
             ids = self._choose(logits if self.choice == "logits" else scores)
