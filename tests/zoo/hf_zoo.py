@@ -150,6 +150,15 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "glm5_next_text": {"qk_rope_head_dim": 0, "head_dim": 0, "qk_nope_head_dim": 8},
     # Flint: mlp_only_layers=[0, 1] would make both tiny layers dense.
     "flint": {"mlp_only_layers": [0]},
+    # Nemotron-H: Mamba2 layers of 128 heads x 64 and state 128 by default (the reference
+    # scan of transformers 5.17 took 137 s on 2 CPU ranks): a tiny Mamba2.
+    "nemotron_h": {
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 8,
+        "ssm_state_size": 16,
+        "n_groups": 1,
+        "chunk_size": 16,
+    },
     # GraniteMoE-hybrid: its Mamba2 layers' heads must divide mamba_expand x hidden_size.
     "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16},
     # LFM2-MoE: the default config leaves layer_types None, which its layers index: one short
