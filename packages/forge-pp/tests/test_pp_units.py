@@ -120,3 +120,24 @@ def test_bubble_fractions():
     assert bubble_fraction("ZBVZeroBubble", 4, 8, 2) < bubble_fraction("Interleaved1F1B", 4, 8, 2)
     with pytest.raises(KeyError):
         bubble_fraction("Nope", 2, 2)
+
+
+def test_hugging_face_configs_forge_pp_does_not_cut_are_named_with_the_fix():
+    from forge_pp import hf_pp_problems
+
+    llama = {"model_type": "llama", "tie_word_embeddings": False}
+    assert hf_pp_problems(llama, 2) == [] and hf_pp_problems({"model_type": "gpt2"}, 1) == []
+    (family,) = hf_pp_problems({"model_type": "gemma3_text"}, 2, model="Gemma3ForCausalLM")
+    assert family.startswith("Hugging Face 'gemma3_text' model (Gemma3ForCausalLM) at")
+    assert family.endswith("set parallelism.pp=1")
+    qwen3 = {"model_type": "qwen3", "sliding_window": 8, "use_sliding_window": True}
+    assert hf_pp_problems({**qwen3, "layer_types": ["full_attention"] * 2}, 2) == []
+    refused = [
+        {**llama, "tie_word_embeddings": True},
+        {**qwen3, "layer_types": ["full_attention", "sliding_attention"]},
+        {"model_type": "qwen3_moe", "sliding_window": 8},
+        {"model_type": "qwen3_moe", "output_router_logits": True},
+    ]
+    for config in refused:
+        (said,) = hf_pp_problems(config, 2)
+        assert "parallelism.pp=2" in said and "\n" not in said, said

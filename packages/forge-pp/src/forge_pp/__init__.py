@@ -3,7 +3,9 @@
 - :class:`PPConfig` (``[pp]``) and :data:`SCHEDULES`: schedule, micro-batches, stages per rank,
   split points (:mod:`forge_pp.config`, no torch import)
 - :func:`pp_problems`, :func:`stages_per_rank_problems`, :func:`schedule_problems`,
-  :func:`check_pp`: pre-launch checks (:mod:`forge_pp.checks`)
+  :func:`check_pp`, :func:`hf_pp_problems`: pre-launch checks (:mod:`forge_pp.checks`)
+- :func:`pipeline_hf_model`: a Hugging Face decoder of :data:`HF_PP_FAMILIES` made cuttable
+  (:mod:`forge_pp.hf`; the split calls it)
 - :func:`pipeline_split`: cut a model on meta into this rank's stages (the rank model keeps the
   unsplit parameter names); :func:`balanced_blocks`, :func:`stage_indices`: which blocks and
   stages go where
@@ -21,6 +23,9 @@ from typing import TYPE_CHECKING
 from forge_core.lazy import lazy_exports
 
 _EXPORTS = {
+    "HF_PP_FAMILIES": "checks",
+    "hf_pp_problems": "checks",
+    "pipeline_hf_model": "hf",
     "SCHEDULES": "config",
     "PPConfig": "config",
     "ScheduleInfo": "config",
@@ -44,13 +49,16 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from .checks import (
+        HF_PP_FAMILIES,
         check_pp,
+        hf_pp_problems,
         pp_problems,
         schedule_problems,
         stage_count,
         stages_per_rank_problems,
     )
     from .config import SCHEDULES, PPConfig, ScheduleInfo
+    from .hf import pipeline_hf_model
     from .schedule import attach_schedule, pipeline_stages, share_buffers
     from .split import PipelineSplit, balanced_blocks, pipeline_split, split_model, stage_indices
     from .theory import bubble_fraction, pipeline_actions, replay_peak
@@ -60,6 +68,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __version__ = "0.1.0"
 
 __all__ = [
+    "HF_PP_FAMILIES",
     "PPConfig",
     "PipelineSplit",
     "SCHEDULES",
@@ -68,7 +77,9 @@ __all__ = [
     "balanced_blocks",
     "bubble_fraction",
     "check_pp",
+    "hf_pp_problems",
     "pipeline_actions",
+    "pipeline_hf_model",
     "pipeline_split",
     "pipeline_stages",
     "pp_problems",

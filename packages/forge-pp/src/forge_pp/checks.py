@@ -7,12 +7,17 @@ the schedule (imports torch). :func:`check_pp` raises the first.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from forge_core.errors import refuse
 
 from .config import SCHEDULES, PPConfig
 
 __all__ = [
+    "HF_PP_FAMILIES",
     "check_pp",
+    "hf_pp_problems",
     "pp_problems",
     "schedule_problems",
     "stage_count",
@@ -172,3 +177,55 @@ def check_pp(
             tie_embeddings=tie_embeddings,
         )
     )
+
+
+#: Hugging Face families (``config.model_type``) whose decoders forge-pp cuts into stages: their
+#: forward is embedding -> rotary -> layers -> norm -> head, checked against one device in loss
+#: and gradient norm (tests/integration/pp/test_pp_hf.py).
+HF_PP_FAMILIES: tuple[str, ...] = ("llama", "qwen3", "qwen3_moe")
+
+
+def hf_pp_problems(config: Mapping[str, Any], pp: int, *, model: str | None = None) -> list[str]:
+    """Why a Hugging Face model with ``config`` (its config.json as a dict) cannot be cut into
+    ``pp`` pipeline stages (pure: the config check before launch and the split say these words):
+    a family not in :data:`HF_PP_FAMILIES`, tied embeddings, sliding-window layers, router logits
+    transformers would turn into an auxiliary loss over all layers at once."""
+    if pp <= 1:
+        return []
+    family = config.get("model_type")
+    name = f"Hugging Face {family!r} model" + (f" ({model})" if model else "")
+    if family not in HF_PP_FAMILIES:
+        return [
+            f"{name} at parallelism.pp={pp}: forge-pp cuts only {list(HF_PP_FAMILIES)} decoders "
+            "into pipeline stages (their forward checked against one device); set "
+            "parallelism.pp=1"
+        ]
+    problems = []
+    if config.get("tie_word_embeddings"):
+        problems.append(
+            f"{name} with tie_word_embeddings=true at parallelism.pp={pp}: the embedding (first "
+            "stage) and lm_head (last stage) cannot share one weight across pipeline ranks; use "
+            "a model with untied embeddings or set parallelism.pp=1"
+        )
+    # NOTE: a config with layer_types says which layers slide (Qwen3's first max_window_layers
+    # do not); one without slides everywhere once sliding_window is set (Qwen3-MoE's mask).
+    layer_types = config.get("layer_types")
+    if layer_types:
+        windowed = any(t != "full_attention" for t in layer_types)
+    else:
+        windowed = config.get("sliding_window") is not None and bool(
+            config.get("use_sliding_window", True)
+        )
+    if windowed:
+        problems.append(
+            f"{name} with sliding-window attention at parallelism.pp={pp}: pipeline stages mask "
+            "causally only; set use_sliding_window=false (or sliding_window=null) or "
+            "parallelism.pp=1"
+        )
+    if config.get("output_router_logits"):
+        problems.append(
+            f"{name} with output_router_logits=true at parallelism.pp={pp}: transformers adds its "
+            "router auxiliary loss from every layer's logits at once, which pipeline stages do "
+            "not gather; set output_router_logits=false or parallelism.pp=1"
+        )
+    return problems

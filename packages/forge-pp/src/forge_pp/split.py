@@ -1,7 +1,9 @@
 """Cutting a model into pipeline stages on the meta device.
 
 A model class that declares ``forge_pipeline_parts`` (``forge_core.contracts``: forge's
-Transformer and its MoE variant do) is cut by blocks. Each rank keeps only what its stages need:
+Transformer and its MoE variant do) is cut by blocks; a Hugging Face decoder of
+:data:`~forge_pp.checks.HF_PP_FAMILIES` is first made to declare them (:mod:`forge_pp.hf`, its
+names unchanged). Each rank keeps only what its stages need:
 
 - the **rank model**: the model itself, pruned in place to the union of this rank's stages
   (blocks of other ranks deleted, the embedding kept only with stage 0, the final norm and head
@@ -24,8 +26,9 @@ from forge_core.errors import ForgeConfigError, refuse
 from forge_core.stages import check_stage, record_stage
 from torch.distributed.device_mesh import DeviceMesh
 
-from .checks import stages_per_rank_problems
+from .checks import HF_PP_FAMILIES, stages_per_rank_problems
 from .config import PPConfig
+from .hf import is_hf_causal_lm, pipeline_hf_model
 
 __all__ = ["PipelineSplit", "balanced_blocks", "pipeline_split", "split_model", "stage_indices"]
 
@@ -91,8 +94,10 @@ class PipelineSplit:
     views: list[str]
 
 
-def _parts(model: nn.Module) -> dict[str, Any]:
+def _parts(model: nn.Module, pp: int) -> dict[str, Any]:
     parts = getattr(type(model), PARTS_ATTR, None)
+    if parts is None and is_hf_causal_lm(model):
+        parts = pipeline_hf_model(model, pp)  # NOTE: refuses a family it does not cut
     blocks = None
     if isinstance(parts, dict):
         try:
@@ -103,8 +108,8 @@ def _parts(model: nn.Module) -> dict[str, Any]:
         raise ForgeConfigError(
             f"{type(model).__name__} cannot be cut into pipeline stages: pipeline parallelism "
             "needs a model class that declares forge_pipeline_parts (forge's Transformer, its "
-            "MoE variant and forge_vlm's VLMWrapper do; Hugging Face models are not supported "
-            "yet); set parallelism.pp=1"
+            "MoE variant and forge_vlm's VLMWrapper do) or a Hugging Face decoder of "
+            f"{list(HF_PP_FAMILIES)}; set parallelism.pp=1"
         )
     assert isinstance(parts, dict)
     return parts
@@ -116,12 +121,18 @@ def _parent(path: str) -> tuple[str, str]:
 
 
 def _new_like(module: nn.Module) -> nn.Module:
-    """A new object of ``module``'s class holding the same children, buffers and attributes."""
+    """A new object of ``module``'s class holding the same children, buffers and attributes.
+
+    Every instance attribute is shared except nn.Module's own registries (hooks, parameters,
+    children: the new object's are fresh) and forge's records (``_forge_*``: the stages applied
+    to one object); a Hugging Face model's private ones (its ``_tp_plan``) come along.
+    """
     view = type(module).__new__(type(module))
     nn.Module.__init__(view)  # fresh hooks and registries; the class's own __init__ is not run
+    fresh = set(vars(view))
     for name, value in vars(module).items():  # plain attributes (config, ...)
-        if not name.startswith("_") and name != "training":
-            setattr(view, name, value)
+        if name not in fresh and not name.startswith("_forge"):
+            view.__dict__[name] = value
     view.train(module.training)
     for name, child in module.named_children():
         setattr(view, name, child)
@@ -177,7 +188,7 @@ def split_model(
     on meta) is refused before anything is pruned.
     """
     _check_on_meta(model)
-    parts = _parts(model)
+    parts = _parts(model, pp)
     blocks = model.get_submodule(parts["blocks"])
     assert isinstance(blocks, nn.ModuleDict)
     keys = list(blocks.keys())

@@ -181,15 +181,17 @@ def weights_call_problems(
     weights: str | os.PathLike[str] | None, device: torch.device | str | None, *, pipeline: bool
 ) -> list[str]:
     """What refuses ``parallelize(weights=...)``: no ``device`` (the model is filled after it is
-    allocated there from the meta device), or a pipeline (forge-pp splits only forge's model)."""
+    allocated there from the meta device), or a pipeline (the weights are read into an unsplit
+    model only)."""
     if weights is None:
         return []
     if device is None:
         return ["parallelize(weights=...) fills a model built on the meta device: pass device= too"]
     if pipeline:
         return [
-            "parallelize(weights=...) loads a Hugging Face model, which forge-pp does not split "
-            "yet: use a mesh without a pp axis"
+            "parallelize(weights=...) reads Hugging Face weights into an unsplit model only, "
+            "not into pipeline stages yet: use a mesh without a pp axis, or build the model "
+            "without weights (random init from the seed)"
         ]
     return []
 

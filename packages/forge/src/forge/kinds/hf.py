@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from forge_cp.checks import hf_cp_problems
+from forge_pp.checks import hf_pp_problems
 
 from ..hf_source import (
     HFModelConfig,
@@ -46,11 +47,6 @@ class HFKind(DecoderKind):
         """What a Hugging Face model cannot be combined with yet, and a bad directory."""
         par = layout.parallelism
         problems = super().problems(layout) + hf_dir_problems(self.hf)
-        if par.pp > 1:
-            problems.append(
-                f"parallelism.pp={par.pp} with model.hf: forge-pp splits forge's own model into "
-                "stages, not a Hugging Face model yet; set parallelism.pp=1"
-            )
         problems += hf_compile_problems(True, par.tp, self.cfg.training.compile)
         if par.cp > 1 and not hf_dir_problems(self.hf):
             # NOTE: Llama, Qwen3, Gemma3 through transformers' attention interface; others by name
@@ -94,7 +90,23 @@ class HFKind(DecoderKind):
         return [f"model.hf: {p}" for p in problems]
 
     def pipeline_problems(self, layout: Layout) -> list[str]:
-        return []  # NOTE: problems() refuses a pipeline
+        """:class:`DecoderKind`'s, then what forge-pp says of this Hugging Face config (the
+        family, tied embeddings, sliding windows: :func:`forge_pp.checks.hf_pp_problems`) and
+        of reading its weights into pipeline stages (not yet: ``pretrained = false``)."""
+        par = layout.parallelism
+        problems = super().pipeline_problems(layout)
+        if self.hf.pretrained:
+            problems.append(
+                f"model.hf={self.hf.dir!r} with pretrained weights at parallelism.pp={par.pp}: "
+                "forge reads Hugging Face weights into an unsplit model only, not into pipeline "
+                "stages yet; set model.pretrained=false (random init) or parallelism.pp=1"
+            )
+        if not hf_dir_problems(self.hf):  # NOTE: else problems() says what is wrong with it
+            problems += hf_pp_problems(read_hf_config(self.hf.dir), par.pp, model=self.hf.dir)
+        return problems
+
+    def pipeline_refuses_tied(self) -> bool:
+        return False  # NOTE: hf_pp_problems says it in config.json's words
 
     def plan_problems(self) -> list[str]:
         if exact_heads(read_hf_config(self.hf.dir)):
