@@ -56,6 +56,9 @@ class ParallelismConfig:
     ``dp_shard=-1`` infers the degree from the world size; ``ep=-1`` picks the largest degree
     that divides both ``dp_shard`` and the model's ``num_experts`` (1 for a dense model).
 
+    ``expert_tp``: with tp > 1, each MoE expert's hidden units are split over the tp ranks
+    (instead of every tp rank keeping every expert whole); not yet with ep > 1.
+
     ``data`` picks the data-parallel mode: ``fsdp2`` shards over ``dp_shard`` (and replicates over
     ``dp_replicate``: HSDP), ``ddp`` replicates over ``dp_replicate`` (``dp_shard`` must be 1; -1
     resolves to 1 and the inferred degree goes to ``dp_replicate``), ``none`` has no DP axis.
@@ -69,6 +72,7 @@ class ParallelismConfig:
     pp: int = 1
     domain: int = 1
     data: str = "fsdp2"
+    expert_tp: bool = False
 
     def __post_init__(self) -> None:
         check_field_types(self, "parallelism")

@@ -69,11 +69,38 @@ def dispatch_cp_problems(moe_dispatch: str, cp: int) -> list[str]:
     ]
 
 
-def moe_layout_problems(config: ModelConfig, *, ep: int, cp: int) -> list[str]:
+def expert_tp_problems(tp: int, ep: int, *, hidden: int, bias: bool) -> list[str]:
+    """Why experts of hidden size ``hidden`` (with output biases: ``bias``) cannot be split over
+    ``tp`` ranks with ``parallelism.expert_tp`` (one line each; none: they can)."""
+    if tp <= 1:
+        return []
+    problems = []
+    if ep > 1:
+        problems.append(
+            f"parallelism.expert_tp with ep={ep}: splitting experts over tp and ep at once is "
+            "not built yet; set parallelism.ep=1 (experts whole per ep rank) or expert_tp=false"
+        )
+    if bias:
+        problems.append(
+            "parallelism.expert_tp with experts that have biases (GPT-OSS): every tp rank would "
+            "add the output bias; set parallelism.expert_tp=false"
+        )
+    if hidden % tp:
+        problems.append(
+            f"parallelism.expert_tp: the experts' hidden size {hidden} is not divisible by "
+            f"tp={tp}; choose a tp that divides it or set expert_tp=false"
+        )
+    return problems
+
+
+def moe_layout_problems(
+    config: ModelConfig, *, ep: int, cp: int, tp: int = 1, expert_tp: bool = False
+) -> list[str]:
     """Every MoE rule a layout must keep, for a model config (MoE blocks only in a
     :class:`~forge_moe_ep.config.MoEModelConfig` that names them): expert parallelism needs MoE
     blocks (:func:`no_moe_problems`) whose experts it divides (:func:`expert_parallel_problems`),
-    and the capacity dispatch takes no context parallelism (:func:`dispatch_cp_problems`)."""
+    the capacity dispatch takes no context parallelism (:func:`dispatch_cp_problems`), and
+    experts split over tp fit it (:func:`expert_tp_problems`)."""
     moe = config if isinstance(config, MoEModelConfig) and config.moe_layers else None
     problems = []
     if ep > 1:
@@ -81,4 +108,8 @@ def moe_layout_problems(config: ModelConfig, *, ep: int, cp: int) -> list[str]:
         problems += expert_parallel_problems(moe.num_experts, ep) if moe is not None else []
     if moe is not None:
         problems += dispatch_cp_problems(moe.moe_dispatch, cp)
+        if expert_tp:
+            assert moe.moe_ffn_dim is not None  # NOTE: MoEModelConfig fills it
+            hidden, bias = moe.moe_ffn_dim, moe.expert_linear_bias
+            problems += expert_tp_problems(tp, ep, hidden=hidden, bias=bias)
     return problems

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from forge_core.contracts import mark_expert_parallel
 from forge_core.errors import ForgeConfigError, refuse
-from forge_core.mesh_dims import axis_size, get_dp_group_mesh, get_ep_mesh
+from forge_core.mesh_dims import axis_size, get_dp_group_mesh, get_ep_mesh, get_tp_mesh
 from forge_core.stages import stage
 from forge_kernels.native import StagedSplits
 from torch.distributed.device_mesh import DeviceMesh
@@ -54,6 +54,7 @@ from .dispatch import (
     exchange_counts,
     expert_counts,
 )
+from .expert_tp import apply_expert_tensor_parallel, layer_problems
 from .moe import MoE
 
 __all__ = ["ExpertParallel", "SumOverRanks", "apply_expert_parallel", "check_expert_parallel"]
@@ -184,7 +185,9 @@ def _experts_args(args: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor | N
     return args[0], args[1]
 
 
-def apply_expert_parallel(model: nn.Module, device_mesh: DeviceMesh | None) -> nn.Module:
+def apply_expert_parallel(
+    model: nn.Module, device_mesh: DeviceMesh | None, *, expert_tp: bool = False
+) -> nn.Module:
     """Shard every :class:`MoE`'s experts over ``device_mesh``'s ``ep`` axis; returns ``model``.
 
     ``device_mesh`` is the full forge mesh (``forge_mesh.build_device_mesh``). Each layer gets
@@ -195,15 +198,21 @@ def apply_expert_parallel(model: nn.Module, device_mesh: DeviceMesh | None) -> n
     FSDP2 (enforced). Works on meta-device or materialized models. Refused, with the fix: an
     ``ep`` that does not divide a layer's experts; the capacity dispatch on a mesh with a ``cp``
     axis (:func:`forge_moe_ep.checks.dispatch_cp_problems`).
+
+    ``expert_tp``: on a mesh with a ``tp`` axis, split each expert's hidden units over it
+    (:mod:`forge_moe_ep.expert_tp`; refused with an ``ep`` axis too, for now).
     """
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     ep_mesh = get_ep_mesh(device_mesh)
     ep = 1 if ep_mesh is None else ep_mesh.size()
     refuse(no_moe_problems(ep, bool(moes)))
     cp = axis_size(device_mesh, "cp")
+    tp_mesh = get_tp_mesh(device_mesh) if expert_tp else None
+    tp = 1 if tp_mesh is None else tp_mesh.size()
     for moe in moes:
         check_expert_parallel(moe.num_experts, ep)
         refuse(dispatch_cp_problems(moe.config.moe_dispatch, cp))
+        refuse(layer_problems(moe, tp, ep))
     count_mesh = get_dp_group_mesh(device_mesh)
     with stage(model, "ep"):
         for moe in moes:
@@ -211,4 +220,6 @@ def apply_expert_parallel(model: nn.Module, device_mesh: DeviceMesh | None) -> n
                 moe.register_load_hook(SumOverRanks(count_mesh))
             if ep_mesh is not None:
                 ExpertParallel(ep_mesh, moe.num_experts).apply(moe)
+            if tp_mesh is not None and tp > 1:
+                apply_expert_tensor_parallel(moe, tp_mesh)
     return model

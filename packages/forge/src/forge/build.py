@@ -133,6 +133,9 @@ class ParallelPlan:
     nothing is changed outside the model's calls). True = packed: refused on a model hooked so.
     **With packed sequences never set it to False**: attention would cross document boundaries
     and the loss would be silently wrong.
+
+    ``expert_tp``: on a mesh with a ``tp`` axis, each MoE expert's hidden units are split over
+    it (``forge_moe_ep.expert_tp``) instead of every tp rank keeping every expert whole.
     """
 
     device_mesh: DeviceMesh | None
@@ -155,6 +158,7 @@ class ParallelPlan:
     packed_sequences: bool | None = None
     pp: PPConfig = PPConfig()
     cp: CPConfig = CPConfig()
+    expert_tp: bool = False
 
     @property
     def data_mode(self) -> str:
@@ -374,7 +378,7 @@ class ParallelPlan:
         if axis_size(mesh, "cp") > 1:
             assert mesh is not None  # a cp axis of size > 1 implies a mesh
             apply_context_parallel(model, mesh, variant=self.cp.variant)
-        spec.expert_parallel(mesh)
+        spec.expert_parallel(mesh, expert_tp=self.expert_tp)
         if self.float8.enabled:  # a VLM's decoder; its encoder and adapter stay in high precision
             apply_float8(
                 spec.decoder,

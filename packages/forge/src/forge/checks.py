@@ -110,7 +110,7 @@ def config_problems(cfg: ForgeConfig, world_size: int | Layout) -> list[str]:
     kind = model_kind(cfg)
     problems += kind.problems(layout)
     problems += float8_problems(cfg.float8, par.tp)
-    problems += moe_layout_problems(m, ep=par.ep, cp=par.cp)
+    problems += moe_layout_problems(m, ep=par.ep, cp=par.cp, tp=par.tp, expert_tp=par.expert_tp)
     if cfg.tp.plan is not None:
         problems += importable_problems("tp.plan", cfg.tp.plan, cfg.tp.allow_import)
     fitting = _fitting_cp(cfg, world_size) if par.cp > 1 else None

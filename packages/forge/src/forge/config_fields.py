@@ -39,4 +39,5 @@ def config_fields(cfg: ForgeConfig, layout: Layout, *, one_device: bool) -> dict
         "vlm": cfg.vlm,
         "pp": cfg.pp,
         "cp": cfg.cp,
+        "expert_tp": layout.parallelism.expert_tp,
     }

@@ -109,11 +109,12 @@ class ModelSpec:
                 allow_import=allow_import,
             )
 
-    def expert_parallel(self, mesh: DeviceMesh | None) -> None:
-        """EP on the decoder's MoE layers; an ep axis without one is refused (by forge-moe-ep)."""
+    def expert_parallel(self, mesh: DeviceMesh | None, *, expert_tp: bool = False) -> None:
+        """EP on the decoder's MoE layers (``expert_tp``: their experts split over tp too); an
+        ep axis without one is refused (by forge-moe-ep)."""
         has_moe = any(isinstance(m, MoE) for m in self.decoder.modules())
         if mesh is not None and (has_moe or axis_size(mesh, "ep") > 1):
-            apply_expert_parallel(self.decoder, mesh)
+            apply_expert_parallel(self.decoder, mesh, expert_tp=expert_tp)
 
     def materialize(
         self,
