@@ -1,7 +1,7 @@
 """Expert tensor parallelism (``ParallelPlan(expert_tp=True)``): each expert's hidden units split
 over tp equals the single-device MoE model (fp32, loss + grad norm over 10 steps), each tp rank
-holding half of every expert; a checkpoint of it reads back on one device; what is not built yet
-is refused in one line."""
+holding half of every expert, with and without expert parallelism; what does not fit is refused
+in one line before launch."""
 
 from __future__ import annotations
 
@@ -57,34 +57,54 @@ def test_experts_split_over_tp_with_fsdp2_match_one_device(run_on_ranks):
             assert shape == (4, 64, 32), shape  # experts over dp_shard (FSDP2), hidden over tp
 
 
-def _refused(layout: dict, fields: dict) -> str:
-    from forge_core.errors import ForgeConfigError
-
-    try:
-        _expert_tp_model(layout, **fields)
-    except ForgeConfigError as err:
-        return str(err)
-    return ""
-
-
-def test_what_expert_tp_does_not_do_yet_is_refused_in_one_line(run_on_ranks):
-    said = run_on_ranks(4, _refused, {"dp_shard": 2, "ep": 2, "tp": 2}, {})
-    assert all(s == said[0] for s in said)
-    assert said[0].startswith("parallelism.expert_tp with ep=2"), said[0]
-    assert "\n" not in said[0]
+def test_experts_split_over_ep_and_tp_match_one_device(run_on_ranks):
+    """dp_shard=2 (ep=2 carved out of it) x tp=2: each rank holds 4 of the 8 experts, half of
+    each one's hidden units (the (ep, tp) mesh), FSDP2 over what is left (nothing here)."""
+    for rank in run_on_ranks(4, _parity, [({"dp_shard": 2, "ep": 2, "tp": 2}, {})]):
+        for passed, table, shape in rank:
+            assert passed, table
+            assert shape == (4, 64, 32), shape
 
 
-def _config_problems(*sets: str) -> list[str]:
+def _config_problems(*sets: str, world_size: int = 4) -> list[str]:
     from forge.checks import config_problems
     from forge.config import load_config
 
     base = ["model.preset=debug_moe", "parallelism.expert_tp=true", "parallelism.tp=2"]
-    return config_problems(load_config(None, [*base, *sets]), 4)
+    return config_problems(load_config(None, [*base, *sets]), world_size)
 
 
 def test_expert_tp_is_checked_before_launch():
     assert _config_problems("parallelism.ep=1") == []
-    (with_ep,) = _config_problems("parallelism.ep=2")
-    assert with_ep.startswith("parallelism.expert_tp with ep=2"), with_ep
+    assert _config_problems("parallelism.ep=2") == []
     (odd,) = _config_problems("parallelism.ep=1", "moe.moe_ffn_dim=63")
     assert "hidden size 63 is not divisible by tp=2" in odd, odd
+    (with_cp,) = _config_problems("parallelism.ep=2", "parallelism.cp=2", world_size=8)
+    assert with_cp.startswith("parallelism.expert_tp with ep=2 and cp=2"), with_cp
+    assert "\n" not in with_cp
+
+
+def _train(run_on_ranks, out, parallelism: dict, resume) -> dict[int, tuple[float, float]]:
+    from forge.train import run_train
+
+    cfg = {
+        "model": {"preset": "debug_moe"},
+        "parallelism": parallelism,
+        "training": {"global_batch_size": 8, "seq_len": 16, "steps": 3, "out_dir": str(out)},
+        "checkpoint": {"every": 1, "keep": 5, "save_at_end": False, "resume": str(resume)},
+    }
+    summary = run_on_ranks(4, run_train, cfg, "cpu")[0]
+    return {s.step: (s.loss, s.grad_norm) for s in summary.steps}
+
+
+def test_a_checkpoint_of_experts_split_over_ep_and_tp_resumes_whole(run_on_ranks, tmp_path):
+    """forge train at dp_shard=2 x ep=2 x tp=2 with expert_tp: its step-1 checkpoint resumes at
+    dp_shard=4 with whole experts (tp=1) and continues the uninterrupted run."""
+    split = {"dp_shard": 2, "ep": 2, "tp": 2, "expert_tp": True}
+    full = _train(run_on_ranks, tmp_path / "split", split, "none")
+    ckpt = tmp_path / "split" / "checkpoints" / "step-00000001"
+    resumed = _train(run_on_ranks, tmp_path / "whole", {"dp_shard": 4, "tp": 1}, ckpt)
+    assert sorted(resumed) == [2, 3], resumed
+    for step, (loss, gnorm) in resumed.items():
+        assert abs(loss - full[step][0]) <= 1e-4 * full[step][0], (step, loss, full[step])
+        assert abs(gnorm - full[step][1]) <= 1e-4 * full[step][1], (step, gnorm, full[step])

@@ -1,7 +1,8 @@
 """Expert tensor parallelism on a Hugging Face MoE model: Qwen3-MoE (tiny, random weights from
 forge's seeded init, fp32) at tp=2 with its own ``_tp_plan`` and its MoE blocks converted to
 forge's, each tp rank holding half of every expert, equals the same model on one device (loss
-and gradient norm over 10 steps), without and with FSDP2."""
+and gradient norm over 10 steps): without and with FSDP2, and with the experts split over ep
+too."""
 
 from __future__ import annotations
 
@@ -45,12 +46,16 @@ def _parity(layouts: list[dict[str, Any]]) -> list[tuple[bool, str, tuple[int, .
 
 @pytest.mark.parametrize(
     ("world", "layout", "experts_here"),
-    [(2, {"tp": 2, "data": "none"}, EXPERTS), (4, {"dp_shard": 2, "tp": 2}, EXPERTS // 2)],
-    ids=["tp2", "dp_shard2-tp2"],
+    [
+        (2, {"tp": 2, "data": "none"}, EXPERTS),
+        (4, {"dp_shard": 2, "tp": 2}, EXPERTS // 2),
+        (4, {"dp_shard": 2, "ep": 2, "tp": 2}, EXPERTS // 2),
+    ],
+    ids=["tp2", "dp_shard2-tp2", "dp_shard2-ep2-tp2"],
 )
 def test_qwen3_moe_experts_split_over_tp_match_one_device(
     run_on_ranks, world, layout, experts_here
 ):
     for ((passed, table, shape),) in run_on_ranks(world, _parity, [layout]):
         assert passed, table
-        assert shape[:2] == (experts_here, 8), shape  # [E (/ FSDP2), hidden 16 / tp, dim]
+        assert shape[:2] == (experts_here, 8), shape  # [E (/ FSDP2 or ep), hidden 16 / tp, dim]

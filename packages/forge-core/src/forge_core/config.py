@@ -57,7 +57,7 @@ class ParallelismConfig:
     that divides both ``dp_shard`` and the model's ``num_experts`` (1 for a dense model).
 
     ``expert_tp``: with tp > 1, each MoE expert's hidden units are split over the tp ranks
-    (instead of every tp rank keeping every expert whole); not yet with ep > 1.
+    (instead of every tp rank keeping every expert whole), with or without ep.
 
     ``data`` picks the data-parallel mode: ``fsdp2`` shards over ``dp_shard`` (and replicates over
     ``dp_replicate``: HSDP), ``ddp`` replicates over ``dp_replicate`` (``dp_shard`` must be 1; -1

@@ -24,6 +24,7 @@ __all__ = [
     "get_dp_group_mesh",
     "get_dp_mesh",
     "get_ep_mesh",
+    "get_ep_tp_mesh",
     "get_expert_dp_mesh",
     "get_tp_mesh",
     "has_axis",
@@ -33,7 +34,8 @@ __all__ = [
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "domain", "tp")
 DP_AXES = ("dp_replicate", "dp_shard")
-#: Attribute on a root mesh holding its flattened views ``{name: 1-D DeviceMesh}``.
+#: Attribute on a root mesh holding its flattened views ``{name: 1-D DeviceMesh}`` (and the
+#: 2-D ``ep_tp``: :func:`get_ep_tp_mesh`).
 VIEWS_ATTR = "_forge_views"
 #: Attribute on a mesh holding the sub-meshes :func:`sub_mesh` sliced from it.
 SLICES_ATTR = "_forge_slices"
@@ -114,6 +116,13 @@ def get_dp_group_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
 def get_ep_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
     """The 1-D expert-parallel mesh, or None when the mesh has no ``ep`` axis."""
     return sub_mesh(mesh, "ep") if has_axis(mesh, "ep") else None
+
+
+def get_ep_tp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The 2-D ``(ep, tp)`` mesh experts split over both are placed on (forge_mesh keeps it as
+    the view ``ep_tp``), or None when the mesh has none (no ep or tp axis, or ep carved out of
+    ``dp_shard x cp``)."""
+    return sub_mesh(mesh, "ep_tp") if has_axis(mesh, "ep_tp") else None
 
 
 def get_expert_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -126,11 +126,14 @@ def _expert_views(mesh: DeviceMesh, ep: int, hsdp_cp: DeviceMesh | None) -> dict
     expert_dp = (
         ("dp_replicate", "dp_shard_mod_ep") if "dp_replicate" in names else ("dp_shard_mod_ep",)
     )
-    return {
+    views = {
         "ep": sparse["ep"],
         "dp_shard_mod_ep": sparse["dp_shard_mod_ep"],
         "expert_dp": sparse[expert_dp],
     }
+    if "tp" in names:  # experts split over ep and tp at once (expert tensor parallelism)
+        views["ep_tp"] = sparse[("ep", "tp")]
+    return views
 
 
 def build_device_mesh(

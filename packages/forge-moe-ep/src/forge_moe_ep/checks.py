@@ -69,16 +69,17 @@ def dispatch_cp_problems(moe_dispatch: str, cp: int) -> list[str]:
     ]
 
 
-def expert_tp_problems(tp: int, ep: int, *, hidden: int, bias: bool) -> list[str]:
+def expert_tp_problems(tp: int, ep: int, cp: int = 1, *, hidden: int, bias: bool) -> list[str]:
     """Why experts of hidden size ``hidden`` (with output biases: ``bias``) cannot be split over
     ``tp`` ranks with ``parallelism.expert_tp`` (one line each; none: they can)."""
     if tp <= 1:
         return []
     problems = []
-    if ep > 1:
+    if ep > 1 and cp > 1:
         problems.append(
-            f"parallelism.expert_tp with ep={ep}: splitting experts over tp and ep at once is "
-            "not built yet; set parallelism.ep=1 (experts whole per ep rank) or expert_tp=false"
+            f"parallelism.expert_tp with ep={ep} and cp={cp}: ep is then carved out of "
+            "dp_shard x cp, which leaves no (ep, tp) mesh to split the experts over; set "
+            "parallelism.expert_tp=false, ep=1 or cp=1"
         )
     if bias:
         problems.append(
@@ -111,5 +112,5 @@ def moe_layout_problems(
         if expert_tp:
             assert moe.moe_ffn_dim is not None  # NOTE: MoEModelConfig fills it
             hidden, bias = moe.moe_ffn_dim, moe.expert_linear_bias
-            problems += expert_tp_problems(tp, ep, hidden=hidden, bias=bias)
+            problems += expert_tp_problems(tp, ep, cp, hidden=hidden, bias=bias)
     return problems

@@ -11,9 +11,12 @@ keeps ``1 / tp`` of every expert instead, as Megatron's column / row split of an
   rank computes its slice of the hidden units and a partial output, and the partial outputs are
   summed over tp (a forward hook on ``experts``) before the layer weights and combines them.
 
-The router, the shared expert and the combine stay whole on every tp rank. Refused, in one line:
-an ``ep`` axis as well (not built yet), experts with biases (the output bias would be added on
-every tp rank), a hidden size the tp degree does not divide.
+The router, the shared expert and the combine stay whole on every tp rank. With an ``ep`` axis as
+well, the weights are placed on the 2-D ``(ep, tp)`` mesh (``Shard(0)`` over ep, the hidden dim
+over tp: :class:`~forge_moe_ep.parallel.ExpertParallel`), the tokens go to their experts' ep rank
+and back as under expert parallelism alone, and the same two hooks sum over tp. Refused, in one
+line: experts with biases (the output bias would be added on every tp rank), a hidden size the tp
+degree does not divide, ep carved out of ``dp_shard x cp`` (no ``(ep, tp)`` mesh).
 """
 
 from __future__ import annotations
@@ -31,10 +34,10 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from .checks import expert_tp_problems
 from .moe import MoE
 
-__all__ = ["apply_expert_tensor_parallel", "layer_problems"]
+__all__ = ["HIDDEN_DIM", "apply_expert_tensor_parallel", "layer_problems"]
 
 #: The experts' weights and the dim of each that holds the hidden units.
-_HIDDEN_DIM = {"w1": 2, "w3": 2, "w2": 1}
+HIDDEN_DIM = {"w1": 2, "w3": 2, "w2": 1}
 
 
 class _SumGradOverTP(torch.autograd.Function):
@@ -68,18 +71,20 @@ class _SumOverTP(torch.autograd.Function):
         return grad, None
 
 
-def layer_problems(moe: MoE, tp: int, ep: int) -> list[str]:
+def layer_problems(moe: MoE, tp: int, ep: int, cp: int = 1) -> list[str]:
     """:func:`~forge_moe_ep.checks.expert_tp_problems` of ``moe``'s experts (a converted
     Hugging Face block's hidden size and biases are its own)."""
     hidden = moe.experts.w2.shape[1]
-    return expert_tp_problems(tp, ep, hidden=hidden, bias=moe.experts.b2 is not None)
+    return expert_tp_problems(tp, ep, cp, hidden=hidden, bias=moe.experts.b2 is not None)
 
 
-def apply_expert_tensor_parallel(moe: MoE, tp_mesh: DeviceMesh) -> MoE:
+def apply_expert_tensor_parallel(moe: MoE, tp_mesh: DeviceMesh, *, shard: bool = True) -> MoE:
     """Split ``moe``'s experts' hidden units over ``tp_mesh`` (1-D) and install the two hooks
-    (see the module docstring); returns ``moe``. Before FSDP2, once per layer."""
+    (see the module docstring); returns ``moe``. Before FSDP2, once per layer. ``shard=False``:
+    the weights are placed already (over ``(ep, tp)`` by :class:`~forge_moe_ep.parallel.
+    ExpertParallel`); only the hooks are installed."""
     experts = moe.experts
-    for name, dim in _HIDDEN_DIM.items():
+    for name, dim in HIDDEN_DIM.items() if shard else ():
         param = getattr(experts, name, None)
         if param is None:
             continue  # w3 of experts that are not gated

@@ -40,7 +40,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from forge_core.contracts import mark_expert_parallel
 from forge_core.errors import ForgeConfigError, refuse
-from forge_core.mesh_dims import axis_size, get_dp_group_mesh, get_ep_mesh, get_tp_mesh
+from forge_core.mesh_dims import (
+    axis_size,
+    get_dp_group_mesh,
+    get_ep_mesh,
+    get_ep_tp_mesh,
+    get_tp_mesh,
+)
 from forge_core.stages import stage
 from forge_kernels.native import StagedSplits
 from torch.distributed.device_mesh import DeviceMesh
@@ -54,7 +60,7 @@ from .dispatch import (
     exchange_counts,
     expert_counts,
 )
-from .expert_tp import apply_expert_tensor_parallel, layer_problems
+from .expert_tp import HIDDEN_DIM, apply_expert_tensor_parallel, layer_problems
 from .moe import MoE
 
 __all__ = ["ExpertParallel", "SumOverRanks", "apply_expert_parallel", "check_expert_parallel"]
@@ -78,9 +84,13 @@ class ExpertParallel:
     forward in progress back. ``apply`` is done once per layer, before FSDP2.
     """
 
-    def __init__(self, ep_mesh: DeviceMesh, num_experts: int) -> None:
+    def __init__(
+        self, ep_mesh: DeviceMesh, num_experts: int, ep_tp_mesh: DeviceMesh | None = None
+    ) -> None:
         check_expert_parallel(num_experts, ep_mesh.size())
         self.mesh = ep_mesh
+        #: ``(ep, tp)``: the experts' hidden units split over tp too (expert tensor parallelism)
+        self.params_mesh = ep_tp_mesh
         self.group = ep_mesh.get_group()
         self.ranks = ep_mesh.size()
         self.num_experts = num_experts
@@ -92,8 +102,9 @@ class ExpertParallel:
 
     # ------------------------------------------------------------------ install
     def apply(self, moe: MoE) -> MoE:
-        """Shard ``moe.experts``' weights ``Shard(0)`` over the mesh, mark them for FSDP2, and
-        install the hooks (see the module docstring). Returns ``moe``."""
+        """Shard ``moe.experts``' weights ``Shard(0)`` over the mesh (and their hidden dim over tp
+        on an ``(ep, tp)`` mesh), mark them for FSDP2, and install the hooks (see the module
+        docstring). Returns ``moe``."""
         experts = moe.experts
         for name, param in list(experts.named_parameters(recurse=False)):
             if isinstance(param, DTensor):
@@ -101,7 +112,11 @@ class ExpertParallel:
                     f"expert weight {name} is already a DTensor ({param.placements}); apply "
                     "expert parallelism before FSDP2 and only once"
                 )
-            sharded = distribute_tensor(param.data, self.mesh, [Shard(0)])
+            if self.params_mesh is None:
+                sharded = distribute_tensor(param.data, self.mesh, [Shard(0)])
+            else:
+                placements = [Shard(0), Shard(HIDDEN_DIM[name])]
+                sharded = distribute_tensor(param.data, self.params_mesh, placements)
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         mark_expert_parallel(experts, self.ranks)
         self._layer = moe
@@ -200,7 +215,7 @@ def apply_expert_parallel(
     axis (:func:`forge_moe_ep.checks.dispatch_cp_problems`).
 
     ``expert_tp``: on a mesh with a ``tp`` axis, split each expert's hidden units over it
-    (:mod:`forge_moe_ep.expert_tp`; refused with an ``ep`` axis too, for now).
+    (:mod:`forge_moe_ep.expert_tp`), with an ``ep`` axis too on the ``(ep, tp)`` mesh.
     """
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     ep_mesh = get_ep_mesh(device_mesh)
@@ -209,17 +224,18 @@ def apply_expert_parallel(
     cp = axis_size(device_mesh, "cp")
     tp_mesh = get_tp_mesh(device_mesh) if expert_tp else None
     tp = 1 if tp_mesh is None else tp_mesh.size()
+    ep_tp_mesh = get_ep_tp_mesh(device_mesh) if tp > 1 and ep > 1 else None
     for moe in moes:
         check_expert_parallel(moe.num_experts, ep)
         refuse(dispatch_cp_problems(moe.config.moe_dispatch, cp))
-        refuse(layer_problems(moe, tp, ep))
+        refuse(layer_problems(moe, tp, ep, cp))
     count_mesh = get_dp_group_mesh(device_mesh)
     with stage(model, "ep"):
         for moe in moes:
             if count_mesh is not None:
                 moe.register_load_hook(SumOverRanks(count_mesh))
             if ep_mesh is not None:
-                ExpertParallel(ep_mesh, moe.num_experts).apply(moe)
+                ExpertParallel(ep_mesh, moe.num_experts, ep_tp_mesh).apply(moe)
             if tp_mesh is not None and tp > 1:
-                apply_expert_tensor_parallel(moe, tp_mesh)
+                apply_expert_tensor_parallel(moe, tp_mesh, shard=ep_mesh is None)
     return model
