@@ -1,8 +1,10 @@
 """Hugging Face decoders cut into pipeline stages equal one device: Llama, Qwen3 and Qwen3-MoE
 (tiny configs, random weights, fp32) at pp=2 under 1F1B and Interleaved1F1B, pp=2 x tp=2 (their
 own ``_tp_plan``) and pp=2 x ep=2 (Qwen3-MoE's blocks as forge's MoE), loss AND gradient norm
-over 10 steps; what a rank holds; checkpoints across pipeline layouts through ``forge train``;
-the refusals, before launch and in the split.
+over 10 steps; pretrained weights (``save_pretrained``) read into the stages, each rank its own
+tensors, through the Python API and ``forge train``; what a rank holds; checkpoints across
+pipeline layouts through ``forge train``; the refusals, before launch, in the split and when the
+weights do not fit.
 
 Rank processes are reused: one call per world size runs every case of that size.
 """
@@ -15,11 +17,16 @@ import pytest
 from forge_checkpoint.dcp import SafeFileSystemReader
 
 from tests.integration.pp.hf_jobs import (
+    PP2,
+    edited_hf_dir,
     hf_pipeline_parities,
     hf_pipeline_refusals,
+    hf_pretrained_pipeline,
     hf_rank_facts,
     meta_hf,
     save_hf_dir,
+    save_hf_weights,
+    train_runs,
 )
 
 #: What this module's rank functions import inside the function: the rank workers' forkserver
@@ -31,7 +38,6 @@ RANK_PRELOAD = ["transformers"]
 pytestmark = pytest.mark.zoo
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe")
-PP2 = {"pp": 2, "data": "none"}
 
 
 def _assert_all(results: dict) -> None:
@@ -50,12 +56,48 @@ def test_hf_decoders_at_pp2_match_one_device_under_1f1b_and_interleaved(run_on_r
     _assert_all(results)
 
 
-def test_hf_decoders_at_pp2_x_tp2_and_pp2_x_ep2_match_one_device(run_on_ranks):
-    cases = [(name, {"pp": 2, "tp": 2, "data": "none"}, {"schedule": "1F1B"}) for name in FAMILIES]
+def test_hf_decoders_at_pp2_x_tp2_and_pp2_x_ep2_match_one_device(run_on_ranks, tmp_path):
+    """Also Qwen3-MoE's pretrained weights (experts stored one by one) read into pp=2 x ep=2
+    stages against transformers' own model loaded on one device."""
+    moe = save_hf_weights(tmp_path / "qwen3_moe", "qwen3_moe")
+    cases: list[tuple] = [
+        (name, {"pp": 2, "tp": 2, "data": "none"}, {"schedule": "1F1B"}) for name in FAMILIES
+    ]
     cases.append(("qwen3_moe", {"pp": 2, "dp_shard": 2, "ep": 2}, {"schedule": "1F1B"}))
+    cases.append(("qwen3_moe", {"pp": 2, "dp_shard": 2, "ep": 2}, {"schedule": "1F1B"}, moe))
     results = run_on_ranks(4, hf_pipeline_parities, cases)[0]
     assert len(results) == len(cases)
     _assert_all(results)
+
+
+def test_pretrained_weights_fill_pipeline_stages_as_one_device(run_on_ranks, tmp_path):
+    """A Llama directory save_pretrained wrote, read into pp=2 (1F1B) stages (each rank its own
+    layers' tensors), equals the same directory on one device over 10 steps and transformers'
+    own model at step 1. A tensor no rank holds, or one the second rank needs and the files lack,
+    is refused on BOTH ranks with the same one line, before any read."""
+    weights = save_hf_weights(tmp_path / "llama")
+    broken = {
+        "extra": edited_hf_dir(weights, tmp_path / "extra", add="model.layers.9.mlp.up.weight"),
+        "lacking": edited_hf_dir(
+            weights, tmp_path / "lacking", drop="model.layers.3.mlp.down_proj.weight"
+        ),
+    }
+    first, second = run_on_ranks(2, hf_pretrained_pipeline, weights, broken)
+    parity = first["parity"]
+    assert parity.passed, parity.table()
+    hf_loss, loss = first["hf_loss"], parity.parallel[0].loss
+    assert abs(loss - hf_loss) <= 1e-5 * hf_loss, (loss, hf_loss)
+    assert abs(parity.reference[0].loss - hf_loss) <= 1e-5 * hf_loss
+    for said in (first, second):
+        assert (
+            "1 tensor(s) the model does not have (model.layers.9.mlp.up.weight)" in said["extra"]
+        ), said
+        assert (
+            "lack 1 tensor(s) the model has (model.layers.3.mlp.down_proj.weight)"
+            in said["lacking"]
+        ), said
+        assert "\n" not in said["extra"] + said["lacking"], said
+    assert first["extra"] == second["extra"] and first["lacking"] == second["lacking"]
 
 
 def test_a_rank_holds_its_layers_under_the_hugging_face_names(run_on_ranks):
@@ -89,16 +131,35 @@ def _config_problems(model_dir: str, *overrides: str) -> list[str]:
     return config_problems(load_config(None, sets), 2)
 
 
+def _launch_problems(model_dir: str) -> list[str]:
+    """What the launcher says of pretrained weights at pp=2: the value checks, then the ones
+    that import (the weights' headers against the whole model, built on meta)."""
+    from forge.checks import import_problems
+    from forge.config import load_config
+
+    sets = [f"model.hf={model_dir}", "parallelism.pp=2", "parallelism.data=none"]
+    cfg = load_config(None, [*sets, "parallelism.tp=1", "model.pretrained=true"])
+    return _config_problems(model_dir, "model.pretrained=true") or import_problems(cfg, 2)
+
+
 def test_a_pipelined_hugging_face_config_is_checked_before_launch(tmp_path):
-    """pp=2 on a family forge-pp cuts has no problems; another family, tied embeddings, and
-    pretrained weights (not read into stages yet) are one line each, naming the fix."""
+    """pp=2 on a family forge-pp cuts has no problems, with pretrained weights too; another
+    family, tied embeddings, and weights that do not fit the whole model (a tensor no pipeline
+    rank holds, one the model has and the files lack) are one line each, naming the fix."""
     assert _config_problems(save_hf_dir(tmp_path / "qwen3", "qwen3")) == []
     (family,) = _config_problems(save_hf_dir(tmp_path / "qwen2", "qwen2"))
     assert "Hugging Face 'qwen2' model" in family and "set parallelism.pp=1" in family
     (tied,) = _config_problems(save_hf_dir(tmp_path / "tied", "llama", tie_word_embeddings=True))
     assert "tie_word_embeddings=true" in tied and "model.tie_embeddings" not in tied
-    pretrained = _config_problems(str(tmp_path / "qwen3"), "model.pretrained=true")
-    assert any("set model.pretrained=false" in p for p in pretrained), pretrained
+    weights = save_hf_weights(tmp_path / "llama")
+    assert _launch_problems(weights) == []
+    extra = edited_hf_dir(weights, tmp_path / "extra", add="model.layers.9.mlp.up.weight")
+    (unexpected,) = _launch_problems(extra)
+    assert unexpected.startswith("model.hf: ") and "does not have" in unexpected, unexpected
+    assert "is config.json the one these weights were saved with?" in unexpected
+    lacking = edited_hf_dir(weights, tmp_path / "lack", drop="model.layers.3.mlp.down_proj.weight")
+    (missing,) = _launch_problems(lacking)
+    assert "lack 1 tensor(s) the model has (model.layers.3.mlp.down_proj.weight)" in missing
 
 
 #: forge train on a tiny Llama directory (config only, random init): 3 steps, a checkpoint each.
@@ -147,3 +208,25 @@ def test_a_checkpoint_moves_between_pp2_and_pp1(run_on_ranks, tmp_path):
     _continues(to_pp1, full, [2, 3])
     back = tmp_path / "pp1" / "checkpoints" / "step-00000002"
     _continues(_train(run_on_ranks, model_dir, tmp_path / "back", pp2, back), full, [3])
+
+
+def test_forge_train_reads_pretrained_weights_into_pp2_as_at_pp1(run_on_ranks, tmp_path):
+    """forge train with pretrained = true at pp=2 (1F1B) follows the same run at pp=1
+    (dp_shard=2) from the same weights: step 1 within 1e-5, the rest within 1e-4."""
+    weights = save_hf_weights(tmp_path / "llama")
+
+    def cfg(parallelism: dict, out: str) -> dict:
+        return {
+            "model": {"hf": weights, "pretrained": True},
+            "parallelism": {"tp": 1, **parallelism},
+            "training": {**TRAIN, "steps": 4, "out_dir": str(tmp_path / out)},
+            "checkpoint": {"every": 0, "save_at_end": False, "resume": "none"},
+        }
+
+    pp2, pp1 = run_on_ranks(2, train_runs, [cfg(PP2, "pp2"), cfg({"dp_shard": 2}, "pp1")])[0]
+    assert sorted(pp2) == sorted(pp1) == [1, 2, 3, 4], (pp2, pp1)
+    for step, (loss, gnorm) in pp2.items():
+        ref_loss, ref_gnorm = pp1[step]
+        bound = 1e-5 if step == 1 else 1e-4
+        assert abs(loss - ref_loss) <= bound * ref_loss, (step, loss, ref_loss)
+        assert abs(gnorm - ref_gnorm) <= bound * ref_gnorm, (step, gnorm, ref_gnorm)

@@ -16,6 +16,12 @@ rank then assembles its own shard from the stored tensors (:mod:`forge_checkpoin
 expects against the files' headers (read as JSON, no tensor data and no torch), one line per
 kind of mismatch. A tensor the model ties to another (a language model head sharing the
 embedding) may be absent from the files, as transformers writes it.
+
+A process may hold only part of the model (a pipeline rank holds its stages' layers):
+``load_hf_weights(..., partial=True)`` then reads only the tensors that process holds, and checks
+the whole model, the union of every process's part, against the files, so that a tensor another
+process holds is no error while one that no process holds, or one that some process needs and the
+files lack, is refused on every rank in the same line.
 """
 
 from __future__ import annotations
@@ -230,11 +236,38 @@ def _tied_names(model: nn.Module, stored: Iterable[str]) -> set[str]:
     return {name for name, t in objects.items() if name not in present and id(t) in held}
 
 
+def _whole_model_problems(
+    shapes: dict[str, tuple[int, ...]],
+    directory: str | os.PathLike[str],
+    tied: set[str],
+    sources: dict[str, TensorSource],
+) -> list[str]:
+    """:func:`hf_weight_problems` of the whole model whose parts the processes of the default
+    group hold (each its names and shapes, tied names and sources, gathered to every rank): the
+    same lines on every rank, so that all of them refuse together, before any collective read.
+    Without a process group this process's part is the whole model."""
+    import torch.distributed as dist
+
+    parts: list[Any] = [(shapes, tied, sources)]
+    if dist.is_available() and dist.is_initialized():
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (shapes, tied, sources))
+    expected: dict[str, tuple[int, ...]] = {}
+    all_tied: set[str] = set()
+    all_sources: dict[str, TensorSource] = {}
+    for part_shapes, part_tied, part_sources in parts:
+        expected.update(part_shapes)
+        all_tied |= part_tied
+        all_sources.update(part_sources)
+    return hf_weight_problems(expected, directory, tied=all_tied, sources=all_sources)
+
+
 def load_hf_weights(
     model: nn.Module,
     directory: str | os.PathLike[str],
     *,
     sources: Mapping[str, TensorSource] | None = None,
+    partial: bool = False,
 ) -> None:
     """Fill ``model`` (parallelized or not, materialized on its device) from a Hugging Face model
     directory's safetensors, each rank reading only its own slices.
@@ -246,6 +279,13 @@ def load_hf_weights(
     ``hf_checkpoint_sources``); anything else is refused with one line, before any read. A
     renamed tensor is read as a direct one; the others are assembled on each rank for its own
     shard only (:func:`forge_checkpoint.hf_sourced.read_sourced`: the experts it holds, sliced).
+
+    ``partial``: each process of the default group holds only a part of the model (a pipeline
+    rank: its stages' layers, under the unsplit names). This process then reads only its part,
+    and the names and shapes checked against the files are those of every process's part
+    together (gathered: a collective even before the read), so that the tensors another process
+    holds are not refused here, while a stored tensor no process holds, or one some process
+    needs and the files lack, is refused on every rank with one line.
     """
     import torch
     import torch.distributed as dist
@@ -264,7 +304,10 @@ def load_hf_weights(
     stored = hf_weight_shapes(directory)
     tied = _tied_names(model, stored)
     shapes = {n: tuple(getattr(t, "shape", ())) for n, t in state_dict.items()}
-    refuse(hf_weight_problems(shapes, directory, tied=tied, sources=sources))
+    if partial:
+        refuse(_whole_model_problems(shapes, directory, tied, sources))
+    else:
+        refuse(hf_weight_problems(shapes, directory, tied=tied, sources=sources))
     wanted = {name: t for name, t in state_dict.items() if name not in tied}
     renamed = {n: s.rename for n, s in sources.items() if s.rename is not None}
     direct = {

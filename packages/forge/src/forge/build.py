@@ -9,15 +9,8 @@ token counts over the data-parallel ranks (load balancing). The layers hold no p
 
 A vision-language model (components encoder, adapter, decoder) goes through the same order per
 component (:class:`forge.model_spec.ModelSpec` says which stage applies where); the stage-order
-contract checks each component.
-
-From a config (what ``forge build`` does, for a model you already have)::
-
-    plan = ParallelPlan.from_config("job.toml", mesh)   # or a ForgeConfig, or a dict
-    model = plan.maybe_compile(plan.parallelize(model))
-
-:meth:`ParallelPlan.from_config` is the one mapping from a ``ForgeConfig`` to a plan;
-``forge build`` (``forge.job``) uses it too.
+contract checks each component. :meth:`ParallelPlan.from_config` is the one mapping from a
+``ForgeConfig`` to a plan (``forge build`` and ``forge train`` use it; see :class:`ParallelPlan`).
 """
 
 from __future__ import annotations
@@ -65,6 +58,7 @@ from .hf_source import hf_compile_problems
 from .layout import Layout, resolve_layout
 from .model_spec import (
     ac_components,
+    load_pipeline_weights,
     materialize,
     model_spec,
     refuse_materialized,
@@ -134,8 +128,7 @@ class ParallelPlan:
     **With packed sequences never set it to False**: attention would cross document boundaries
     and the loss would be silently wrong.
 
-    ``expert_tp``: on a mesh with a ``tp`` axis, each MoE expert's hidden units are split over
-    it (``forge_moe_ep.expert_tp``) instead of every tp rank keeping every expert whole.
+    ``expert_tp``: each MoE expert's hidden units split over the ``tp`` axis (forge_moe_ep).
     """
 
     device_mesh: DeviceMesh | None
@@ -284,16 +277,18 @@ class ParallelPlan:
         ``compile_scope='model'`` pass what it returns to :meth:`maybe_compile`.
 
         ``weights``: a Hugging Face directory whose safetensors fill the Hugging Face model built
-        on meta from its ``config.json``, each rank reading its slices (no random init first).
+        on meta from its ``config.json``, each rank reading its slices (at pp > 1, its stages').
 
         A model made of components (a VLM) gets TP on its ``decoder`` (and on its ``encoder``
         with ``encoder_tp``), EP and Float8 on the decoder, AC on ``ac_components`` (None: all).
         """
-        pipeline = axis_size(self.device_mesh, "pp") > 1
-        refuse(weights_call_problems(weights, device, pipeline=pipeline))
-        if pipeline:
-            return self._parallelize_pipeline(model, device=device, seed=seed)
-        return self._parallelize_one(model, device=device, seed=seed, weights=weights)
+        refuse(weights_call_problems(weights, device))
+        if axis_size(self.device_mesh, "pp") <= 1:
+            return self._parallelize_one(model, device=device, seed=seed, weights=weights)
+        rank_model = self._parallelize_pipeline(model, device=device, seed=seed)
+        if weights is not None:  # NOTE: over the seed's values; each rank reads its stages' only
+            load_pipeline_weights(rank_model, weights)
+        return rank_model
 
     def _parallelize_pipeline(
         self, model: nn.Module, *, device: torch.device | str | None, seed: int | None

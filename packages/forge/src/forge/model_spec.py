@@ -18,7 +18,8 @@ Also here, because they depend on how a model holds its values: :func:`materiali
 the meta device filled from a seed) and the refusal to re-initialize a model that has values.
 
 Provides :class:`ModelSpec`, :func:`model_spec`, :func:`materialize`,
-:func:`refuse_materialized`.
+:func:`refuse_materialized`, and :func:`load_pipeline_weights` (a Hugging Face directory's
+weights read into pipeline stages: each pipeline rank reads its stages' tensors only).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ __all__ = [
     "ModelSpec",
     "ac_components",
     "hf_weight_sources",
+    "load_pipeline_weights",
     "materialize",
     "model_spec",
     "refuse_materialized",
@@ -156,6 +158,19 @@ def hf_weight_sources(model: nn.Module, weights: str | os.PathLike[str]) -> dict
     return hf_checkpoint_sources(model, hf_weight_shapes(weights))
 
 
+def load_pipeline_weights(model: nn.Module, weights: str | os.PathLike[str]) -> None:
+    """Fill a pipeline rank's model (what ``ParallelPlan.parallelize`` returns at pp > 1: this
+    rank's stages under the unsplit Hugging Face names, parallelized and materialized) from the
+    Hugging Face directory ``weights``, reading only the tensors this rank holds (its own slices
+    of them under TP, EP, FSDP2).
+
+    Collective: every rank calls it. The whole model, every rank's part together, is checked
+    against the files first: a stored tensor that another pipeline rank holds is no error here,
+    one that no rank holds, or one a rank needs and the files lack, is refused on every rank
+    with one line (``forge_checkpoint.load_hf_weights(..., partial=True)``)."""
+    load_hf_weights(model, weights, sources=hf_weight_sources(model, weights), partial=True)
+
+
 def model_spec(
     model: nn.Module,
     mesh: DeviceMesh | None,
@@ -179,21 +194,12 @@ def model_spec(
 
 
 def weights_call_problems(
-    weights: str | os.PathLike[str] | None, device: torch.device | str | None, *, pipeline: bool
+    weights: str | os.PathLike[str] | None, device: torch.device | str | None
 ) -> list[str]:
     """What refuses ``parallelize(weights=...)``: no ``device`` (the model is filled after it is
-    allocated there from the meta device), or a pipeline (the weights are read into an unsplit
-    model only)."""
-    if weights is None:
-        return []
-    if device is None:
+    allocated there from the meta device)."""
+    if weights is not None and device is None:
         return ["parallelize(weights=...) fills a model built on the meta device: pass device= too"]
-    if pipeline:
-        return [
-            "parallelize(weights=...) reads Hugging Face weights into an unsplit model only, "
-            "not into pipeline stages yet: use a mesh without a pp axis, or build the model "
-            "without weights (random init from the seed)"
-        ]
     return []
 
 

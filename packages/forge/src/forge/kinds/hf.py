@@ -91,16 +91,11 @@ class HFKind(DecoderKind):
 
     def pipeline_problems(self, layout: Layout) -> list[str]:
         """:class:`DecoderKind`'s, then what forge-pp says of this Hugging Face config (the
-        family, tied embeddings, sliding windows: :func:`forge_pp.checks.hf_pp_problems`) and
-        of reading its weights into pipeline stages (not yet: ``pretrained = false``)."""
+        family, tied embeddings, sliding windows: :func:`forge_pp.checks.hf_pp_problems`).
+        Pretrained weights are checked by :meth:`import_problems` against the whole model, as at
+        pp=1: each pipeline rank then reads its own stages' tensors."""
         par = layout.parallelism
         problems = super().pipeline_problems(layout)
-        if self.hf.pretrained:
-            problems.append(
-                f"model.hf={self.hf.dir!r} with pretrained weights at parallelism.pp={par.pp}: "
-                "forge reads Hugging Face weights into an unsplit model only, not into pipeline "
-                "stages yet; set model.pretrained=false (random init) or parallelism.pp=1"
-            )
         if not hf_dir_problems(self.hf):  # NOTE: else problems() says what is wrong with it
             problems += hf_pp_problems(read_hf_config(self.hf.dir), par.pp, model=self.hf.dir)
         return problems
