@@ -965,7 +965,10 @@ MOE_LAYOUT_NOTES: dict[str, str] = {
     "LongcatFlashMoE": (
         "zero-computation (identity) experts beside the routed ones: not supported"
     ),
-    "PhimoeSparseMoeBlock": "SparseMixer routing: not forge's router",
+    "PhimoeSparseMoeBlock": (
+        "SparseMixer routing, which samples its experts at random in training: no "
+        "converted layer can take transformers' training steps"
+    ),
     "ZayaSparseMoeBlock": (
         "an MLP router carrying state across layers and a skip class: not forge's router"
     ),
