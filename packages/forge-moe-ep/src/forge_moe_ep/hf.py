@@ -78,7 +78,7 @@ from forge_core.errors import ForgeConfigError
 from torch.distributed.tensor import DTensor
 
 from .config import MoEModelConfig
-from .experts import GroupedExperts, grouped_experts
+from .experts import GroupedExperts
 from .hf_config import expert_shape, experts_of, moe_config, refuse_unsupported, text_config
 from .hf_families import HF_MOE_BLOCKS, _Family, at_path, correction_bias, router_weights
 from .moe import MoE
@@ -115,10 +115,8 @@ class HFMoE(MoE):
         hf_config: Any,
         width: int | None = None,
     ) -> None:
-        super().__init__(config, layer_id)
+        super().__init__(config, layer_id, experts_dim=width)
         self.family, self.hf_class, self.hf_config = family, hf_class, hf_config
-        if width is not None and width != config.dim:
-            self.experts = grouped_experts(config, width)  # between latent projections
         self.post_norm: nn.Module | None = None
         self.register_buffer("expert_table", None)
 

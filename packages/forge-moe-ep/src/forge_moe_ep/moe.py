@@ -80,7 +80,9 @@ class MoE(nn.Module):
         capacity dispatch (:func:`forge_moe_ep.checks.dispatch_cp_problems`)."""
         return dispatch_cp_problems(self.config.moe_dispatch, cp)
 
-    def __init__(self, config: MoEModelConfig, layer_id: int = 0) -> None:
+    def __init__(
+        self, config: MoEModelConfig, layer_id: int = 0, experts_dim: int | None = None
+    ) -> None:
         super().__init__()
         c = config
         self.config, self.layer_id = c, layer_id
@@ -101,7 +103,9 @@ class MoE(nn.Module):
             renormalize_min=c.router_renormalize_min,
             logit_scale=c.router_logit_scale,
         )
-        self.experts = grouped_experts(c, c.dim)
+        #: the experts work at ``experts_dim`` (None: the model's; a latent width between
+        #: ``expert_in`` and ``expert_out``)
+        self.experts = grouped_experts(c, experts_dim or c.dim)
         #: Any module ``[T, dim] -> [T, dim]`` (a converted Hugging Face block keeps its own).
         self.shared_expert: nn.Module | None = (
             FeedForward(c.dim, c.num_shared_experts * c.moe_ffn_dim)  # type: ignore[operator]
