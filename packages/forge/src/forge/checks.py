@@ -141,16 +141,23 @@ def config_problems(cfg: ForgeConfig, world_size: int | Layout) -> list[str]:
 
 
 def validation_problems(cfg: ForgeConfig) -> list[str]:
-    """``metrics.validation_every`` needs held-out documents: text ``data.path`` with
-    ``data.validation_fraction > 0`` (pure; the text itself is checked with the data)."""
-    every, data = cfg.metrics.validation_every, cfg.data
-    if not every or (data.path is not None and data.validation_fraction > 0):
-        return []
-    return [
-        f"metrics.validation_every={every} needs held-out documents: set data.validation_fraction "
-        "(e.g. 0.05) with a text data.path (jsonl, parquet, text or a saved dataset), or set "
-        "metrics.validation_every = 0"
-    ]
+    """The ``[metrics]`` section against the run: ``metrics.validation_every`` needs held-out
+    documents (text ``data.path`` with ``data.validation_fraction > 0``; pure, the text itself
+    is checked with the data), and ``metrics.profile_step`` must be a step the run takes."""
+    every, data, steps = cfg.metrics.validation_every, cfg.data, cfg.training.steps
+    problems = []
+    if every and (data.path is None or data.validation_fraction <= 0):
+        problems.append(
+            f"metrics.validation_every={every} needs held-out documents: set "
+            "data.validation_fraction (e.g. 0.05) with a text data.path (jsonl, parquet, text or "
+            "a saved dataset), or set metrics.validation_every = 0"
+        )
+    if cfg.metrics.profile_step > steps:
+        problems.append(
+            f"metrics.profile_step={cfg.metrics.profile_step} is past training.steps={steps}, so "
+            f"no step would be profiled: set it to a step from 1 to {steps}, or 0 for none"
+        )
+    return problems
 
 
 def import_problems(cfg: ForgeConfig, world_size: int | Layout) -> list[str]:

@@ -249,17 +249,21 @@ class MetricsConfig:
     ``tensorboard``: TensorBoard event files in ``<training.out_dir>/tensorboard`` (needs the
     ``tensorboard`` package: ``forge[metrics]``). ``validation_every``: a validation loss every N
     steps (0: never) over ``validation_batches`` global batches of the held-out documents
-    (``data.validation_fraction``).
+    (``data.validation_fraction``). ``profile_step``: run step N (1-based; 0: none) under
+    ``torch.profiler`` and write each rank's operator tables and Chrome trace to
+    ``<training.out_dir>/profile/`` (:mod:`forge.profiling`).
     """
 
     tensorboard: bool = False
     validation_every: int = 0
     validation_batches: int = 1
+    profile_step: int = 0
 
     def __post_init__(self) -> None:
         check_field_types(self, "metrics")
         check_int("metrics.validation_every", self.validation_every, 0)
         check_int("metrics.validation_batches", self.validation_batches)
+        check_int("metrics.profile_step", self.profile_step, 0)
 
 
 @dataclass(frozen=True)

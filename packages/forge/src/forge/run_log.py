@@ -71,16 +71,27 @@ class RunLog:
         self._file.flush()
 
     def step(
-        self, done: int, loss: float, grad_norm: float, lr: float, seconds: float, memory: list[int]
+        self,
+        done: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        seconds: float,
+        memory: list[int],
+        *,
+        profiled: bool = False,
     ) -> None:
-        """Step ``done`` (1-based) took ``seconds``; ``memory``: every rank's peak bytes."""
+        """Step ``done`` (1-based) took ``seconds``; ``memory``: every rank's peak bytes;
+        ``profiled``: the step ran under the profiler (``metrics.profile_step``), so its time
+        reads slow and its line says so."""
         tps = self.items_per_step / seconds
         record = StepLog(done, loss, grad_norm, lr, tps)
         self.steps.append(record)
         mfu = None
         if self.peak and self.flops_per_item:
             mfu = tps * self.flops_per_item / (self.peak * self.world_size)
-        self._write({**asdict(record), "peak_mem_bytes": memory, "mfu": mfu, "time": time.time()})
+        line = {**asdict(record), "peak_mem_bytes": memory, "mfu": mfu, "time": time.time()}
+        self._write({**line, "profiled": True} if profiled else line)
         if self._board is not None:
             self._board.log_step(
                 done,

@@ -55,6 +55,7 @@ from .config import ForgeConfig, load_config
 from .job import setup_rank, tp_description
 from .kinds import model_kind
 from .optim import clip_grad_norm_, warmup_cosine
+from .profiling import StepProfiler
 from .resume import resume_point
 from .run_log import RunLog, StepLog
 from .train_console import (
@@ -233,6 +234,7 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
             validation=summary.validation,
         )
     stop = StopFlag()
+    profiler = StepProfiler(cfg.metrics.profile_step, t.out_dir, rank, device)
     last_saved = summary.start_step if resume is not None else None
     finished = summary.start_step
 
@@ -266,27 +268,28 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
     ):
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
         for step in range(summary.start_step, t.steps):
-            begin = time.perf_counter()
-            batch = data.batch(step)
-            loss_sum, global_count = kind.train_step(model, batch, mesh, device, ignore)
-            grad_norm = float(clip_grad_norm_(trainable, t.max_grad_norm, mesh=mesh))
-            loss = float(loss_sum / global_count)
-            # NOTE: before optimizer.step(): a non-finite loss or gradient norm (both reduced
-            # over every rank, so every rank stops here together) never reaches the parameters,
-            # so the last checkpoint written stays the last good state.
-            for what, value in (("loss", loss), ("gradient norm", grad_norm)):
-                if not math.isfinite(value):
-                    raise FloatingPointError(
-                        f"{what} is {value} at step {step + 1}; stopped before the optimizer "
-                        "step, no checkpoint of it is written (lower "
-                        f"training.lr={t.lr}, raise training.warmup_steps or set "
-                        "training.max_grad_norm)"
-                    )
-            lr = float(scheduler.get_last_lr()[0])  # a float already: LambdaLR scales float lrs
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            elapsed = time.perf_counter() - begin
+            with profiler.step(step + 1) as profiled:
+                begin = time.perf_counter()
+                batch = data.batch(step)
+                loss_sum, global_count = kind.train_step(model, batch, mesh, device, ignore)
+                grad_norm = float(clip_grad_norm_(trainable, t.max_grad_norm, mesh=mesh))
+                loss = float(loss_sum / global_count)
+                # NOTE: before optimizer.step(): a non-finite loss or gradient norm (both reduced
+                # over every rank, so every rank stops here together) never reaches the parameters,
+                # so the last checkpoint written stays the last good state.
+                for what, value in (("loss", loss), ("gradient norm", grad_norm)):
+                    if not math.isfinite(value):
+                        raise FloatingPointError(
+                            f"{what} is {value} at step {step + 1}; stopped before the optimizer "
+                            "step, no checkpoint of it is written (lower "
+                            f"training.lr={t.lr}, raise training.warmup_steps or set "
+                            "training.max_grad_norm)"
+                        )
+                lr = float(scheduler.get_last_lr()[0])  # a float already: LambdaLR scales float lrs
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                elapsed = time.perf_counter() - begin
             # One host-side collective per step: every rank's peak memory and its stop vote.
             mine = torch.tensor([peak_memory(device), stop.signum], dtype=torch.int64)
             everyone = [torch.zeros_like(mine) for _ in range(world_size)]
@@ -295,7 +298,7 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
             votes = [int(m[1]) for m in everyone]
             done = finished = step + 1
             if log is not None:
-                log.step(done, loss, grad_norm, lr, elapsed, memory)
+                log.step(done, loss, grad_norm, lr, elapsed, memory, profiled=profiled.active)
             _validate(cfg, model, held_out, mesh, device, done, log)
             if ck.every and done % ck.every == 0:
                 save(done)
