@@ -48,6 +48,8 @@ MODEL_1B = {
 }
 MODEL_TINY = {"model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.ffn_dim": 128}
 MFU_TARGET = 0.50
+#: Rows of each variant's operator table the page keeps (the log has the whole table).
+PROFILE_ROWS = 15
 #: The variants (``--variants``) and the ``--set`` values each adds. ``compiled-no-fsdp2``
 #: (``parallelism.data=none``: autocast instead of FSDP2's mixed precision on the one rank)
 #: tells what FSDP2 costs on one GPU, the first suspect of the gap to bench_float8's one-process
@@ -61,9 +63,10 @@ Results = dict[str, dict[str, float | None]]
 
 
 def overrides(model: Mapping[str, object], *, seq: int, batch: int, steps: int, variant: str,
-              out_dir: str, dtype: str) -> list[str]:  # fmt: skip
+              out_dir: str, dtype: str, profile_step: int = 0) -> list[str]:  # fmt: skip
     """The ``--set`` arguments of one variant."""
     values: dict[str, object] = {
+        "metrics.profile_step": profile_step,
         "model.preset": "debug",
         **model,
         "parallelism.tp": 1,
@@ -94,7 +97,8 @@ def run_variant(device: str, sets: list[str], out_dir: Path, timeout_s: float) -
 
 
 def summarize(rows: list[dict], warmup: int) -> dict[str, float | None]:
-    timed = rows[warmup:] or rows[-1:]
+    """Medians over the steps after ``warmup``, the profiled step left out (it runs slower)."""
+    timed = [r for r in rows[warmup:] if not r.get("profiled")] or rows[-1:]
     mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
     return {
         "steps timed": len(timed),
@@ -105,6 +109,18 @@ def summarize(rows: list[dict], warmup: int) -> dict[str, float | None]:
     }
 
 
+def profile_rows(out_dir: Path, step: int, rows: int = PROFILE_ROWS) -> list[str]:
+    """The head of rank 0's operator table of the profiled step (by device time on a GPU, else
+    by CPU time), as ``metrics.profile_step`` wrote it; the whole file goes to stdout."""
+    path = out_dir / "profile" / f"step-{step}-rank-0.txt"
+    if not path.is_file():
+        return [f"(no profile: {path.name} was not written)"]
+    text = path.read_text()
+    print(text, flush=True)
+    table = text.split("## by ", 2)[1].splitlines()[2:]  # the first table: device, else CPU
+    return [line for line in table if line.strip()][: rows + 3]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny model on the CPU (a smoke run)")
@@ -113,6 +129,13 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=OUT_MD)
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument(
+        "--profile-step",
+        type=int,
+        default=-1,
+        help="the step each variant runs under torch.profiler (metrics.profile_step; left out "
+        "of the medians); default: the last step; 0: none",
+    )
     args = p.parse_args()
     unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
     if unknown:
@@ -124,14 +147,21 @@ def main() -> int:
     )
     steps = args.steps if gpu else min(args.steps, 4)
     warmup = args.warmup if gpu else 1
+    profiled = steps if args.profile_step < 0 else min(args.profile_step, steps)
     started = time.perf_counter()
     results: Results = {}
+    profiles: dict[str, list[str]] = {}
     for variant in args.variants.split(","):
         with tempfile.TemporaryDirectory(prefix="bench_train-") as scratch:
-            sets = overrides(model, seq=seq, batch=batch, steps=steps,
-                             variant=variant, out_dir=scratch, dtype=dtype)  # fmt: skip
+            sets = overrides(model, seq=seq, batch=batch, steps=steps, variant=variant,
+                             out_dir=scratch, dtype=dtype, profile_step=profiled)  # fmt: skip
             results[variant] = summarize(run_variant(device, sets, Path(scratch), 420), warmup)
+            if profiled:
+                profiles[variant] = profile_rows(Path(scratch), profiled)
     lines = page(results, device, model, seq, batch, dtype, steps, warmup, args.quick)
+    for variant, rows in profiles.items():
+        lines += ["", f"Step {profiled} of `{variant}` under torch.profiler, rank 0 "
+                  "(`metrics.profile_step`; the first rows):", "", "```", *rows, "```"]  # fmt: skip
     lines.append(f"wall time {time.perf_counter() - started:.0f} s")
     print("\n".join(lines))
     best = results.get("compiled", {}).get("mfu")

@@ -140,18 +140,64 @@ def test_ids_outside_the_expert_range_are_dropped_identically(forge_ops, align):
     assert not torch.isin(torch.tensor([1, 4, 7]), got.gather_idx).any()
 
 
-@pytest.mark.parametrize(
-    ("ids", "E", "align", "match"),
-    [
-        (torch.zeros(4, dtype=torch.int64), 4, 1, "2-D"),
-        (torch.zeros(2, 2), 4, 1, "int32 or int64"),
-        (torch.zeros(2, 2, dtype=torch.int64), 0, 1, "num_experts"),
-        (torch.zeros(2, 2, dtype=torch.int64), 4, 0, "align"),
-    ],
-)
-def test_bad_routing_arguments_raise_the_same_value_error(forge_ops, ids, E, align, match):
-    with pytest.raises(ValueError, match=match):
-        forge_ops.routing_layout(ids, E, align)
+BAD_ROUTING = [
+    (torch.zeros(4, dtype=torch.int64), 4, 1, "2-D"),
+    (torch.zeros(2, 2), 4, 1, "int32 or int64"),
+    (torch.zeros(2, 2, dtype=torch.int64), 0, 1, "num_experts"),
+    (torch.zeros(2, 2, dtype=torch.int64), 4, 0, "align"),
+]
+BAD_STAGING = [
+    (torch.zeros(4, dtype=torch.int64), "convert src"),
+    (torch.zeros(5, dtype=torch.int32), "elements"),
+    (torch.zeros(8, dtype=torch.int32)[::2], "contiguous"),
+]
+
+# The ops called with each bad argument in a child process: a C++ exception that crashes the
+# process (as it did with the library built on the lent H200) then fails this one test with the
+# signal named, instead of ending pytest and every count after it.
+_BAD_ARGUMENTS_CHILD = """
+import importlib.util, re, sys, torch
+from forge_kernels import native
+spec = importlib.util.spec_from_file_location("bad_cases", sys.argv[1])
+cases = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cases)
+native.load_native(require=True)
+src = torch.arange(4, dtype=torch.int32)
+calls = [(f"routing_layout {m}", lambda i=i, e=e, a=a: torch.ops.forge.routing_layout(i, e, a), m)
+         for i, e, a, m in cases.BAD_ROUTING]
+calls += [(f"stage_to_host {m}", lambda d=d: torch.ops.forge.stage_to_host(src, d), m)
+          for d, m in cases.BAD_STAGING]
+for name, call, match in calls:
+    print("calling", name, flush=True)
+    try:
+        call()
+    except ValueError as err:
+        assert re.search(match, str(err)), (name, str(err))
+        print("ValueError", name, flush=True)
+    else:
+        raise SystemExit(f"{name}: no error")
+"""
+
+
+def test_bad_arguments_to_the_ops_raise_value_error(forge_ops):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.run(
+        [sys.executable, "-c", _BAD_ARGUMENTS_CHILD, __file__],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    out = child.stdout + child.stderr
+    if child.returncode < 0:
+        last = [line for line in child.stdout.splitlines() if line.startswith("calling")][-1:]
+        pytest.fail(f"signal {-child.returncode} killed the process at {last}:\n{out[-2000:]}")
+    assert child.returncode == 0, out[-2000:]
+    assert child.stdout.count("ValueError ") == len(BAD_ROUTING) + len(BAD_STAGING), out
+
+
+@pytest.mark.parametrize(("ids", "E", "align", "match"), BAD_ROUTING)
+def test_the_reference_raises_the_same_value_error(ids, E, align, match):
     with pytest.raises(ValueError, match=match):
         native.routing_layout_reference(ids, E, align)
 
@@ -262,18 +308,10 @@ def test_staged_splits_round_trip_on_cpu(forge_ops):
         staged.start(torch.zeros(5, dtype=torch.int64))
 
 
-def test_stage_to_host_rejects_mismatched_buffers_like_the_fallback(forge_ops):
-    src = torch.arange(4, dtype=torch.int32)
-    bad = [
-        (torch.zeros(4, dtype=torch.int64), "convert src"),
-        (torch.zeros(5, dtype=torch.int32), "elements"),
-        (torch.zeros(8, dtype=torch.int32)[::2], "contiguous"),
-    ]
-    for dst, match in bad:
-        with pytest.raises(ValueError, match=match):
-            forge_ops.stage_to_host(src, dst)
-        with pytest.raises(ValueError, match=match):
-            native._check_stage_args(src, dst)
+@pytest.mark.parametrize(("dst", "match"), BAD_STAGING)
+def test_stage_to_host_checks_refuse_mismatched_buffers(dst, match):
+    with pytest.raises(ValueError, match=match):
+        native._check_stage_args(torch.arange(4, dtype=torch.int32), dst)
 
 
 # --------------------------------------------------------------------------- build logic
