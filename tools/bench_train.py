@@ -53,11 +53,13 @@ PROFILE_ROWS = 15
 #: The variants (``--variants``) and the ``--set`` values each adds. ``compiled-no-fsdp2``
 #: (``parallelism.data=none``: autocast instead of FSDP2's mixed precision on the one rank)
 #: tells what FSDP2 costs on one GPU, the first suspect of the gap to bench_float8's one-process
-#: step (first H200 run: 35.8% against 52.6%).
+#: step (first H200 run: 35.8% against 52.6%); ``compiled-fused-adamw`` the optimizer's share
+#: (that step uses torch's fused AdamW, forge train torch's default, foreach on a GPU).
 VARIANTS: dict[str, dict[str, object]] = {
     "eager": {"training.compile": False},
     "compiled": {"training.compile": True},
     "compiled-no-fsdp2": {"training.compile": True, "parallelism.data": "none"},
+    "compiled-fused-adamw": {"training.compile": True, "training.optimizer_impl": "fused"},
 }
 Results = dict[str, dict[str, float | None]]
 

@@ -44,6 +44,10 @@ MAX_SEED = 2**32 - 1
 _SEED_WHY = "a 32-bit seed: forge derives torch.manual_seed's 64-bit seeds from it per step"
 
 
+#: ``training.optimizer_impl``'s values (torch.optim's implementations of AdamW).
+OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
+
+
 @dataclass(frozen=True)
 class TrainingConfig:
     """The short training job that ``forge build`` runs and checks for parity.
@@ -73,6 +77,9 @@ class TrainingConfig:
     weight_decay: float = 0.0
     #: clip the global gradient norm (over every shard and mesh) to this; 0 turns clipping off.
     max_grad_norm: float = 1.0
+    #: AdamW's implementation, torch's names: "auto" (torch's default: foreach on a GPU),
+    #: "for-loop", "foreach" or "fused" (one kernel per step for all parameters of a dtype).
+    optimizer_impl: str = "auto"
     #: where ``forge train`` writes ``metrics.jsonl`` (and ``checkpoints/`` unless checkpoint.dir).
     out_dir: str = "runs/forge"
     log_every: int = 1
@@ -113,6 +120,11 @@ class TrainingConfig:
         )
         check_number("training.max_grad_norm", self.max_grad_norm, 0, why="0 turns clipping off")
         check_number("training.weight_decay", self.weight_decay, 0)
+        if self.optimizer_impl not in OPTIMIZER_IMPLS:
+            raise ForgeConfigError(
+                f"training.optimizer_impl={self.optimizer_impl!r} is invalid: choose one of "
+                f"{list(OPTIMIZER_IMPLS)}" + did_you_mean(str(self.optimizer_impl), OPTIMIZER_IMPLS)
+            )
         if self.lr * self.weight_decay > 1:
             raise ForgeConfigError(
                 f"training.weight_decay={self.weight_decay} with training.lr={self.lr}: AdamW "

@@ -10,7 +10,28 @@ from forge_core.training import global_grad_norm
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["clip_grad_norm_", "warmup_cosine"]
+__all__ = ["adamw", "clip_grad_norm_", "warmup_cosine"]
+
+#: torch.optim.AdamW's ``(foreach, fused)`` for each ``training.optimizer_impl``.
+_IMPL_FLAGS: dict[str, tuple[bool | None, bool | None]] = {
+    "auto": (None, None),
+    "for-loop": (False, None),
+    "foreach": (True, None),
+    "fused": (None, True),
+}
+
+
+def adamw(
+    parameters: list[nn.Parameter], *, lr: float, weight_decay: float, impl: str = "auto"
+) -> torch.optim.AdamW:
+    """forge train's AdamW in the implementation ``training.optimizer_impl`` names. The three
+    compute the same update; ``fused`` reads and writes each parameter's state once per step
+    (one kernel per dtype and device), where ``foreach`` makes several passes over it and
+    ``for-loop`` launches per parameter."""
+    foreach, fused = _IMPL_FLAGS[impl]
+    return torch.optim.AdamW(
+        parameters, lr=lr, weight_decay=weight_decay, foreach=foreach, fused=fused
+    )
 
 
 def clip_grad_norm_(

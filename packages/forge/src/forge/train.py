@@ -54,7 +54,7 @@ from .build import ParallelPlan, model_from_config
 from .config import ForgeConfig, load_config
 from .job import setup_rank, tp_description
 from .kinds import model_kind
-from .optim import clip_grad_norm_, warmup_cosine
+from .optim import adamw, clip_grad_norm_, warmup_cosine
 from .profiling import StepProfiler
 from .resume import resume_point
 from .run_log import RunLog, StepLog
@@ -174,7 +174,7 @@ def run_train(cfg_dict: dict[str, Any], device_type: str = "cpu") -> TrainSummar
     model = plan.parallelize(model_from_config(cfg), device=device, seed=t.seed, weights=weights)
     model = plan.maybe_compile(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay)
+    optimizer = adamw(trainable, lr=t.lr, weight_decay=t.weight_decay, impl=t.optimizer_impl)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda s: warmup_cosine(
