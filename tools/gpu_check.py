@@ -13,12 +13,15 @@ What each phase runs, as timed steps (each under ``timeout``, from the phase's d
   temporary folder put first on PYTHONPATH), report the environment (device, driver, python,
   torch, triton, torchao), build and load the native ops (``FORGE_KERNELS_REQUIRE_NATIVE=1``,
   with CUDA: ``FORGE_KERNELS_CUDA=1``).
-- ``tests``: pytest over ``kernels/tests packages/forge-moe-ep/tests/test_moe.py packages/forge-core/tests/test_sync_guard.py
+- ``tests``: the native op's error path (a bad argument must raise ValueError; in a process of
+  its own), then pytest over ``kernels/tests packages/forge-moe-ep/tests/test_moe.py packages/forge-core/tests/test_sync_guard.py
   packages/forge-cp/tests/test_cp_units.py``
   (plus ``packages/forge-float8/tests`` when torchao imports) with ``FORGE_KERNELS_TEST_CUDA_BUILD=1``; their
   CUDA cases run in bf16 under sync debug mode "error". Then ``tools/nccl_probe.py`` (NCCL with
   several ranks on the one GPU, and forge build's parity job on it when NCCL allows), then a
-  smoke run of every benchmark (``--no-smokes`` leaves them to a bench call that follows).
+  smoke run of every benchmark (``--no-smokes`` leaves them to a bench call that follows);
+  last, only when the error path crashed, its diagnosis (ldd, a backtrace, the exception matrix
+  of ``tools/native_exception_probe.py``), so that its builds never take the tests' time.
 - ``bench``: every benchmark at a size that fits, its page written to the output folder.
 - ``--cpu-dry-run`` (CUDA hidden, native ops built for CPU): the same steps, except that pytest
   collects the whole selection and runs only a small part of it, and the benchmarks run at
@@ -152,7 +155,15 @@ BENCHES = (
         60,
     ),
     # forge train itself (CLI, one rank, ~1B bf16, eager then compiled): the user's MFU
-    Bench("train", "tools/bench_train.py", (), "train.md", 240, 60),
+    # eager was measured by the first leases (31.3%); the compiled variants tell the gap apart
+    Bench(
+        "train",
+        "tools/bench_train.py",
+        ("--variants", "compiled,compiled-no-fsdp2,compiled-fused-adamw"),
+        "train.md",
+        240,
+        60,
+    ),
     Bench("gpu_rates", "tools/bench_gpu_rates.py", ("--reps", "10"), "gpu_rates.md", 60, 25),
     Bench("permute", "tools/bench_permute.py", (), "permute.md", 60, 20),
 )
@@ -533,7 +544,6 @@ def common_steps(run: Run, phase: Phase) -> list[Step]:
             phase.env.update(run.env(Path(phase.env["FORGE_BENCH_SUMMARY"])))
 
     py = sys.executable
-    crashed: list[bool] = []
     if run.site_ready:
         skip_note = "already installed"
     else:
@@ -566,6 +576,17 @@ def common_steps(run: Run, phase: Phase) -> list[Step]:
             tail=7,
             shown=f"python -c <forge_kernels.native.load_native(require=True)> ({device})",
         ),
+    ]
+
+
+def native_error_steps() -> tuple[Step, Step]:
+    """The native op's error path in a process of its own, then, only when it crashed, the
+    diagnosis. The tests phase runs the first right after the build and the diagnosis last, so
+    that its builds never take the tests' time; the bench phase runs neither (the third lease's
+    crash would have run the diagnosis in both phases)."""
+    py = sys.executable
+    crashed: list[bool] = []
+    error_path, diagnosis = (
         Step(
             "native error path",
             [py, "-c", NATIVE_ERROR_SNIPPET],
@@ -595,7 +616,8 @@ def common_steps(run: Run, phase: Phase) -> list[Step]:
             skip_note="the error path raised ValueError",
             shown="ldd, gdb backtrace, the one-difference exception matrix",
         ),
-    ]
+    )
+    return error_path, diagnosis
 
 
 def _gpu_count() -> int:
@@ -640,7 +662,8 @@ def tests_phase(run: Run, phase: Phase, counts: TestCounts) -> list[Step]:
     def collected(result: Result) -> None:
         counts.collected = collected_count(result.output)
 
-    steps = common_steps(run, phase)
+    error_path, diagnosis = native_error_steps()
+    steps = [*common_steps(run, phase), error_path]
     if run.dry_run:
         collect = Step(
             "test collection",
@@ -700,7 +723,7 @@ def tests_phase(run: Run, phase: Phase, counts: TestCounts) -> list[Step]:
                 skip_note="the bench phase runs it (--no-smokes, or a dry run of both phases)",
             )
         )
-    return steps
+    return [*steps, diagnosis]
 
 
 def bench_phase(run: Run, phase: Phase) -> list[Step]:
@@ -863,7 +886,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--benches",
         default=",".join(b.name for b in BENCHES),
-        help="comma-separated benchmarks to run (default: %(default)s)",
+        help="comma-separated benchmarks to run, in this order (default: %(default)s)",
     )
     args = parser.parse_args(argv)
     unknown_phases = [p for p in args.phases if p not in PHASES]
@@ -895,7 +918,7 @@ def main(argv: list[str] | None = None) -> int:
         args.cpu_dry_run,
         out_dir,
         args.budget,
-        tuple(b for b in BENCHES if b.name in chosen),
+        tuple(next(b for b in BENCHES if b.name == name) for name in dict.fromkeys(chosen)),
         site,
     )
     run.smoke_in_bench = args.no_smokes or (args.cpu_dry_run and "bench" in phases)
