@@ -94,6 +94,8 @@ MATRIX_SOURCE = r"""
 #include <torch/library.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
+#include <sstream>
+#include <string>
 #include <tuple>
 #include "routing_layout.h"
 #include <ATen/Dispatch.h>
@@ -112,6 +114,20 @@ at::Tensor built(const at::Tensor& x) {
 }
 at::Tensor forge_macro(const at::Tensor& x) {
   FORGE_CHECK_VALUE(x.dim() == 2, "probe: 2-D expected, got ", x.dim(), "-D");
+  return x;
+}
+at::Tensor streamed(const at::Tensor& x) {
+  if (x.dim() != 2) {
+    std::ostringstream text;
+    text << "probe: 2-D expected, got " << x.dim() << "-D";
+    throw c10::ValueError(text.str());
+  }
+  return x;
+}
+at::Tensor concatenated(const at::Tensor& x) {
+  if (x.dim() != 2) {
+    throw c10::ValueError(std::string("probe: 2-D expected, got ") + std::to_string(x.dim()) + "-D");
+  }
   return x;
 }
 T4 tuple4(const at::Tensor& x) {
@@ -147,6 +163,8 @@ TORCH_LIBRARY(forge_matrix, m) {
   m.def("tagged_cpu(Tensor x) -> Tensor", {at::Tag::pt2_compliant_tag});
   m.def("anonymous_cpu(Tensor x) -> Tensor");
   m.def("macro_cpu(Tensor x) -> Tensor");
+  m.def("stream_cpu(Tensor x) -> Tensor");
+  m.def("concat_cpu(Tensor x) -> Tensor");
   m.def("tuple_cpu(Tensor x) -> (Tensor a, Tensor b, Tensor c, Tensor d)");
   m.def("forge_like_cpu(Tensor x, int e, int a) -> (Tensor a, Tensor b, Tensor c, Tensor d)",
         {at::Tag::pt2_compliant_tag});
@@ -161,6 +179,8 @@ TORCH_LIBRARY_IMPL(forge_matrix, CPU, m) {
   m.impl("tagged_cpu", &literal);
   m.impl("anonymous_cpu", &anonymous);
   m.impl("macro_cpu", &forge_macro);
+  m.impl("stream_cpu", &streamed);
+  m.impl("concat_cpu", &concatenated);
   m.impl("tuple_cpu", &tuple4);
   m.impl("forge_like_cpu", &tuple4_int);
   m.impl("dispatched_cpu", &dispatched);
@@ -173,6 +193,7 @@ TORCH_LIBRARY_IMPL(forge_matrix_py, CPU, m) {
 MATRIX_CASES = (
     "forge_matrix.literal_def", "forge_matrix.built_def", "forge_matrix.literal_cpu",
     "forge_matrix.tagged_cpu", "forge_matrix.anonymous_cpu", "forge_matrix.macro_cpu",
+    "forge_matrix.stream_cpu", "forge_matrix.concat_cpu",
     "forge_matrix.tuple_cpu", "forge_matrix.forge_like_cpu", "forge_matrix.dispatched_cpu",
     "forge_matrix_py.pymodule_cpu",
 )  # fmt: skip

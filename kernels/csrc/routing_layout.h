@@ -5,23 +5,49 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
-#include <c10/util/StringUtil.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
 
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <tuple>
+#include <type_traits>
 
-// An argument error as a Python ValueError, without the C++ backtrace that TORCH_CHECK_VALUE
-// captures while it builds the exception: on the lent H200 (GCC 13.3 there, 2026-11-27) that
-// capture crashed the process (SIGSEGV) for any library built on the machine, while the same
-// c10::ValueError built without a backtrace reached Python cleanly
-// (tools/native_exception_probe.py, benchmarks/gpu.md). A bad argument needs no C++ stack.
-#define FORGE_CHECK_VALUE(cond, ...)                         \
-  do {                                                       \
-    if (!(cond)) {                                           \
-      throw ::c10::ValueError(::c10::str(__VA_ARGS__));      \
-    }                                                        \
+// An argument error as a Python ValueError, its message built without C++ streams and without
+// the C++ backtrace that TORCH_CHECK_VALUE captures. On the lent H200 (GCC 13.3 there) any
+// library built on the machine crashed the process (SIGSEGV) when its message went through
+// std::ostringstream (c10::str with a number in it), and when TORCH_CHECK_VALUE captured a
+// backtrace; a c10::ValueError from a plain string reached Python cleanly
+// (tools/native_exception_probe.py --matrix, benchmarks/gpu.md). So the message is appended
+// piece by piece: strings as they are, integers through std::to_string, dtypes and devices by
+// their names.
+#define FORGE_CHECK_VALUE(cond, ...)                                   \
+  do {                                                                 \
+    if (!(cond)) {                                                     \
+      throw ::c10::ValueError(::forge::detail::message(__VA_ARGS__));  \
+    }                                                                  \
   } while (false)
+
+namespace forge::detail {
+
+inline void append(std::string& out, const char* text) { out += text; }
+inline void append(std::string& out, const std::string& text) { out += text; }
+inline void append(std::string& out, at::ScalarType dtype) { out += c10::toString(dtype); }
+inline void append(std::string& out, const c10::Device& device) { out += device.str(); }
+template <typename Int, std::enable_if_t<std::is_integral_v<Int>, int> = 0>
+inline void append(std::string& out, Int value) {
+  out += std::to_string(value);
+}
+
+template <typename... Parts>
+std::string message(const Parts&... parts) {
+  std::string out;
+  (append(out, parts), ...);
+  return out;
+}
+
+}  // namespace forge::detail
 
 namespace forge {
 
