@@ -127,10 +127,15 @@ def tma_eligible(*tensors: torch.Tensor) -> bool:
 #   tuning keys (128x256x64, 8 warps; 3 or 4 stages, persistent at 4 keys), so where TMA can
 #   run only TMA configs are timed; dW picked TMA at 1 of 4 keys, so it times both. Every
 #   candidate costs a compile per shape specialization (about a second each) on first use.
-# - Added for the fourth lease (untimed until then): the gap to torch._grouped_mm is largest
-#   where each tile's K loop is short (Qwen3-30B-A3B: K 768 forward, 512 rows per expert in dW),
-#   which points at the un-overlapped prologue and epilogue of a one-CTA-per-SM tile; 128x128
-#   tiles with 3 stages fit two CTAs per SM, whose warps the scheduler interleaves.
+# - Tried on the fourth lease (H200, 2026-11-28): the gap to torch._grouped_mm is largest where
+#   each tile's K loop is short (Qwen3-30B-A3B: K 768 forward, 512 rows per expert in dW), which
+#   pointed at the un-overlapped prologue and epilogue of a one-CTA-per-SM tile. Candidates that
+#   fit two CTAs per SM (128x128x64, 3 stages, 4 or 8 warps; dW also with BLOCK_K 128) and a
+#   4-stage persistent 128x256 were offered. 128x128x64 with 4 warps won at one rows key (Qwen3
+#   up-projection dX), the 4-stage persistent one at another (DeepSeek-V3 down-projection
+#   forward), no new dW candidate won, and the Qwen3 rows stayed where they were (0.80x-0.99x
+#   of torch._grouped_mm; all 16 rows 0.80x-1.24x, from 0.79x-1.14x). The losers are pruned
+#   again: the gap is not the CTA count (benchmarks/gpu/2026-11-28-h200/grouped_gemm.md).
 # - fp32 inputs: block_k 32 keeps 4-byte tiles inside shared memory (TF32/IEEE paths); no TMA
 #   candidates (fp32 grouped GEMMs are for tests, not speed).
 # The weight-gradient kernel reduces over tokens (block_k) and tiles K x N of the weight.
@@ -146,8 +151,7 @@ TMA_CONFIGS_16BIT: tuple[GemmConfig, ...] = (
     GemmConfig(128, 256, 64, num_warps=8, num_stages=4, tma=True),
     GemmConfig(128, 128, 64, num_warps=8, num_stages=4, tma=True),
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, persistent=True, tma=True),
-    # two CTAs per SM (96 KB of shared memory each): one's epilogue overlaps the other's loads
-    GemmConfig(128, 128, 64, num_warps=8, num_stages=3, tma=True),
+    # each picked at one key of eight on the fourth lease (below)
     GemmConfig(128, 128, 64, num_warps=4, num_stages=3, tma=True),
     GemmConfig(128, 256, 64, num_warps=8, num_stages=4, persistent=True, tma=True),
 )
@@ -162,10 +166,6 @@ DW_CONFIGS_16BIT: tuple[GemmConfig, ...] = (
 TMA_DW_CONFIGS_16BIT: tuple[GemmConfig, ...] = (
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, tma=True),
     GemmConfig(128, 128, 64, num_warps=8, num_stages=4, tma=True),
-    # dW's reduction runs over one expert's rows only (512 at Qwen3-30B-A3B, 8k tokens): two
-    # CTAs per SM hide the prologue and epilogue of these short loops, BLOCK_K 128 halves them
-    GemmConfig(128, 128, 64, num_warps=8, num_stages=3, tma=True),
-    GemmConfig(128, 128, 128, num_warps=8, num_stages=3, tma=True),
 )
 DW_CONFIGS_FP32: tuple[GemmConfig, ...] = (
     GemmConfig(128, 128, 32, num_warps=8, num_stages=3),
