@@ -77,8 +77,8 @@ class TrainingConfig:
     weight_decay: float = 0.0
     #: clip the global gradient norm (over every shard and mesh) to this; 0 turns clipping off.
     max_grad_norm: float = 1.0
-    #: AdamW's implementation, torch's names: "auto" (torch's default: foreach on a GPU),
-    #: "for-loop", "foreach" or "fused" (one kernel per step for all parameters of a dtype).
+    #: AdamW's implementation, torch's names: "auto" (fused on a GPU, torch's default
+    #: elsewhere), "for-loop", "foreach" or "fused" (one pass over the state per step).
     optimizer_impl: str = "auto"
     #: where ``forge train`` writes ``metrics.jsonl`` (and ``checkpoints/`` unless checkpoint.dir).
     out_dir: str = "runs/forge"
