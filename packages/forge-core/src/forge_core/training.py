@@ -67,13 +67,37 @@ def synthetic_tokens(
     tokens = torch.empty(steps, batch_size, seq_len + 1, dtype=torch.long)
     for i in range(steps):
         g = step_generator(seed, first_step + i)
-        batch = tokens[i]
-        batch[:, 0] = torch.randint(0, vocab_size, (batch_size,), generator=g)
-        noise = torch.randint(0, vocab_size, batch.shape, generator=g)
-        use_noise = torch.rand(batch.shape, generator=g) < 0.1
-        for t in range(1, seq_len + 1):
-            batch[:, t] = torch.where(use_noise[:, t], noise[:, t], next_token[batch[:, t - 1]])
+        start = torch.randint(0, vocab_size, (batch_size,), generator=g)
+        noise = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=g)
+        use_noise = torch.rand((batch_size, seq_len + 1), generator=g) < 0.1
+        tokens[i] = _bigram_chains(start, noise, use_noise, next_token)
     return tokens
+
+
+def _bigram_chains(
+    start: torch.Tensor, noise: torch.Tensor, use_noise: torch.Tensor, next_token: torch.Tensor
+) -> torch.Tensor:
+    """Rows where token ``t`` is ``noise[:, t]`` where ``use_noise[:, t]`` (t >= 1), else
+    ``next_token`` of token ``t - 1``; token 0 is ``start``.
+
+    The recurrence is sequential, but each token is ``next_token`` applied ``d`` times to the
+    row's last anchor (token 0 or a noise token), ``d`` positions back. So the loop runs over
+    ``d``, up to the longest run between anchors (about 90 at 10% noise over 8k tokens), rather
+    than over every position: forge train's first H200 profile spent ~40 ms of a 170 ms step
+    drawing 4 x 2048 tokens position by position. The tokens are the same, bit for bit.
+    """
+    rows, width = noise.shape
+    anchor = use_noise.clone()
+    anchor[:, 0] = True
+    values = torch.where(anchor, noise, 0)
+    values[:, 0] = start
+    position = torch.arange(width).expand(rows, width)
+    last_anchor = torch.where(anchor, position, 0).cummax(dim=1).values
+    steps_from_anchor = position - last_anchor
+    out = values.gather(1, last_anchor)
+    for d in range(1, int(steps_from_anchor.max()) + 1):
+        out = torch.where(steps_from_anchor >= d, next_token[out], out)
+    return out
 
 
 def local_batch(tokens_BS: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
