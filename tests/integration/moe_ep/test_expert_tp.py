@@ -5,6 +5,7 @@ in one line before launch."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from forge.build import ParallelPlan, build_parallel_model
 from forge_core.testing import run_parity
@@ -97,6 +98,7 @@ def _train(run_on_ranks, out, parallelism: dict, resume) -> dict[int, tuple[floa
     return {s.step: (s.loss, s.grad_norm) for s in summary.steps}
 
 
+@pytest.mark.heavy  # NOTE: two 4-rank forge train runs; kept out of the README suite's 10 minutes
 def test_a_checkpoint_of_experts_split_over_ep_and_tp_resumes_whole(run_on_ranks, tmp_path):
     """forge train at dp_shard=2 x ep=2 x tp=2 with expert_tp: its step-1 checkpoint resumes at
     dp_shard=4 with whole experts (tp=1) and continues the uninterrupted run."""
