@@ -2,12 +2,10 @@
 
 Provides:
 
-- :class:`GemmConfig` (from :mod:`forge_kernels.grouped_gemm._tuning`): one launch
-  configuration; :func:`candidates` lists what the autotuner times, :func:`best_configs` what
-  it picked.
-- :func:`gmm_rows`: ``out[M, N] = a[rows_e] @ b[e]`` per group, rows past ``offs[-1]`` written as
-  zeros. Used for the forward (``b = w``) and for dX (``b = w.transpose(1, 2)``, a strided view:
-  the kernel takes arbitrary strides, so no transpose is materialized).
+- :class:`GemmConfig`, :func:`candidates`, :func:`best_configs` (from ``_tuning``): a launch
+  configuration, what the autotuner times and what it picked.
+- :func:`gmm_rows`: ``out[M, N] = a[rows_e] @ b[e]`` per group, zeros past ``offs[-1]``; the
+  forward (``b = w``) and dX (``b = w.transpose(1, 2)``: any strides, no transpose is copied).
 - :func:`gmm_ragged_k`: ``out[e] = a[rows_e].T @ b[rows_e]`` (the weight gradient, reduction over
   each group's rows; an empty group yields zeros).
 - :data:`INTERPRETED`: whether the kernels in this module were built for the Triton interpreter.
@@ -21,24 +19,21 @@ Notable choices:
   per-segment tile counts and their prefix sum, and finds its segment by counting; programs past
   the real tile count exit at once. The weight-gradient kernel has a static grid over
   ``(E, K tiles, N tiles)`` and loops over its group's rows with device-side loop bounds.
-- **Rows past offs[-1]** form segment ``E``, whose tiles skip the K loop and store zeros, so the
-  output never holds uninitialized memory (unlike ``torch._grouped_mm``).
-- **Every output element is written exactly once** per launch (no atomics, no split-K, no
-  accumulation into the output). Relaunching is idempotent, which keeps the autotuner's repeated
-  benchmark launches harmless and lets callers pass a preallocated (even NaN-poisoned) ``out``.
+- **Rows past offs[-1]** are segment ``E``: its tiles store zeros (torch._grouped_mm leaves them).
+- **Every output element is written exactly once** per launch (no atomics, no split-K):
+  relaunching is idempotent (the autotuner's repeats are harmless) and ``out`` may hold NaN.
 - **Accumulation in fp32**; fp32 inputs use ``input_precision="ieee"`` by default (torch's
   ``allow_tf32=False`` math); ``fp32_precision="tf32"`` opts into TF32 (about 1e-3 relative).
 - **64-bit addressing** of groups and rows: DeepSeek-V3 weights have over 2**31 elements.
 - **Interpreter.** ``triton.jit`` decides at *decoration* time whether a kernel is compiled or
-  interpreted (``TRITON_INTERPRET``, read through ``triton.knobs`` on triton >= 3.4, through
-  ``os.environ`` before). triton's own ``@jit`` library functions (``tl.sum``, ``tl.cumsum``,
-  ``tl.cdiv``, ``tl.zeros``) are decorated at ``import triton``, so the kernels here use only
-  builtins (``tl.reduce`` / ``tl.associative_scan`` with a local ``_add``, ``tl.full``,
-  integer division): then the mode depends on this module alone, which
-  :mod:`forge_kernels.grouped_gemm` imports lazily, when the Triton path first runs, and which
-  a test can reload. Under the interpreter autotuning is bypassed (:data:`INTERPRETER_CONFIG`).
-- **Hopper tuning** (bf16/fp16, sm90) and **TMA** loads (stores stay masked pointer stores, so
-  a tile never writes another group's rows): :mod:`forge_kernels.grouped_gemm._tuning`.
+  interpreted (``TRITON_INTERPRET``, via ``triton.knobs`` on triton >= 3.4). triton's own
+  ``@jit`` library functions (``tl.sum``, ``tl.cumsum``, ``tl.cdiv``, ``tl.zeros``) are
+  decorated at ``import triton``, so the kernels here use only builtins (``tl.reduce`` /
+  ``tl.associative_scan`` with a local ``_add``, ``tl.full``, integer division): the mode then
+  depends on this module alone, imported lazily and reloadable by a test. Under the
+  interpreter autotuning is bypassed (:data:`INTERPRETER_CONFIG`).
+- **Hopper tuning**, **TMA** loads (stores stay masked, so a tile never writes another group's
+  rows) and warp-specialized K loops: :mod:`forge_kernels.grouped_gemm._tuning`.
 """
 
 from __future__ import annotations
@@ -149,6 +144,7 @@ def _gmm_rows_tile(
     INPUT_PRECISION: tl.constexpr,
     TMA: tl.constexpr,
     B_TRANS: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):
     num_tiles_n = (N + BLOCK_N - 1) // BLOCK_N
     num_tiles_m = M // BLOCK_M + E + 1  # static upper bound, see the module docstring
@@ -174,7 +170,7 @@ def _gmm_rows_tile(
         if TMA:
             # Rows of the next group (or past M: zero-filled) may enter the tile; only the
             # store below is masked to this group's rows. K past its end is zero-filled.
-            for kt in range(0, k_tiles):
+            for kt in tl.range(0, k_tiles, warp_specialize=WARP_SPEC):
                 a = a_desc.load([row0, kt * BLOCK_K])
                 if B_TRANS:  # b_desc addresses w [E, N, K]: dX reads w[e] transposed
                     b = b_desc.load([seg, tile_n * BLOCK_N, kt * BLOCK_K])
@@ -235,6 +231,7 @@ def _gmm_rows_kernel(
     INPUT_PRECISION: tl.constexpr,
     TMA: tl.constexpr,
     B_TRANS: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):
     """c[rows_e, :] = a[rows_e, :] @ b[e] for each group e; c[offs[-1]:, :] = 0."""
     pid = tl.program_id(0)
@@ -245,12 +242,14 @@ def _gmm_rows_kernel(
                 a_ptr, b_ptr, c_ptr, offs_ptr, a_desc, b_desc, tile_id, M, N, K, E,
                 stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, E_POW2, INPUT_PRECISION, TMA, B_TRANS,
+                WARP_SPEC,
             )  # fmt: skip
     else:
         _gmm_rows_tile(
             a_ptr, b_ptr, c_ptr, offs_ptr, a_desc, b_desc, pid, M, N, K, E,
             stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, E_POW2, INPUT_PRECISION, TMA, B_TRANS,
+            WARP_SPEC,
         )  # fmt: skip
 
 
@@ -281,6 +280,7 @@ def _gmm_ragged_k_kernel(
     PERSISTENT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):
     """c[e] = a[rows_e, :].T @ b[rows_e, :] ([K, N] per group; zeros for an empty group)."""
     pid = tl.program_id(0)
@@ -308,7 +308,7 @@ def _gmm_ragged_k_kernel(
         # Whole row tiles of the group through descriptors (no masks needed: every row is the
         # group's); the partial last tile goes through the masked loop below.
         full_tiles = (end - start) // BLOCK_K
-        for i in range(0, full_tiles):
+        for i in tl.range(0, full_tiles, warp_specialize=WARP_SPEC):
             r = start + i * BLOCK_K
             a = a_desc.load([r, tile_k * BLOCK_M]).trans(1, 0)
             b = b_desc.load([r, tile_n * BLOCK_N])

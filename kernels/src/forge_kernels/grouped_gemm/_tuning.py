@@ -60,6 +60,9 @@ class GemmConfig:
     ``persistent`` launches one program per SM that loops over tiles (``gmm_rows`` only), and
     ``tma`` loads the operand tiles through tensor descriptors (the Hopper tensor memory
     accelerator) instead of pointer arithmetic; see :func:`tma_eligible` for when it applies.
+    ``warp_specialize`` (with ``tma``) asks Triton to split the K loop into loading and math
+    warps (``tl.range(..., warp_specialize=True)``); it is in no autotuning list yet, only in
+    ``tools/sweep_grouped_gemm.py``'s experiments, until a GPU has timed it.
     """
 
     block_m: int
@@ -70,6 +73,7 @@ class GemmConfig:
     group_m: int = 8
     persistent: bool = False
     tma: bool = False
+    warp_specialize: bool = False
 
     def meta(self) -> dict[str, int | bool]:
         """The kernel meta-parameters this config fixes (names as in the kernels)."""
@@ -80,6 +84,7 @@ class GemmConfig:
             "GROUP_M": self.group_m,
             "PERSISTENT": self.persistent,
             "TMA": self.tma,
+            "WARP_SPEC": self.warp_specialize,
         }
 
 
@@ -254,7 +259,7 @@ def best_configs() -> list[tuple[str, tuple, GemmConfig]]:
             kw = config.kwargs
             chosen = GemmConfig(
                 kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], config.num_warps,
-                config.num_stages, kw["GROUP_M"], kw["PERSISTENT"], kw["TMA"],
+                config.num_stages, kw["GROUP_M"], kw["PERSISTENT"], kw["TMA"], kw["WARP_SPEC"],
             )  # fmt: skip
             picked.append((kernel, key, chosen))
     return picked
