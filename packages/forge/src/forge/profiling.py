@@ -17,6 +17,7 @@ A resumed run that starts past ``N`` profiles nothing.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import TracebackType
 
@@ -85,6 +86,11 @@ class _ProfiledStep:
 
     def __enter__(self) -> _ProfiledStep:
         if self.done is not None:
+            if self.owner.device.type != "cuda":
+                # NOTE: kineto logs "gpuGetDeviceCount failed" as an ERROR when a CPU-only
+                # profile starts on a machine without a GPU driver; harmless, and alarming in a
+                # run's output. Level 5 keeps its errors out unless the user set a level.
+                os.environ.setdefault("KINETO_LOG_LEVEL", "5")
             self.prof = profile(activities=self.owner._activities(), record_shapes=False)
             self.prof.__enter__()
         return self
