@@ -76,7 +76,8 @@ def _assert_same_steps(resumed, reference, tol: float = 1e-4) -> None:
     [
         ("debug", {"dp_shard": 4}, {"tp": 2}, 4),  # FSDP2 x4 -> dp_shard 2 x tp 2
         ("debug", {"tp": 2}, {"data": "none"}, 1),  # FSDP2 x TP -> one plain rank
-        ("debug_moe", {"ep": 2}, {"ep": 4}, 4),  # EP 2 -> EP 4
+        # NOTE: the heavy lane (the README suite's 10 minutes): the next case changes EP too
+        pytest.param("debug_moe", {"ep": 2}, {"ep": 4}, 4, marks=pytest.mark.heavy),  # EP 2 -> 4
         ("debug_moe", {"ep": 4}, {"tp": 2, "ep": 2}, 4),  # EP 4 -> dp_shard 2 x tp 2, EP 2
         ("debug_vlm", {"dp_shard": 4}, {"tp": 2}, 4),
         ("debug_field", {"domain": 2}, {"domain": 4}, 4),  # dp_shard 2 x domain 2 -> domain 4

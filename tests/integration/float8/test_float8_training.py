@@ -35,8 +35,14 @@ def _check(results: list[dict[str, list[float]]]) -> None:
         ({"dp_shard": 4}, "debug", {"fp8_fsdp_all_gather": True}),
         ({"tp": 2}, "debug", {"fp8_fsdp_all_gather": False}),  # tensorwise, SP: plain styles
         # tensorwise without SP: torchao's Float8ColwiseParallel / Float8RowwiseParallel
-        ({"tp": 2}, "debug", {"fp8_fsdp_all_gather": False, "sequence_parallel": False}),
-        ({"tp": 2}, "debug", {"fp8_recipe": "rowwise"}),
+        # NOTE: this and rowwise run in the heavy lane (the README suite's 10 minutes)
+        pytest.param(
+            {"tp": 2},
+            "debug",
+            {"fp8_fsdp_all_gather": False, "sequence_parallel": False},
+            marks=pytest.mark.heavy,
+        ),
+        pytest.param({"tp": 2}, "debug", {"fp8_recipe": "rowwise"}, marks=pytest.mark.heavy),
         ({"dp_shard": 4, "ep": 2}, "debug_moe", {}),  # experts stay bf16
     ],
     ids=[

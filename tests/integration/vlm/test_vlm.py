@@ -84,7 +84,12 @@ def test_vlm_frozen_encoder_sharded_when_asked_matches_single_device(run_on_rank
 
 @pytest.mark.parametrize(
     ("scope", "checkpointed"),
-    [("all", ["decoder", "encoder"]), ("language", ["decoder"]), ("vision", ["encoder"])],
+    [
+        ("all", ["decoder", "encoder"]),
+        # NOTE: one scope each in the heavy lane (the README suite's 10 minutes)
+        pytest.param("language", ["decoder"], marks=pytest.mark.heavy),
+        pytest.param("vision", ["encoder"], marks=pytest.mark.heavy),
+    ],
 )
 def test_vlm_each_ac_scope_checkpoints_its_components_and_matches_single_device(
     run_on_ranks, scope, checkpointed
