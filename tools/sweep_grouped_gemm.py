@@ -28,7 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from benchlib import machine_facts  # tools/ sibling module
+from bench_grouped_gemm import routing_offs  # tools/ sibling modules
+from benchlib import machine_facts, once_ms
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_MD = ROOT / "benchmarks" / "grouped_gemm_sweep.md"
@@ -55,29 +56,12 @@ def experiments() -> dict[str, list]:
     }
 
 
-def _offs(tokens: int, experts: int, device: str) -> torch.Tensor:
-    """Cumulative group ends of ``tokens`` x top-8 routing with a mild fixed skew."""
-    g = torch.Generator().manual_seed(0)
-    probs = torch.softmax(0.5 * torch.randn(experts, generator=g), 0)
-    choice = torch.multinomial(probs.expand(tokens, experts), TOP_K, generator=g)
-    counts = torch.bincount(choice.flatten(), minlength=experts)
-    return counts.cumsum(0).to(torch.int32).to(device)
-
-
 def _median_ms(fn: Callable[[], object], reps: int, on_gpu: bool) -> float:
-    times = []
-    for _ in range(reps):
-        if on_gpu:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            fn()
-            times.append(float("nan"))
-    return statistics.median(times)
+    """Median CUDA-event milliseconds of ``fn`` (benchlib's timer); NaN on CPU (a dry run)."""
+    if not on_gpu:
+        fn()
+        return float("nan")
+    return statistics.median(once_ms(fn, torch.device("cuda")) for _ in range(reps))
 
 
 def _passes(x, w, g, offs) -> dict[str, tuple[str, Callable, Callable]]:  # noqa: ANN001
@@ -136,7 +120,7 @@ def sweep(
         x = torch.randn(m, dim, generator=gen).to(device, dtype)
         w = (torch.randn(experts, dim, ffn, generator=gen) / dim**0.5).to(device, dtype)
         g = torch.randn(m, ffn, generator=gen).to(device, dtype)
-        offs = _offs(tokens, experts, device)
+        offs = routing_offs(tokens, experts, device)[0]  # bench_grouped_gemm's balanced routing
         for name, (kernel, launch, reference) in _passes(x, w, g, offs).items():
             if name not in passes:
                 continue
