@@ -68,11 +68,12 @@ def clip_grad_norm_(
     first = next((q.grad for q in parameters if q.grad is not None), None)
     if first is None:
         return norm
-    local = first.to_local() if isinstance(first, DTensor) else first
+    local = _local(first)
     return norm.to(device=local.device, dtype=local.dtype)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; a plain tensor as it is."""
     return p.to_local() if isinstance(p, DTensor) else p
 
 
